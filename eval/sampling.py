@@ -1,0 +1,114 @@
+"""Sampling and acceptance math for speculative decoding, shared by the decoder and by distillation.
+
+Convention (the papers', not gpt-fast's): **p is the target distribution, q is the draft distribution.**
+
+All functions are pure and work on the last dimension of tensors shaped [..., V]; probability math is
+done in fp32 whatever the model dtype. References:
+- Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding"
+  (arXiv:2211.17192): acceptance min(1, p/q), residual norm(max(0, p - q)), eq. 1 and Thm 3.8.
+- Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"
+  (arXiv:2302.01318): the same modified rejection sampling, Algorithm 2.
+"""
+import torch
+
+from pipeline.errors import PipelineError
+
+
+def validate_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Raises a one-line PipelineError for sampling settings that define no distribution."""
+    if temperature is None or temperature < 0:
+        raise PipelineError(f"temperature must be >= 0 (0 = greedy), got {temperature}: pass a non-negative value")
+    if top_k is None or top_k < 0:
+        raise PipelineError(f"top_k must be >= 0 (0 = off), got {top_k}: pass a non-negative integer")
+    if top_p is None or not 0.0 < top_p <= 1.0:
+        raise PipelineError(f"top_p must be in (0, 1] (1 = off), got {top_p}: pass a value in that range")
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k, then top-p (HF's order).
+
+    temperature 0 gives a one-hot argmax (greedy); top_k 0 and top_p 1 switch those filters off.
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p; it keeps at least one token.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p; the first token is never dropped.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draws one index per row of probs [..., V]; returns a LongTensor of shape [...].
+
+    Uses argmax(p_i / E_i) with E_i ~ Exp(1) (the exponential-race form of the Gumbel-max trick, as in
+    gpt-fast): exact, and unlike torch.multinomial it needs no host sync on CUDA.
+    """
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what to sample from after a rejection (Leviathan et al. 2023, Alg. 1).
+
+    Where p <= q everywhere (only possible when p == q), a rejection has probability 0, so any
+    distribution is exact; we fall back to p rather than divide by zero.
+    """
+    residual = (p.float() - q.float()).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), p.float())
+
+
+def verify_draft(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative verification (Chen et al. 2023, Alg. 2) over γ draft tokens.
+
+    p: [γ+1, V] target probabilities at each draft position plus the bonus position;
+    q: [γ, V] the distributions the draft tokens were actually sampled from; draft_tokens: [γ].
+    Accepts token i with probability min(1, p_i(x)/q_i(x)); at the first rejection n the next token
+    comes from residual(p_n, q_n); if all γ are accepted it is a bonus token from p_γ.
+    Returns (n_accepted, next_token), both 0-dim LongTensors on p's device (no host sync here).
+    """
+    gamma = draft_tokens.shape[0]
+    rows = torch.arange(gamma, device=p.device)
+    p_x, q_x = p[rows, draft_tokens], q[rows, draft_tokens]
+    u = torch.rand(gamma, device=p.device, generator=generator)
+    # u < p/q written without the division; strict '<' so greedy (one-hot p) never accepts p(x) = 0.
+    accepted = u * q_x < p_x
+    n_accepted = accepted.long().cumprod(0).sum()
+    # A zero row after q makes the "all accepted" case the residual of p_γ against 0, i.e. p_γ itself.
+    q_ext = torch.cat([q.float(), torch.zeros_like(p[:1], dtype=torch.float32)])
+    index = n_accepted.view(1)
+    next_probs = residual_distribution(p.index_select(0, index), q_ext.index_select(0, index))
+    return n_accepted, sample(next_probs, generator)[0]
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """α = Σ_x min(p(x), q(x)) along the last dim: the probability that a token sampled from q is
+    accepted against p (Leviathan et al. 2023, Def. 3.1 / Thm 3.5; equals 1 - TV(p, q))."""
+    return torch.minimum(p.float(), q.float()).sum(-1)
+
+
+def expected_accepted_length(alpha, gamma: int):
+    """Expected tokens per target pass, (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, eq. 1);
+    γ + 1 at α = 1. Works on floats and tensors."""
+    if isinstance(alpha, torch.Tensor):
+        safe = torch.where(alpha < 1, alpha, torch.zeros_like(alpha))
+        return torch.where(alpha < 1, (1 - safe ** (gamma + 1)) / (1 - safe), torch.full_like(alpha, gamma + 1.0))
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def expected_walltime_improvement(alpha, gamma: int, c: float):
+    """Expected speedup over autoregressive decoding, (1 - α^(γ+1)) / ((1 - α)(γc + 1)), where c is the
+    draft/target cost ratio of one forward (Leviathan et al. 2023, Thm 3.8)."""
+    return expected_accepted_length(alpha, gamma) / (gamma * c + 1)

@@ -1,0 +1,264 @@
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and plain autoregressive decoding.
+
+Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV caches for both models.
+p = target distribution, q = draft distribution (see eval/sampling.py for the math).
+
+Cache invariant, for both decoders: the target cache holds every committed token except the last one,
+which is fed at the next step. So the prefill covers prompt[:-1], every target pass produces
+generated tokens, and "target passes (prefill excluded)" is 1.0 per token for plain decoding.
+The draft cache holds a prefix of the committed tokens; the rest ("pending", 1 token, or 2 after a
+fully accepted block, because the draft never fed its own last proposal) goes into the next draft pass.
+"""
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from eval.sampling import logits_to_probs, sample, validate_sampling, verify_draft
+from pipeline.errors import PipelineError
+
+
+@dataclass
+class DecodeStats:
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens, one entry per verify pass
+    drafted: list[int] = field(default_factory=list)  # draft tokens proposed per verify pass (γ, clamped at the end)
+    target_passes: int = 0  # target forwards after the prefill
+    n_generated: int = 0
+    draft_times: list[float] = field(default_factory=list)  # seconds per draft forward
+    target_times: list[float] = field(default_factory=list)  # seconds per target forward (prefill excluded)
+    sampling_time: float = 0.0  # probabilities, sampling, accept/resample, the host sync for the result
+    cache_time: float = 0.0  # cache crops and sequence bookkeeping
+    prefill_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Generated tokens per target pass (includes the bonus/correction token; 1.0 for plain decoding)."""
+        return self.n_generated / self.target_passes if self.target_passes else 0.0
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # 1-D LongTensor of generated ids, prompt excluded
+    stats: DecodeStats
+
+
+def _now(device: torch.device) -> float:
+    # CUDA kernels run asynchronously: without a sync the clock would measure only the launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def output_head(model, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of the LM head, restricted to the rows in `vocab` (sliced once per generate call)."""
+    head = model.get_output_embeddings()
+    if vocab is None:
+        return head.weight, head.bias
+    return head.weight[vocab], None if head.bias is None else head.bias[vocab]
+
+
+def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
+    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions.
+
+    Runs the base model and applies the head only to the positions we sample from: the head is the
+    biggest matmul of a small model, and a vocabulary subset (FR-Spec) needs only some of its rows.
+    """
+    hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
+    return F.linear(hidden[0, -n_logits:], *head).float()
+
+
+def prefill(model, prompt: torch.Tensor) -> DynamicCache:
+    """A cache holding prompt[:-1]; the last prompt token is fed by the first decoding step."""
+    cache = DynamicCache(config=model.config)
+    if prompt.shape[1] > 1:
+        model.model(input_ids=prompt[:, :-1], cache=cache, use_cache=True)
+    return cache
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    # transformers 5.x: crop(n) takes a negative count of tokens to drop (a positive max length raises).
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads, p_probs, q_probs,
+                     draft_vocab, generator, stats) -> tuple[torch.Tensor, list[int]]:
+    """Drafts γ tokens, verifies them in one target pass, rolls both caches back to the committed prefix.
+
+    seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
+    """
+    device, committed = seq.device, seq.shape[1]
+    drafts, qs = [], []
+    tokens = seq[:, draft_cache.get_seq_length():]  # pending tokens the draft has not seen yet
+    for _ in range(gamma):
+        t0 = _now(device)
+        logits = forward(draft, tokens, draft_cache, heads[1])
+        t1 = _now(device)
+        q = q_probs(logits)  # [1, V_draft]: exactly the distribution the draft token is sampled from
+        index = sample(q, generator)
+        tokens = (index if draft_vocab is None else draft_vocab[index]).view(1, 1)
+        drafts.append(tokens[0])
+        qs.append(q)
+        stats.draft_times.append(t1 - t0)
+        stats.sampling_time += _now(device) - t1
+
+    drafts = torch.cat(drafts) if gamma else seq.new_empty(0)
+    t0 = _now(device)
+    logits = forward(target, torch.cat([seq[:, -1:], drafts.view(1, -1)], 1), target_cache, heads[0], gamma + 1)
+    t1 = _now(device)
+    p = p_probs(logits)  # [γ+1, V]
+    q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
+    if draft_vocab is not None:  # q is zero outside the subset; the residual then covers those tokens exactly
+        q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, draft_vocab, q)
+    n_accepted, next_token = verify_draft(p, q, drafts, generator)
+    # The one host sync of the step: we need n to crop the caches and the ids to check EOS.
+    result = torch.cat([n_accepted.view(1), drafts, next_token.view(1)]).tolist()
+    t2 = _now(device)
+    n = result[0]
+    new_tokens = result[1:1 + n] + result[-1:]
+
+    seq = torch.cat([seq, drafts[:n].view(1, -1), next_token.view(1, 1)], 1)
+    crop(target_cache, committed + n)  # verify appended γ+1 tokens; keep all committed but the newest
+    crop(draft_cache, min(draft_cache.get_seq_length(), committed + n))  # drop rejected drafts
+    stats.cache_time += _now(device) - t2
+    stats.target_times.append(t1 - t0)
+    stats.sampling_time += t2 - t1
+    stats.accepted.append(n)
+    stats.drafted.append(gamma)
+    stats.target_passes += 1
+    return seq, new_tokens
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _prompt(input_ids, device: torch.device) -> torch.Tensor:
+    prompt = torch.as_tensor(input_ids, device=device).long()
+    prompt = prompt.view(1, -1) if prompt.dim() == 1 else prompt
+    if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
+        raise PipelineError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape "
+                            f"{tuple(prompt.shape)}: batch size 1 only, one prompt per call")
+    return prompt
+
+
+def _validate(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if max_new_tokens is None or max_new_tokens < 1:
+        raise PipelineError(f"max_new_tokens must be >= 1, got {max_new_tokens}: ask for at least one token")
+    validate_sampling(temperature, top_k, top_p)
+
+
+def _validate_pair(target, draft, gamma: int, draft_temperature, draft_vocab) -> None:
+    if gamma is None or gamma < 1:
+        raise PipelineError(f"gamma (draft tokens per step) must be >= 1, got {gamma}: use e.g. gamma=4")
+    if draft_temperature is not None and draft_temperature < 0:
+        raise PipelineError(f"draft_temperature must be >= 0 or None, got {draft_temperature}: pass e.g. None")
+    target_vocab, draft_size = (m.get_output_embeddings().weight.shape[0] for m in (target, draft))
+    if target_vocab != draft_size or target.config.vocab_size != draft.config.vocab_size:
+        raise PipelineError(f"draft vocabulary ({draft_size}) differs from the target's ({target_vocab}): "
+                            "use a draft that shares the target's tokenizer")
+    if _device(draft) != _device(target):
+        raise PipelineError(f"draft is on {_device(draft)} but target is on {_device(target)}: "
+                            "move both models to the same device")
+    if draft_vocab is not None:
+        if draft_vocab.dim() != 1 or draft_vocab.numel() == 0 or draft_vocab.dtype != torch.long:
+            raise PipelineError("draft_vocab must be a non-empty 1-D LongTensor of target token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= target_vocab:
+            raise PipelineError(f"draft_vocab has ids outside [0, {target_vocab}): pass target token ids")
+
+
+@torch.inference_mode()
+def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, temperature=0.7, top_k=0,
+                         top_p=1.0, draft_temperature=None, eos_token_id=None, generator=None,
+                         draft_vocab=None) -> GenerationOutput:
+    """Samples from exactly the target's distribution, drafting γ tokens per target pass.
+
+    draft_temperature (None = temperature) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a
+    1-D LongTensor of target ids the draft may propose; its head is restricted to those rows.
+    """
+    _validate(max_new_tokens, temperature, top_k, top_p)
+    _validate_pair(target, draft, gamma, draft_temperature, draft_vocab)
+    device = _device(target)
+    start = _now(device)
+    stats = DecodeStats()
+    eos = _eos_set(eos_token_id)
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    p_probs = functools.partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)
+    q_probs = functools.partial(logits_to_probs, temperature=draft_temperature, top_k=top_k, top_p=top_p)
+    if draft_vocab is not None:
+        draft_vocab = draft_vocab.to(device)
+    heads = (output_head(target), output_head(draft, draft_vocab))
+
+    seq = _prompt(input_ids, device)
+    target_cache, draft_cache = prefill(target, seq), prefill(draft, seq)
+    stats.prefill_time = _now(device) - start
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        # A step yields at most γ+1 tokens; drafting past max_new_tokens would be wasted work.
+        step_gamma = min(gamma, max_new_tokens - len(out) - 1)
+        seq, new_tokens = speculative_step(target, draft, seq, target_cache, draft_cache, step_gamma, heads,
+                                           p_probs, q_probs, draft_vocab, generator, stats)
+        hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+        out += new_tokens if hit is None else new_tokens[:hit + 1]
+        if hit is not None:
+            break
+    stats.n_generated = len(out)
+    stats.total_time = _now(device) - start
+    return GenerationOutput(torch.tensor(out, dtype=torch.long), stats)
+
+
+@torch.inference_mode()
+def autoregressive_generate(target, input_ids, max_new_tokens=128, temperature=0.7, top_k=0, top_p=1.0,
+                            eos_token_id=None, generator=None) -> GenerationOutput:
+    """Plain decoding through the same forward helper and cache type as speculative_generate."""
+    _validate(max_new_tokens, temperature, top_k, top_p)
+    device = _device(target)
+    start = _now(device)
+    stats = DecodeStats()
+    eos = _eos_set(eos_token_id)
+    head = output_head(target)
+    token = _prompt(input_ids, device)
+    cache = prefill(target, token)
+    token = token[:, -1:]
+    stats.prefill_time = _now(device) - start
+    out = []
+    for _ in range(max_new_tokens):
+        t0 = _now(device)
+        logits = forward(target, token, cache, head)
+        t1 = _now(device)
+        if temperature == 0:  # skip building a one-hot distribution just to take its argmax
+            token = logits.argmax(-1, keepdim=True)
+        else:
+            token = sample(logits_to_probs(logits, temperature, top_k, top_p), generator).view(1, 1)
+        out.append(token)
+        stats.target_times.append(t1 - t0)
+        stats.sampling_time += _now(device) - t1
+        if eos and token.item() in eos:  # the only per-step host sync, and only when there is an EOS to check
+            break
+    stats.target_passes = stats.n_generated = len(out)
+    tokens = torch.cat(out).view(-1).cpu()
+    stats.total_time = _now(device) - start
+    return GenerationOutput(tokens, stats)

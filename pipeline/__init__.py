@@ -1,0 +1,1 @@
+"""Draft-model distillation pipeline: prepare -> collect -> distill -> eval."""

@@ -1,0 +1,122 @@
+"""Entry point: `python -m pipeline stage=prepare|collect|distill|eval|all` (Hydra over conf/).
+
+Thin on purpose: compose the config, open the MLflow run, call the stage's `run(cfg, tracker)`.
+Bad input raises PipelineError, printed as one line with a non-zero exit (traceback only
+with `hydra.verbose=true`).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.errors import PipelineError
+from pipeline.tracking import start_run
+
+STAGES = {  # stage name -> module with `run(cfg, tracker) -> dict`
+    "prepare": "data.prepare",
+    "collect": "data.collect",
+    "distill": "distill.stage",
+    "eval": "eval.stage",
+}
+ORDER = ["prepare", "collect", "distill", "eval"]
+
+
+def run_stage(name: str, cfg: DictConfig, nested: bool = False) -> dict:
+    try:
+        module = importlib.import_module(STAGES[name])
+    except ModuleNotFoundError as e:
+        if e.name in (STAGES[name], STAGES[name].rsplit(".", 1)[0]):
+            raise PipelineError(f"stage {name!r} is not implemented yet") from None
+        raise
+    t0 = time.time()
+    with start_run(cfg, name, nested=nested) as tracker:
+        result = module.run(cfg, tracker) or {}
+        tracker.log_metrics({f"{name}_wall_s": time.time() - t0})
+    print(f"[pipeline] stage {name} finished in {time.time() - t0:.1f}s")
+    return result
+
+
+def _configure(cfg: DictConfig) -> None:
+    import torch
+
+    if cfg.runtime.get("threads"):
+        torch.set_num_threads(int(cfg.runtime.threads))
+    # Third-party chatter (HF, MLflow, datasets) hides our own progress output.
+    for name in ("transformers", "datasets", "mlflow", "alembic", "urllib3", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _verbose() -> bool:
+    return any(a.startswith("hydra.verbose") for a in sys.argv[1:])
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> dict:
+    # Hydra would print its own multi-line report for any exception; keep bad input to one line.
+    try:
+        return _main(cfg)
+    except PipelineError as e:
+        if _verbose():
+            raise
+        _fail(str(e))
+
+
+def _main(cfg: DictConfig) -> dict:
+    stage = cfg.stage
+    if stage != "all" and stage not in STAGES:
+        raise PipelineError(f"unknown stage {stage!r}: use stage=prepare|collect|distill|eval|all")
+    _configure(cfg)
+    if stage != "all":
+        return run_stage(stage, cfg)
+    results = {}
+    with start_run(cfg, "all"):
+        for name in ORDER:
+            results[name] = run_stage(name, cfg, nested=True)
+    return results
+
+
+def _precheck_overrides(argv: list[str]) -> None:
+    """Compose once before Hydra does, so an unknown preset or bad override is one clear line.
+
+    Skipped for Hydra's own flags (--help, --cfg, -m sweeps), which Hydra reports itself.
+    """
+    if any(a.startswith("-") or "," in a for a in argv) or _verbose():
+        return
+    from hydra import compose, initialize_config_dir
+    from pathlib import Path
+
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    try:
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            compose("config", overrides=argv)
+    except Exception as e:
+        text = str(e).strip()
+        first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+        lines = text.splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+        options = []
+        for line in lines[start + 1:] if start is not None else []:
+            if not line.startswith("\t"):
+                break
+            options.append(line.strip())
+        hint = f" (available: {', '.join(options)})" if options else " (see `python -m pipeline --help`)"
+        _fail(f"bad configuration: {first}{hint}")
+
+
+def cli() -> None:
+    _precheck_overrides(sys.argv[1:])
+    main()
+
+
+if __name__ == "__main__":
+    cli()

