@@ -177,3 +177,44 @@ def model_identity(path: str | Path) -> dict:
     if src.exists():
         ident["source_sha256"] = json.loads(src.read_text()).get("gguf_sha256")
     return ident
+
+
+def derive_draft(target, layers: list[int]):
+    """A draft made of a subset of the target's decoder layers, with the target's embeddings,
+    final norm and output head copied in (Llama/Qwen2-style models). The result is an ordinary
+    `*ForCausalLM` of the same class, so it saves, reloads and plugs into HF `generate`.
+    """
+    import copy
+
+    n = target.config.num_hidden_layers
+    if not layers:
+        raise PipelineError("draft layer list is empty: set model.draft.derive.layers, e.g. [0, 1]")
+    bad = [i for i in layers if not -n <= int(i) < n]
+    if bad:
+        raise PipelineError(f"draft layer indices {bad} out of range for a {n}-layer target: "
+                            f"use indices in [0, {n - 1}]")
+    layers = [int(i) % n for i in layers]
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [target.config.layer_types[i] for i in layers]
+    draft = type(target)(config).to(dtype=next(target.parameters()).dtype)
+    sd = target.state_dict()
+    new = {}
+    for key in draft.state_dict():
+        if key.startswith("model.layers."):
+            idx, rest = key[len("model.layers."):].split(".", 1)
+            new[key] = sd[f"model.layers.{layers[int(idx)]}.{rest}"]
+        else:
+            new[key] = sd[key]
+    draft.load_state_dict(new)
+    if getattr(config, "tie_word_embeddings", False):
+        draft.tie_weights()
+    return draft.to(next(target.parameters()).device).eval()
+
+
+def load_role(cfg: DictConfig, role: str = "target"):
+    """Resolve and load `cfg.model.<role>` on the configured device/dtype: (model, tokenizer, path)."""
+    device, dtype = resolve_device(cfg.get("runtime"))
+    path = resolve_model(cfg.model[role], role, cfg.paths)
+    return load_model(path, device, dtype), load_tokenizer(path), path
