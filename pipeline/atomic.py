@@ -9,6 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+# mkdtemp/mkstemp create private (0700/0600) paths; artifacts should get the usual umask modes.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
@@ -19,6 +23,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)
     try:
         yield tmp
     except BaseException:
@@ -39,6 +44,7 @@ def atomic_file(final: str | Path, mode: str = "w") -> Iterator:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -1,0 +1,182 @@
+"""The prepare stage's prompt data: per-domain train / held-out eval prompt sets on disk.
+
+    run(cfg, tracker=None) -> {"prompts/train/<domain>": n, "prompts/eval/<domain>": n, ...}
+
+Writes ${paths.prompts}/train.jsonl, eval.jsonl, manifest.json and a copy of data/SOURCES.md into
+a temporary directory that replaces the old output in one rename, so a failing source leaves the
+previous output (or nothing) in place. Deterministic given cfg.seed and the pinned sources.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from data import sources
+from data.prompts import SPLITS, load_prompts, normalized_text, write_prompts
+from pipeline.atomic import atomic_dir, write_json
+from pipeline.errors import PipelineError
+
+BUILTIN_DOMAINS = ("chat", "code", "summarization", "math", "qa", "translation")
+SOURCES_MD = Path(__file__).resolve().parent / "SOURCES.md"
+
+
+def _caps(data, domain: str) -> dict[str, int]:
+    return {"train": int(data.max_train.get(domain, data.train_per_domain)),
+            "eval": int(data.max_eval.get(domain, data.eval_per_domain))}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]], list[dict]]:
+    """User prompt files -> {(domain, split): prompts in priority order}, plus their provenance.
+
+    An entry is a path or {path, split, domain_map}. Rows keep their own `split` if they have one;
+    the rest of each domain is divided with a seeded `extra_eval_fraction`.
+    """
+    groups: dict[tuple[str, str], list[dict]] = {}
+    provenance = []
+    for entry in data.extra_files:
+        if isinstance(entry, str):
+            entry = OmegaConf.create({"path": entry})
+        path = Path(entry.path)
+        entry_split = entry.get("split")
+        if entry_split is not None and entry_split not in SPLITS:
+            raise PipelineError(f"data.extra_files entry {path}: split must be one of {list(SPLITS)}, "
+                                f"got {entry_split!r}; fix the entry or drop `split`")
+        domain_map = dict(entry.get("domain_map") or {})
+        unsplit: dict[str, list[dict]] = {}
+        rows = load_prompts(path)
+        for row in rows:
+            row = dict(row)
+            row["domain"] = domain_map.get(row["domain"], row["domain"])
+            row.setdefault("source", f"file:{path.name}")
+            split = row.pop("split", None) or entry_split
+            if split is None:
+                unsplit.setdefault(row["domain"], []).append(row)
+            else:
+                groups.setdefault((row["domain"], split), []).append(row)
+        for domain, items in sorted(unsplit.items()):
+            rng = random.Random(f"{seed}:extra:{path.name}:{domain}")
+            items = rng.sample(items, len(items))
+            n_eval = round(len(items) * data.extra_eval_fraction)
+            groups.setdefault((domain, "eval"), []).extend(items[:n_eval])
+            groups.setdefault((domain, "train"), []).extend(items[n_eval:])
+        provenance.append({"path": str(path), "sha256": _sha256(path), "rows": len(rows),
+                           "split": entry_split, "domain_map": domain_map or None})
+    for key, items in groups.items():  # extra rows are in file order: make any prefix a sample
+        groups[key] = random.Random(f"{seed}:extra:{key[0]}:{key[1]}").sample(items, len(items))
+    return groups, provenance
+
+
+def build(cfg) -> tuple[dict[str, list[dict]], dict]:
+    """All prompts per split (in memory) and the manifest; writes nothing but the wheel cache."""
+    data, seed = cfg.data, int(cfg.seed)
+    extras, extra_provenance = load_extra_files(data, seed)
+    domains = list(dict.fromkeys([*data.domains, *(d for d, _ in extras)]))
+    ctx = sources.SourceContext(data=data, seed=seed, cache=Path(cfg.paths.cache),
+                                wanted={d: _caps(data, d) for d in domains})
+
+    chosen: dict[str, dict[str, list[dict]]] = {}
+    report: dict[str, dict] = {}
+    for domain in domains:
+        supplied = {s: extras.get((domain, s)) for s in SPLITS}
+        built, provenance = {"train": [], "eval": []}, []
+        if domain not in BUILTIN_DOMAINS and not any(supplied.values()):
+            raise PipelineError(
+                f"unknown domain {domain!r} in data.domains: built-in domains are "
+                f"{list(BUILTIN_DOMAINS)}; remove it or give its prompts in data.extra_files")
+        if domain in BUILTIN_DOMAINS and not all(supplied.values()):
+            result = getattr(sources, domain)(ctx)
+            built, provenance = {"train": result.train, "eval": result.eval}, result.provenance
+        chosen[domain] = {s: (supplied[s] or built[s]) for s in SPLITS}
+        report[domain] = {"available": {s: len(chosen[domain][s]) for s in SPLITS},
+                          "replaced_by_extra_files": [s for s in SPLITS if supplied[s]],
+                          "sources": provenance}
+
+    # Sources keep prompts in priority order, so the caps keep a prefix. Leak guard: no train
+    # prompt may repeat the text of any eval prompt (of any domain) or of an earlier train prompt.
+    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for domain in domains:
+        splits["eval"].extend(chosen[domain]["eval"][: ctx.wanted[domain]["eval"]])
+    taken = {normalized_text(p) for p in splits["eval"]}
+    for domain in domains:
+        train = []
+        for p in chosen[domain]["train"]:
+            if len(train) >= ctx.wanted[domain]["train"]:
+                break
+            text = normalized_text(p)
+            if text not in taken:
+                taken.add(text)
+                train.append(p)
+        splits["train"].extend(train)
+    counts = {d: {s: sum(p["domain"] == d for p in splits[s]) for s in SPLITS} for d in domains}
+    for split, prompts in splits.items():
+        seen: dict[str, str] = {}
+        for p in prompts:
+            if p["id"] in seen:
+                raise PipelineError(f"duplicate prompt id {p['id']!r} in the {split} split (domains "
+                                    f"{seen[p['id']]!r} and {p['domain']!r}); rename it in your extra file")
+            seen[p["id"]] = p["domain"]
+    manifest = {
+        "seed": seed,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "counts": counts,
+        "domains": report,
+        "extra_files": extra_provenance,
+        "config": OmegaConf.to_container(data, resolve=True),
+    }
+    return splits, manifest
+
+
+def _source_label(prompts: list[dict]) -> str:
+    return "+".join(sorted({p.get("source", "?").split("/")[0] for p in prompts})) or "-"
+
+
+def run(cfg, tracker=None) -> dict:
+    """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts.
+
+    With a tracker (pipeline/tracking.py), the counts are logged as metrics and the manifest and
+    SOURCES.md as artifacts.
+    """
+    splits, manifest = build(cfg)
+    out = Path(cfg.paths.prompts)
+    with atomic_dir(out) as tmp:
+        for split, prompts in splits.items():
+            write_prompts(tmp / f"{split}.jsonl", prompts)
+        manifest["files"] = {f"{s}.jsonl": {"rows": len(splits[s]), "sha256": _sha256(tmp / f"{s}.jsonl")}
+                             for s in SPLITS}
+        write_json(tmp / "manifest.json", manifest)
+        if SOURCES_MD.is_file():
+            shutil.copyfile(SOURCES_MD, tmp / "SOURCES.md")
+        # the atomic helpers create private (0600/0700) temp files; the output is meant to be shared
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+
+    rows = []
+    for domain, counts in manifest["counts"].items():
+        by_split = {s: [p for p in splits[s] if p["domain"] == domain] for s in SPLITS}
+        rows.append((domain, str(counts["train"]), str(counts["eval"]),
+                     f"train: {_source_label(by_split['train'])}; eval: {_source_label(by_split['eval'])}"))
+    header = ("domain", "train", "eval", "source")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    print(f"prompts written to {out}")
+    for r in [header, *rows]:
+        print(f"  {r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+
+    result = {f"prompts/{s}/{d}": c[s] for d, c in manifest["counts"].items() for s in SPLITS}
+    for s in SPLITS:
+        result[f"prompts/{s}/total"] = len(splits[s])
+    if tracker is not None:
+        tracker.log_metrics(result)
+        for name in ("manifest.json", "SOURCES.md"):
+            if (out / name).is_file():
+                tracker.log_artifact(str(out / name), "prompts")
+    return result
