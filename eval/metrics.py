@@ -1,0 +1,161 @@
+"""Aggregating timed generations into the eval metrics (vLLM / Spec-Bench conventions, DESIGN.md "Metrics").
+
+A *record* is one timed request: one user turn of one prompt, decoded by one method. It is a dict
+    {"method", "domain", "prompt_id", "turn", "tokens": [ids], "time_s": wall seconds incl. prefill,
+     "stats": DecodeStats of eval.speculative, or None for HF baselines}
+Definitions, pooled over a domain's requests (vLLM pools counters the same way):
+- acceptance_rate       = accepted draft tokens / proposed draft tokens
+- mean_accepted_length  = generated tokens / target passes, prefill excluded (bonus/correction token
+                          included; 1.0 for plain decoding; vLLM's 1 + accepted/drafts)
+- per_position_acceptance[k] = P(draft token k+1 of a block is accepted | it was proposed)
+- c                     = mean draft forward / mean single-token target forward (Leviathan et al. 2023,
+                          Thm 3.8: the cost of one draft run relative to one target run; the target step
+                          is timed in the autoregressive runs of the same prompts)
+- c_verify              = mean draft forward / mean verify pass (γ+1 tokens) of the speculative runs
+- tokens_per_s          = generated tokens / wall time; latency_p50_s / latency_p95_s per request
+- speedup               = method tokens/s / autoregressive tokens/s on the same requests in the same run
+                          (Spec-Bench). With greedy decoding both produce the same tokens and this is exactly
+                          AR time / method time; with sampling it does not penalise a method for the length
+                          of the text it happened to sample.
+"""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+AUTOREGRESSIVE = "autoregressive"
+SPECULATIVE = "speculative"
+
+
+def throughput(records: list[dict]) -> dict:
+    """tokens/s and per-request latency percentiles of one method's records."""
+    times = [r["time_s"] for r in records]
+    n_tokens = sum(len(r["tokens"]) for r in records)
+    total = sum(times)
+    return {"n_requests": len(records), "n_tokens": n_tokens, "time_s": total,
+            "tokens_per_s": n_tokens / total if total > 0 else 0.0,
+            "latency_p50_s": float(np.percentile(times, 50)) if times else 0.0,
+            "latency_p95_s": float(np.percentile(times, 95)) if times else 0.0}
+
+
+def per_position_acceptance(stats_list) -> list[float]:
+    """P(draft token k accepted) for k = 1..γ. A verify pass that accepted n of d drafted tokens counts
+    positions 1..d as proposed and 1..n as accepted (acceptance stops at the first rejection)."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for stats in stats_list:
+        for d, n in zip(stats.drafted, stats.accepted):
+            if d > len(proposed):
+                proposed += [0] * (d - len(proposed))
+                accepted += [0] * (d - len(accepted))
+            for k in range(d):
+                proposed[k] += 1
+                accepted[k] += k < n
+    return [a / p for a, p in zip(accepted, proposed) if p]
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
+    """Acceptance, mean accepted length, per-position acceptance and c over speculative records."""
+    stats = [r["stats"] for r in records]
+    drafted = sum(sum(s.drafted) for s in stats)
+    accepted = sum(sum(s.accepted) for s in stats)
+    passes = sum(s.target_passes for s in stats)
+    generated = sum(s.n_generated for s in stats)
+    draft_s = _mean([t for s in stats for t in s.draft_times])
+    verify_s = _mean([t for s in stats for t in s.target_times])
+    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": generated / passes if passes else 0.0,
+            "per_position_acceptance": per_position_acceptance(stats),
+            "n_drafted": drafted, "n_accepted": accepted, "target_passes": passes,
+            "c": draft_s / ar_step_s if ar_step_s > 0 else 0.0,
+            "c_verify": draft_s / verify_s if verify_s > 0 else 0.0,
+            "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s}
+
+
+def greedy_match(records: list[dict], reference: list[dict]) -> float:
+    """Share of prompts whose output equals the reference's on every turn (exact token ids)."""
+    ref = {(r["prompt_id"], r["turn"]): r["tokens"] for r in reference}
+    same: dict[str, bool] = {}
+    for r in records:
+        key = (r["prompt_id"], r["turn"])
+        if key in ref:
+            same[r["prompt_id"]] = same.get(r["prompt_id"], True) and r["tokens"] == ref[key]
+    return sum(same.values()) / len(same) if same else 0.0
+
+
+def summarize(records: list[dict], greedy: bool) -> dict:
+    """Metrics of one group of requests (a domain, or all of them): one entry per method present,
+    plus the headline `speedup` / `greedy_match` of the tuned draft, as DESIGN.md's eval schema has them."""
+    by_method: dict[str, list[dict]] = {}
+    for r in records:
+        by_method.setdefault(r["method"], []).append(r)
+    ar = by_method[AUTOREGRESSIVE]
+    ar_step_s = _mean([t for r in ar for t in r["stats"].target_times])
+    out: dict = {"n_prompts": len({r["prompt_id"] for r in ar}), "n_requests": len(ar)}
+    ar_metrics = throughput(ar)
+    for method, recs in by_method.items():
+        m = throughput(recs)
+        if method != AUTOREGRESSIVE:
+            if recs[0]["stats"] is not None:
+                m.update(speculative_counters(recs, ar_step_s))
+            m["speedup"] = m["tokens_per_s"] / ar_metrics["tokens_per_s"] if ar_metrics["tokens_per_s"] else 0.0
+            if greedy:
+                m["greedy_match"] = greedy_match(recs, ar)
+        out[method] = m
+    spec = out.get(SPECULATIVE, {})
+    out["speedup"] = spec.get("speedup", 0.0)
+    if greedy:
+        out["greedy_match"] = spec.get("greedy_match", 0.0)
+    return out
+
+
+def sweep_point(spec: list[dict], ar: list[dict]) -> dict:
+    """One γ of the sweep: the speculative records at that γ against AR records of the same requests."""
+    ar_step_s = _mean([t for r in ar for t in r["stats"].target_times])
+    point = {k: v for k, v in speculative_counters(spec, ar_step_s).items()
+             if k in ("acceptance_rate", "mean_accepted_length", "c")}
+    point["tokens_per_s"] = throughput(spec)["tokens_per_s"]
+    ar_tps = throughput(ar)["tokens_per_s"]
+    point["speedup"] = point["tokens_per_s"] / ar_tps if ar_tps else 0.0
+    return point
+
+
+def flat_metrics(metrics: dict) -> dict[str, float]:
+    """Scalar metrics as MLflow keys `<domain>.<method>.<name>` (lists and strings left out)."""
+    out: dict[str, float] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f"{prefix}{k}"] = float(v)
+
+    walk({"domains": metrics["domains"], "overall": metrics["overall"]}, "")
+    return {k.removeprefix("domains."): v for k, v in out.items()}
+
+
+def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float) -> dict:
+    """metrics.json's core (DESIGN.md eval schema, every method beside `speculative`); plans[draft][domain]
+    holds the γ and draft temperature that draft ran with (domain "default" for `overall`)."""
+    greedy = temperature == 0
+    domains = {d: summarize([r for r in records if r["domain"] == d], greedy)
+               for d in dict.fromkeys(r["domain"] for r in records)}
+    overall = summarize(records, greedy)
+    for name, plan in plans.items():
+        for d, dm in domains.items():
+            dm[name].update(plan[d])
+        overall[name].update(plan["default"])
+    # DESIGN.md's schema keeps the tuned draft's headline numbers at the top of `overall`.
+    overall.update({k: overall[SPECULATIVE][k] for k in ("acceptance_rate", "mean_accepted_length")})
+    metrics = {"gamma": plans[SPECULATIVE]["default"]["gamma"], "temperature": temperature,
+               "methods": list(dict.fromkeys(r["method"] for r in records)), "domains": domains, "overall": overall}
+    if greedy:  # every prompt was decoded greedily by both: the lossless check comes for free
+        metrics["fidelity"] = {"n_prompts": None, "temperature": 0.0, "share": overall["greedy_match"],
+                               "by_domain": {d: dm["greedy_match"] for d, dm in domains.items()}}
+    return metrics

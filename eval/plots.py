@@ -1,0 +1,100 @@
+"""Eval plots (PNG, matplotlib's non-interactive Agg backend so they render on a headless machine)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
+
+DRAFTS = {"speculative_init": "undistilled draft", "speculative": "evaluated draft"}
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def acceptance_by_domain(metrics: dict, path: Path) -> str:
+    """Acceptance rate per domain, undistilled vs tuned draft side by side."""
+    domains = list(metrics["domains"])
+    drafts = [m for m in DRAFTS if any(m in metrics["domains"][d] for d in domains)]
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(domains) + 2), 3.6))
+    width = 0.8 / len(drafts)
+    for i, method in enumerate(drafts):
+        values = [metrics["domains"][d].get(method, {}).get("acceptance_rate", 0.0) for d in domains]
+        xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(domains))]
+        bars = ax.bar(xs, values, width, label=DRAFTS[method])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(domains)), domains, rotation=30, ha="right")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(f"Draft acceptance per domain (T={metrics['temperature']})")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def per_position(metrics: dict, path: Path) -> str:
+    """P(draft token k accepted) per domain, tuned draft."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for domain, d in metrics["domains"].items():
+        values = d.get("speculative", {}).get("per_position_acceptance") or []
+        if values:
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=domain)
+    longest = max((len(d.get("speculative", {}).get("per_position_acceptance") or [])
+                   for d in metrics["domains"].values()), default=0)
+    ax.set_xticks(range(1, longest + 1))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(token k accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Per-position acceptance (evaluated draft)")
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def gamma_sweep(metrics: dict, path: Path) -> str:
+    """Acceptance rate and speedup against γ, from the sweep subset."""
+    sweep = metrics["gamma_sweep"]
+    gammas = sorted(int(g) for g in sweep["by_gamma"])
+    points = [sweep["by_gamma"][str(g)] for g in gammas]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.4))
+    left.plot(gammas, [p["acceptance_rate"] for p in points], marker="o", label="acceptance rate")
+    left.plot(gammas, [p["mean_accepted_length"] / (g + 1) for p, g in zip(points, gammas)], marker="s",
+              label="mean accepted length / (γ+1)")
+    left.set_xticks(gammas)
+    right.set_xticks(gammas)
+    left.set_xlabel("γ (draft tokens per target pass)")
+    left.set_ylim(0, 1.05)
+    left.legend(fontsize=7)
+    left.set_title("Acceptance vs γ")
+    right.plot(gammas, [p["speedup"] for p in points], marker="o", color="C2")
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    right.set_xlabel("γ")
+    right.set_ylabel("speedup vs autoregressive")
+    right.set_title(f"Speedup vs γ ({sweep['n_requests']} requests)")
+    return _save(fig, path)
+
+
+def latency(records: list[dict], path: Path) -> str:
+    """Per-request latency distribution of every method (all domains pooled)."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    data = [[r["time_s"] for r in records if r["method"] == m] for m in methods]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(methods) + 1.5), 3.6))
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(methods) + 1), methods, rotation=20, ha="right")
+    ax.set_ylabel("latency per request (s)")
+    ax.set_title("Request latency (prefill + decode)")
+    return _save(fig, path)
+
+
+def write_plots(metrics: dict, records: list[dict], out_dir: Path) -> list[str]:
+    """Writes every plot that has data into out_dir; returns the file names."""
+    files = [acceptance_by_domain(metrics, out_dir / "acceptance_by_domain.png"),
+             per_position(metrics, out_dir / "per_position_acceptance.png")]
+    if metrics.get("gamma_sweep"):
+        files.append(gamma_sweep(metrics, out_dir / "gamma_sweep.png"))
+    files.append(latency(records, out_dir / "latency.png"))
+    return files

@@ -1,0 +1,211 @@
+"""report.md: a short results page (setup, per-domain table, plots, fidelity) and the console table."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from eval.metrics import flat_metrics
+from eval.plots import write_plots
+from pipeline.atomic import atomic_dir, write_json
+
+METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
+                 "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
+                 "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)"}
+
+
+def machine() -> dict:
+    """Where the numbers were measured: they mean nothing without it."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _f(value, fmt: str = ".2f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _tau(tau, temperature: float, row: str) -> str:
+    if temperature == 0 or row == "overall":
+        return "–"  # greedy: the draft proposes its argmax, no temperature involved
+    return "=T" if tau is None else _f(tau)
+
+
+def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """The headline table: one row per domain plus `overall`."""
+    header = ["domain", "n", "acceptance init→tuned", "mean acc. len", "tok/s AR", "tok/s spec", "speedup",
+              "greedy match", "draft τ", "γ"]
+    rows = []
+    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
+        spec, init, ar = d.get("speculative", {}), d.get("speculative_init"), d.get("autoregressive", {})
+        acceptance = _f(spec.get("acceptance_rate"))
+        if init:
+            acceptance = f"{_f(init.get('acceptance_rate'))}→{acceptance}"
+        tau = spec.get("draft_temperature")
+        rows.append([name, str(d.get("n_prompts", "")), acceptance, _f(spec.get("mean_accepted_length")),
+                     _f(ar.get("tokens_per_s"), ".1f"), _f(spec.get("tokens_per_s"), ".1f"),
+                     f"{_f(d.get('speedup'))}×", _f(d.get("greedy_match")),
+                     _tau(tau, metrics["temperature"], name), str(spec.get("gamma", ""))])
+    return header, rows
+
+
+def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """Every method's tokens/s, latency and speedup over all domains."""
+    header = ["method", "tok/s", "latency p50 (s)", "latency p95 (s)", "speedup", "greedy match"]
+    rows = []
+    for method, label in METHOD_LABELS.items():
+        m = metrics["overall"].get(method)
+        if m:
+            rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
+                         "1.00×" if method == "autoregressive" else f"{_f(m.get('speedup'))}×",
+                         "ref" if method == "autoregressive" else _f(m.get("greedy_match"))])
+    return header, rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _model_line(ident: dict) -> str:
+    params = ident.get("n_params")
+    if not params:
+        size = "size unknown"
+    else:
+        size = f"{params / 1e6:.1f}M parameters" if params >= 1e5 else f"{params:,} parameters"
+    layers = ident.get("num_hidden_layers")
+    source = ident.get("source", ident.get("path", "?"))
+    return f"{source} — {ident.get('architecture', '?')}, {layers} layers, {size}"
+
+
+def _cost_line(spec: dict, measured: float) -> str:
+    """c and the speedup the acceptance rate predicts, so a reader can tell a weak draft from decoder overhead."""
+    from eval.sampling import expected_walltime_improvement
+
+    alpha, gamma, c = spec.get("acceptance_rate", 0.0), spec.get("gamma", 0), spec.get("c", 0.0)
+    predicted = expected_walltime_improvement(alpha, gamma, c) if gamma else 0.0
+    draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
+    return (f"c (draft forward / target forward) = {c:.3f} (draft {draft_ms:.1f} ms, target step "
+            f"{draft_ms / c if c else 0:.1f} ms, verify pass {verify_ms:.1f} ms). From α = {alpha:.2f}, γ = {gamma} "
+            f"and c, Leviathan et al. (Thm 3.8, verify costed as one step) predict {predicted:.2f}×; "
+            f"measured {measured:.2f}×.")
+
+
+def _fidelity(metrics: dict) -> list[str]:
+    fid = metrics.get("fidelity") or {}
+    if not fid:
+        return []
+    lines = ["## Fidelity", ""]
+    if metrics["temperature"] == 0:
+        lines.append("Greedy decoding: speculative output must equal the target's own autoregressive output token "
+                     "for token (speculative decoding is lossless). Share of prompts that match exactly, all turns:")
+    else:
+        lines.append(f"Sampling at T={metrics['temperature']} is checked in distribution by the decoder's tests; "
+                     f"here a separate greedy run on {fid.get('n_prompts')} prompt(s) per domain compares "
+                     "speculative and autoregressive outputs token for token:")
+    lines += ["", markdown_table(["domain", "greedy match"],
+                                 [[d, _f(v)] for d, v in fid["by_domain"].items()] + [["all", _f(fid["share"])]]), ""]
+    if fid["share"] < 1.0:
+        lines.append("A mismatch under greedy decoding in reduced precision can come from a near-tie between two "
+                     "tokens resolved differently by a batched verify pass and a single-token step; in fp32 it "
+                     "points at a decoder bug.")
+    return lines
+
+
+def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
+    setup = metrics["setup"]
+    m = setup["machine"]
+    sampling = (f"temperature {metrics['temperature']}" + (" (greedy)" if metrics["temperature"] == 0 else "")
+                + f", top-k {metrics['top_k']}, top-p {metrics['top_p']}, max {metrics['max_new_tokens']} new tokens")
+    lines = [
+        "# Speculative decoding evaluation", "",
+        "## Setup", "",
+        f"- **target**: {_model_line(setup['target'])}",
+        f"- **draft**: {_model_line(setup['draft'])}",
+    ]
+    if setup.get("draft_init"):
+        lines.append(f"- **draft (undistilled)**: {_model_line(setup['draft_init'])}")
+    if setup["draft"].get("vocab_subset"):
+        lines.append(f"- draft head restricted to {setup['draft']['vocab_subset']:,} target tokens (FR-Spec)")
+    lines += [
+        f"- **machine**: {m['cpu']} ({m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
+        + (f", GPU {m['gpu']}" if m.get("gpu") else "") + f"), device {setup['device']}, {setup['dtype']}; "
+        f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}",
+        f"- **decoding**: {sampling}; γ = {metrics['gamma']} unless a domain row says otherwise"
+        + ("; γ and draft τ per domain from the draft's `speculative.json`" if setup.get("calibrated") else ""),
+        f"- **prompts**: {setup['prompt_source']} — "
+        + ", ".join(f"{d} {p['n_prompts']} ({p['n_turns']} turn{'s' * (p['n_turns'] != 1)})"
+                    for d, p in setup["prompts"].items()),
+        "- every request (one user turn) ran with every method back to back, in rotating order, after a "
+        "warm-up; later turns are conditioned on the target's own autoregressive answer",
+        f"- wall time of the measurement: {metrics['wall_s']:.0f} s", "",
+        "## Results per domain", "",
+        markdown_table(*domain_rows(metrics)), "",
+        "acceptance = accepted / proposed draft tokens; mean acc. len = generated tokens per target pass "
+        "(prefill excluded, bonus token included); speedup = tokens/s of speculative over autoregressive "
+        "decoding on the same requests (equal to the time ratio when both emit the same tokens); "
+        "draft τ `=T`: the draft samples at the target's temperature.", "",
+        "## Methods (all domains)", "",
+        markdown_table(*method_rows(metrics)), "",
+        _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
+    ]
+    sweep = metrics.get("gamma_sweep")
+    if sweep:
+        rows = [[g, _f(p["acceptance_rate"]), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
+                 f"{_f(p['speedup'])}×"] for g, p in sweep["by_gamma"].items()]
+        lines += ["## γ sweep", "", f"On {sweep['n_requests']} requests ({sweep['n_prompts_per_domain']} prompt(s) "
+                  "per domain), evaluated draft, each γ interleaved with an autoregressive run of the same "
+                  "request.", "",
+                  markdown_table(["γ", "acceptance", "mean acc. len", "tok/s", "speedup"], rows), ""]
+    lines += _fidelity(metrics)
+    lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
+    path.write_text("\n".join(lines))
+
+
+def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:
+    """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md, in one atomic rename."""
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        with open(tmp / "requests.jsonl", "w") as f:
+            for r in records:
+                row = {k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")}
+                row["n_tokens"] = len(r["tokens"])
+                if r["stats"] is not None and r["method"] != "autoregressive":
+                    row["accepted"] = r["stats"].accepted  # accepted drafts per verify pass
+                f.write(json.dumps(row) + "\n")
+        plots = write_plots(metrics, records, tmp)
+        write_report(tmp / "report.md", metrics, plots)
+    return plots
+
+
+def log_to_tracker(tracker, metrics: dict, out_dir: Path) -> None:
+    # Tags, not params: the config (eval.draft=null, eval.gamma=null, ...) is already logged as params,
+    # and MLflow refuses to change a param; these are what those settings resolved to.
+    tracker.set_tags({"eval.resolved_draft": metrics["draft"][:250], "eval.resolved_gamma": metrics["gamma"],
+                      "eval.temperature": metrics["temperature"]})
+    tracker.log_metrics(flat_metrics(metrics))
+    for k, value in enumerate(metrics["overall"]["speculative"].get("per_position_acceptance", []), 1):
+        tracker.log_metrics({"overall.speculative.per_position_acceptance": value}, step=k)
+    for g, point in (metrics.get("gamma_sweep") or {}).get("by_gamma", {}).items():
+        tracker.log_metrics({f"gamma_sweep.{key}": v for key, v in point.items()}, step=int(g))
+    tracker.log_artifacts(str(out_dir), "eval")

@@ -1,0 +1,249 @@
+"""The eval stage end to end on tiny random models (plus one smoke run on the real embedded target):
+artifacts and their schema, lossless greedy decoding, calibration from speculative.json, prompt formats,
+Hydra multirun, and bad input refused before anything is written."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from tests.conftest import REPO, tiny_llama
+
+VOCAB = 64
+SPECIALS = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+PROMPTS = [
+    {"id": "chat-1", "domain": "chat", "turns": ["w7 w8 w9 w10", "w11 w12"]},  # second turn follows the answer
+    {"id": "chat-2", "domain": "chat", "turns": ["w13 w14 w15"]},
+    {"id": "code-1", "domain": "code", "turns": ["w20 w21 w22 w23 w24"]},
+    {"id": "code-2", "domain": "code", "turns": ["w25 w26"]},
+]
+
+
+def tiny_tokenizer(words: list[str] | None = None):
+    """A word-level tokenizer over a fixed vocabulary, built offline, with a minimal chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = words or SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save(model, tokenizer, path: Path, speculative: dict | None = None) -> Path:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if speculative is not None:
+        (path / "speculative.json").write_text(json.dumps(speculative))
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny target, its one-layer derived draft (export with speculative.json), a two-layer undistilled
+    draft, and a draft whose tokenizer maps one word differently."""
+    from pipeline.models import derive_draft
+
+    root = tmp_path_factory.mktemp("models")
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=4, seed=0, tie=False)
+    calibration = {"gamma": {"chat": 2, "default": 3}, "draft_temperature": {"code": 1.3, "default": 1.1},
+                   "vocab_subset": list(range(48)), "acceptance": {}, "target": {"path": "tiny"}}
+    bad_words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    bad_words[10], bad_words[11] = bad_words[11], bad_words[10]
+    return {"target": save(target, tok, root / "target"),
+            "draft": save(derive_draft(target, [0]), tok, root / "draft", calibration),
+            "draft_init": save(derive_draft(target, [0, 1]), tok, root / "draft_init", {}),
+            "bad_draft": save(derive_draft(target, [0]), tiny_tokenizer(bad_words), root / "bad_draft")}
+
+
+class Tracker:
+    """Records what the stage logs; like MLflow, refuses to change a param (the config is logged as params
+    before the stage runs, see pipeline/tracking.py)."""
+
+    def __init__(self, cfg):
+        from omegaconf import OmegaConf
+
+        from pipeline.tracking import flatten
+
+        self.params = flatten(OmegaConf.to_container(cfg, resolve=True))
+        self.metrics, self.tags, self.artifacts = {}, {}, []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+    def log_params(self, params):
+        changed = [k for k, v in params.items() if k in self.params and self.params[k] != str(v)]
+        assert not changed, f"MLflow would refuse to change params {changed}"
+        self.params.update({k: str(v) for k, v in params.items()})
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append(path)
+
+    def log_artifacts(self, path, artifact_path=None):
+        self.artifacts.append(path)
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+
+def compose_cfg(root: Path, target: Path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"paths.artifacts={root}", f"model.target.path={target}",
+                                            "tracking.enabled=false", "runtime.device=cpu", "eval.max_new_tokens=12",
+                                            "eval.warmup_tokens=2", *overrides])
+
+
+def run_stage(tmp_path: Path, models: dict, *overrides: str, prompts: list[dict] = PROMPTS) -> tuple[dict, Path]:
+    from eval.stage import run
+
+    prompts_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    cfg = compose_cfg(tmp_path / "artifacts", models["target"], f"eval.prompts_file={prompts_file}", *overrides)
+    tracker = Tracker(cfg)
+    run(cfg, tracker)
+    out = Path(cfg.paths.eval)
+    return json.loads((out / "metrics.json").read_text()), out, tracker
+
+
+def test_greedy_eval_writes_schema_report_plots_and_matches_autoregressive(tmp_path, models):
+    metrics, out, tracker = run_stage(tmp_path, models, f"eval.draft={models['draft']}",
+                                      f"eval.draft_init={models['draft_init']}", "eval.temperature=0",
+                                      "eval.gammas=[1,3]")
+    assert {"gamma", "temperature", "target", "draft", "domains", "overall"} <= set(metrics)
+    assert metrics["temperature"] == 0 and metrics["gamma"] == 3  # the export's default γ
+    assert set(metrics["domains"]) == {"chat", "code"}
+    methods = {"autoregressive", "speculative", "speculative_init", "hf_generate", "hf_assisted", "hf_assisted_fixed"}
+    for name, d in metrics["domains"].items():
+        assert d["n_prompts"] == 2 and methods <= set(d)
+        spec = d["speculative"]
+        for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "tokens_per_s",
+                    "latency_p50_s", "latency_p95_s", "c"):
+            assert key in spec
+        assert 0.0 <= spec["acceptance_rate"] <= 1.0
+        assert spec["mean_accepted_length"] >= 1.0
+        assert all(0.0 <= a <= 1.0 for a in spec["per_position_acceptance"])
+        assert 1 <= len(spec["per_position_acceptance"]) <= spec["gamma"]
+        assert spec["gamma"] == (2 if name == "chat" else 3)  # per-domain γ from speculative.json
+        assert spec["draft_temperature"] is None  # greedy: the calibrated τ is not used
+        assert {"tokens_per_s", "latency_p50_s", "latency_p95_s"} <= set(d["autoregressive"])
+        assert d["greedy_match"] == 1.0 and d["speculative_init"]["greedy_match"] == 1.0
+        assert d["speedup"] > 0
+    assert {"acceptance_rate", "mean_accepted_length", "speedup"} <= set(metrics["overall"])
+    assert metrics["domains"]["chat"]["n_requests"] == 3  # two turns + one turn
+    assert set(metrics["gamma_sweep"]["by_gamma"]) == {"1", "3"}
+    assert metrics["setup"]["draft"]["vocab_subset"] == 48
+    for name in ("metrics.json", "report.md", "requests.jsonl", "acceptance_by_domain.png",
+                 "per_position_acceptance.png", "gamma_sweep.png", "latency.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    assert "| chat |" in report and "![latency](latency.png)" in report and "greedy match" in report.lower()
+    chat = metrics["domains"]["chat"]["speculative"]
+    assert tracker.metrics["chat.speculative.acceptance_rate"] == chat["acceptance_rate"]
+    assert str(out) in tracker.artifacts and tracker.tags["eval.resolved_gamma"] == 3
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".eval.tmp")]  # atomic: no leftovers
+
+
+def test_sampling_eval_uses_calibrated_draft_temperature_and_checks_greedy_fidelity(tmp_path, models):
+    metrics, out, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.draft_init=none",
+                                "eval.temperature=0.8", "eval.top_k=20", "eval.baselines=false", "eval.gammas=[]")
+    assert metrics["temperature"] == 0.8 and "speculative_init" not in metrics["domains"]["code"]
+    assert metrics["domains"]["code"]["speculative"]["draft_temperature"] == 1.3
+    assert metrics["domains"]["chat"]["speculative"]["draft_temperature"] == 1.1  # the export's default τ
+    assert "greedy_match" not in metrics["domains"]["code"]
+    assert metrics["fidelity"]["share"] == 1.0
+    assert 0.0 <= metrics["overall"]["acceptance_rate"] <= 1.0
+    # A user override beats the calibration.
+    metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0.8",
+                              "eval.draft_temperature=0.5", "eval.gamma=2", "eval.baselines=false", "eval.gammas=[]",
+                              "eval.fidelity_prompts_per_domain=0")
+    spec = metrics["domains"]["code"]["speculative"]
+    assert spec["draft_temperature"] == 0.5 and spec["gamma"] == 2 and "fidelity" not in metrics
+
+
+def test_spec_bench_prompts_file_and_derived_draft(tmp_path, models):
+    spec_bench = [{"question_id": 81 + i, "category": cat, "turns": [f"w{30 + i} w31", f"w{40 + i}"]}
+                  for i, cat in enumerate(["writing", "writing", "writing", "math_reasoning"])]
+    metrics, _, _ = run_stage(tmp_path, models, "eval.draft=derive", "model.draft.derive.layers=[0]",
+                              "eval.max_prompts_per_domain=2", "eval.temperature=0", "eval.baselines=false",
+                              "eval.gammas=[]", prompts=spec_bench)
+    assert set(metrics["domains"]) == {"writing", "math_reasoning"}
+    assert metrics["domains"]["writing"]["n_prompts"] == 2 and metrics["domains"]["writing"]["n_requests"] == 4
+    assert "derived from target layers [0]" in metrics["draft"]
+    assert metrics["overall"]["greedy_match"] == 1.0
+
+
+def test_missing_default_draft_falls_back_to_derived_draft(tmp_path, models, capsys):
+    metrics, _, _ = run_stage(tmp_path, models, "model.draft.derive.layers=[1]", "eval.temperature=0",
+                              "eval.baselines=false", "eval.gammas=[]", "eval.domains=[code]")
+    assert "no exported draft" in capsys.readouterr().out
+    assert "derived" in metrics["draft"] and set(metrics["domains"]) == {"code"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.gamma=0", "eval.gamma"),
+    ("eval.temperature=-1", "eval.temperature"),
+    ("eval.top_p=1.5", "eval.top_p"),
+    ("eval.gammas=[2,0]", "eval.gammas"),
+    ("eval.domains=[poetry]", "poetry"),
+    ("eval.draft={bad_draft}", "tokenizers map"),
+    ("eval.draft={missing}", "not a model directory"),
+])
+def test_bad_input_is_refused_and_writes_nothing(tmp_path, models, override, message):
+    override = override.format(bad_draft=models["bad_draft"], missing=tmp_path / "nowhere")
+    with pytest.raises(PipelineError, match=message):
+        run_stage(tmp_path, models, "eval.baselines=false", "eval.gammas=[]", override)
+    assert not (tmp_path / "artifacts" / "eval").exists()
+
+
+def test_empty_prompts_file_is_refused(tmp_path, models):
+    with pytest.raises(PipelineError, match="empty"):
+        run_stage(tmp_path, models, "eval.draft=derive", prompts=[])
+    assert not (tmp_path / "artifacts" / "eval").exists()
+
+
+def test_hydra_multirun_writes_one_eval_per_job(tmp_path, models):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[2:3])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "pipeline", "-m", "stage=eval", f"paths.artifacts={tmp_path / 'a'}",
+           f"model.target.path={models['target']}", "tracking.enabled=false", "runtime.threads=1",
+           f"eval.prompts_file={prompts}", "eval.draft=derive", "model.draft.derive.layers=[0]",
+           "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.gamma=1,2"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = sorted((tmp_path / "a" / "hydra-multirun").glob("*/*/eval/metrics.json"))
+    assert [json.loads(p.read_text())["gamma"] for p in found] == [1, 2]
+    assert not (tmp_path / "a" / "eval").exists()
+
+
+@pytest.mark.smoke
+def test_smoke_real_model_greedy_speculative_matches_autoregressive(tmp_path, real_target_path):
+    prompts = [{"id": "c1", "domain": "chat", "turns": ["Name three primary colours."]},
+               {"id": "k1", "domain": "code", "turns": ["Write a Python function that reverses a string."]}]
+    prompts_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    from eval.stage import run
+
+    cfg = compose_cfg(tmp_path / "artifacts", real_target_path, f"eval.prompts_file={prompts_file}",
+                      "eval.draft=derive", "eval.temperature=0", "eval.max_new_tokens=16", "eval.baselines=false",
+                      "eval.gammas=[]")
+    run(cfg, Tracker(cfg))
+    metrics = json.loads((Path(cfg.paths.eval) / "metrics.json").read_text())
+    assert set(metrics["domains"]) == {"chat", "code"}
+    assert metrics["overall"]["greedy_match"] == 1.0
+    assert metrics["overall"]["mean_accepted_length"] >= 1.0
