@@ -30,6 +30,12 @@ settings, seed, top-k, shard size and the prompts, so old shards never mix into 
 shard's RNG is seeded from (seed, domain, shard index, turn), so a resumed run, or one split over
 `accelerate launch --num_processes N` (shard i goes to process i % N), reproduces an
 uninterrupted single-process run row for row on CPU (given the same batch size).
+
+Disk (Arrow, uncompressed; `python -m data.bench_collect` measures it): the top-k columns cost
+k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200 B/token or
+~201 MB per million completion tokens at topk=32 (measured: 200.7). Without them a row costs
+4 B per completion token + 4 B per prompt token + its text: ~13 B per completion token for
+128-token answers to MT-Bench-length prompts.
 """
 from __future__ import annotations
 
@@ -126,14 +132,8 @@ def _load_prompts(cfg: DictConfig) -> dict[str, list[dict]]:
     by_domain: dict[str, list[dict]] = {d: [] for d in (domains or [])}
     for row in rows:
         by_domain.setdefault(row["domain"], []).append(row)
-    cap = cfg.collect.get("max_prompts_per_domain")
-    for domain, prompts in by_domain.items():
-        if not prompts:
-            raise PipelineError(f"no train prompts for domain {domain!r} in {cfg.paths.prompts}: "
-                                "drop it from collect.domains or rerun stage=prepare with it")
-        if cap:
-            by_domain[domain] = prompts[:int(cap)]
-    return by_domain
+    cap = cfg.collect.get("max_prompts_per_domain")  # load_split already refused unknown/empty domains
+    return {domain: prompts[:int(cap)] if cap else prompts for domain, prompts in by_domain.items()}
 
 
 def _sha256_text(text: str | None) -> str | None:
@@ -223,15 +223,28 @@ class HFBackend:
 
     def _generate(self, contexts: list[list[int]], seed: int, progress) -> list[Completion]:
         torch.manual_seed(seed)
-        # Longest first: similar lengths share a batch (less padding) and an OOM shows up at once.
-        order = sorted(range(len(contexts)), key=lambda i: (-len(contexts[i]), i))
         out: list[Completion | None] = [None] * len(contexts)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        for idx in self._batches([len(c) for c in contexts]):
             for i, completion in zip(idx, self._generate_batch([contexts[i] for i in idx])):
                 out[i] = completion
             progress(len(idx))
         return out
+
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices grouped into batches of at most batch_size, longest first (similar lengths share
+        a batch; an OOM shows up in the first one). A batch also closes when left padding would
+        more than double its prefill (width x rows > 2 x real tokens): one long context among
+        short ones would otherwise multiply the prefill work of the whole batch."""
+        batches: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            batch = batches[-1] if batches else []
+            grown = batch + [i]
+            if batch and len(grown) <= self.batch_size and \
+                    len(grown) * lengths[grown[0]] <= 2 * sum(lengths[j] for j in grown):
+                batch.append(i)
+            else:
+                batches.append([i])
+        return batches
 
     @torch.inference_mode()
     def _generate_batch(self, contexts: list[list[int]]) -> list[Completion]:
@@ -348,7 +361,8 @@ def _make_backend(cfg: DictConfig, path: Path, pad_id: int, stop_ids, sampling, 
         device = state.device  # one GPU per accelerate process
     model = load_model(path, device, dtype)
     if topk > model.config.vocab_size:
-        raise PipelineError(f"collect.topk={topk} exceeds the target's vocabulary ({model.config.vocab_size}): lower it")
+        raise PipelineError(f"collect.topk={topk} exceeds the target's vocabulary "
+                            f"({model.config.vocab_size}): lower collect.topk")
     return HFBackend(model, pad_id, stop_ids, sampling, topk, int(cfg.collect.batch_size))
 
 

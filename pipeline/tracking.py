@@ -76,7 +76,9 @@ class _MlflowRun(_NullRun):
 @contextlib.contextmanager
 def start_run(cfg: DictConfig, name: str, nested: bool = False) -> Iterator[_NullRun]:
     """Open an MLflow run (or a no-op stand-in when `tracking.enabled=false`)."""
-    if not cfg.tracking.enabled:
+    # Under `accelerate launch` every process runs the stage; only the main one (RANK 0) tracks,
+    # so a run is recorded once and the SQLite store never sees concurrent writers.
+    if not cfg.tracking.enabled or int(os.environ.get("RANK", "0")) != 0:
         yield _NullRun()
         return
     import mlflow

@@ -1,0 +1,112 @@
+"""Collect throughput: generated tokens/s at batch 1 vs the configured batch, same prompts, same run.
+
+    python -m data.bench_collect [--prompts 16] [--max-new-tokens 128] [hydra overrides ...]
+    e.g. python -m data.bench_collect collect.batch_size=32 runtime.device=cuda
+
+Runs the collect stage's own HF backend on the configured target (default: the embedded
+SmolLM2-135M-Instruct) with the configured sampling settings and top-k labels, then measures the
+disk cost of the rows with and without the top-k columns (bytes per million completion tokens).
+Prompts: first turns of Spec-Bench's MT-Bench questions (../shared/spec-bench/question.jsonl) when
+present, else the prepared train prompts. On a shared CPU pass runtime.threads=1: oversubscribed
+OpenMP threads make batch 1 several times slower and the comparison meaningless.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def bench_prompts(cfg, n: int, domains: list[str]) -> list[dict]:
+    """First turns of `n` prompts of the given Spec-Bench categories (or prepared train domains),
+    spread evenly over them."""
+    spec_bench = REPO.parent / "shared" / "spec-bench" / "question.jsonl"
+    if spec_bench.exists():
+        rows = [json.loads(line) for line in spec_bench.read_text().splitlines() if line.strip()]
+        rows = [{"id": str(r["question_id"]), "domain": r["category"], "turns": r["turns"][:1]} for r in rows]
+    else:
+        from data.prompts import load_split
+        rows = [dict(r, turns=r["turns"][:1]) for r in load_split(cfg.paths.prompts, "train")]
+    rows = [r for r in rows if r["domain"] in domains] or rows
+    return rows[::max(1, len(rows) // n)][:n]
+
+
+def disk_bytes(rows: list[dict], topk: int) -> int:
+    from datasets import Dataset
+
+    from data.collect import _quiet_datasets, features
+
+    keep = list(features(topk))
+    with tempfile.TemporaryDirectory() as tmp, _quiet_datasets():
+        Dataset.from_list([{k: r[k] for k in keep} for r in rows], features=features(topk)).save_to_disk(tmp)
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per measurement (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--domains", default=",".join(MT_BENCH),
+                        help="Spec-Bench categories to draw prompts from (default: the MT-Bench ones)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. collect.batch_size=32")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from data.collect import HFBackend, Sampling, _settings, _stop_ids, collect_shard
+    from pipeline.chat import encode_chat, messages_for
+    from pipeline.models import load_model, load_tokenizer, resolve_device, resolve_model
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args.overrides)
+    if cfg.runtime.get("threads"):
+        torch.set_num_threads(int(cfg.runtime.threads))
+    sampling, topk = _settings(cfg.collect)
+    sampling = Sampling(sampling.temperature, sampling.top_p, sampling.top_k, args.max_new_tokens, 1)
+    device, dtype = resolve_device(cfg.runtime)
+    path = resolve_model(cfg.model.target, "target", cfg.paths)
+    model, tokenizer = load_model(path, device, dtype), load_tokenizer(path)
+    stop_ids = _stop_ids(path, tokenizer)
+    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","))
+    print(f"[bench] {path.name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} "
+          f"threads; {len(prompts)} prompts, max_new_tokens={sampling.max_new_tokens}, "
+          f"temperature={sampling.temperature}, topk={topk}")
+    lengths = [len(encode_chat(tokenizer, messages_for(p, [], 0))[0]) for p in prompts]
+    print(f"[bench] prompt tokens: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, "
+          f"max {max(lengths)}")
+
+    results = {}
+    for batch_size in dict.fromkeys([1, int(cfg.collect.batch_size)]):
+        backend = HFBackend(model, tokenizer.pad_token_id, stop_ids, sampling, topk, batch_size)
+        collect_shard(backend, tokenizer, prompts[:1], sampling, seed=0)  # warm-up
+        t = time.perf_counter()
+        rows = collect_shard(backend, tokenizer, prompts, sampling, seed=0)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(r["completion_ids"]) for r in rows)
+        results[batch_size] = (tokens, seconds, rows)
+        sizes = [len(b) for b in backend._batches(lengths)]
+        print(f"[bench] batch {backend.batch_size:>3}: {tokens:>6} tokens in {seconds:7.1f}s = "
+              f"{tokens / seconds:8.1f} tokens/s" + (f"  (length-sorted batches of {sizes})" if batch_size > 1 else ""))
+    (t1, s1, _), (tb, sb, rows) = results[1], results[max(results)]
+    print(f"[bench] speed-up from batching: {(tb / sb) / (t1 / s1):.2f}x")
+
+    tokens = sum(len(r["completion_ids"]) for r in rows)
+    base = disk_bytes(rows, 0)
+    print(f"[bench] disk without labels: {base / tokens:6.1f} bytes per completion token (prompt_ids included)")
+    if topk:
+        labelled = disk_bytes(rows, topk)
+        print(f"[bench] disk with topk={topk}: {labelled / tokens:6.1f} bytes per completion token; the labels "
+              f"add {(labelled - base) / tokens:.1f} B/token = {(labelled - base) / tokens:.0f} MB per million tokens")
+
+
+if __name__ == "__main__":
+    main()
