@@ -3,13 +3,15 @@
 Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV caches for both models.
 p = target distribution, q = draft distribution (see eval/sampling.py for the math).
 
-Cache invariant, for both decoders: the target cache holds every committed token except the last one,
-which is fed at the next step. So the prefill covers prompt[:-1], every target pass produces
-generated tokens, and "target passes (prefill excluded)" is 1.0 per token for plain decoding.
-The draft cache holds a prefix of the committed tokens; the rest ("pending", 1 token, or 2 after a
-fully accepted block, because the draft never fed its own last proposal) goes into the next draft pass.
+Caches: each model's cache holds a prefix of the committed tokens (prompt + accepted output) and the
+next forward feeds the rest. There is no separate prefill pass: the first forward of each model feeds
+the whole prompt (with the drafts, for the target), like HF generate's prefill that also yields the first
+token. So every target pass yields tokens (accepted + 1), plain decoding is exactly 1.0 token per pass,
+and no forward is spent that HF would not spend. The time of each model's first forward is reported as
+prefill_time, not in the per-forward lists, so that c compares decoding steps only. After a step the
+target cache lacks only the newest token; the draft cache lacks 1 token, or 2 after a fully accepted
+block (the draft never fed its own last proposal), fed together in its next forward.
 """
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -25,13 +27,13 @@ from pipeline.errors import PipelineError
 class DecodeStats:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens, one entry per verify pass
     drafted: list[int] = field(default_factory=list)  # draft tokens proposed per verify pass (γ, clamped at the end)
-    target_passes: int = 0  # target forwards after the prefill
+    target_passes: int = 0  # target forwards; each yields accepted + 1 tokens (the first also reads the prompt)
     n_generated: int = 0
-    draft_times: list[float] = field(default_factory=list)  # seconds per draft forward
-    target_times: list[float] = field(default_factory=list)  # seconds per target forward (prefill excluded)
+    draft_times: list[float] = field(default_factory=list)  # seconds per draft forward, the first excluded
+    target_times: list[float] = field(default_factory=list)  # seconds per target forward, the first excluded
     sampling_time: float = 0.0  # probabilities, sampling, accept/resample, the host sync for the result
     cache_time: float = 0.0  # cache crops and sequence bookkeeping
-    prefill_time: float = 0.0
+    prefill_time: float = 0.0  # each model's first forward, the one that reads the prompt
     total_time: float = 0.0
 
     @property
@@ -83,14 +85,6 @@ def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: in
     return F.linear(hidden[0, -n_logits:], *head).float()
 
 
-def prefill(model, prompt: torch.Tensor) -> DynamicCache:
-    """A cache holding prompt[:-1]; the last prompt token is fed by the first decoding step."""
-    cache = DynamicCache(config=model.config)
-    if prompt.shape[1] > 1:
-        model.model(input_ids=prompt[:, :-1], cache=cache, use_cache=True)
-    return cache
-
-
 def crop(cache: DynamicCache, length: int) -> None:
     # transformers 5.x: crop(n) takes a negative count of tokens to drop (a positive max length raises).
     excess = cache.get_seq_length() - length
@@ -98,36 +92,66 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)
 
 
-def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads, p_probs, q_probs,
-                     draft_vocab, generator, stats) -> tuple[torch.Tensor, list[int]]:
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one generate call; q differs from p only by draft_temperature."""
+    temperature: float
+    draft_temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # Then p and q are one-hot, acceptance is "argmax matches" and the residual is p: argmaxes suffice.
+        return self.temperature == 0 and self.draft_temperature == 0
+
+    def p(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def q(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.draft_temperature, self.top_k, self.top_p)
+
+
+def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads, sampling, draft_vocab,
+                     stats) -> tuple[torch.Tensor, list[int]]:
     """Drafts γ tokens, verifies them in one target pass, rolls both caches back to the committed prefix.
 
     seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
     """
     device, committed = seq.device, seq.shape[1]
     drafts, qs = [], []
-    tokens = seq[:, draft_cache.get_seq_length():]  # pending tokens the draft has not seen yet
+    tokens = seq[:, draft_cache.get_seq_length():]  # committed tokens the draft has not seen yet
     for _ in range(gamma):
         t0 = _now(device)
         logits = forward(draft, tokens, draft_cache, heads[1])
         t1 = _now(device)
-        q = q_probs(logits)  # [1, V_draft]: exactly the distribution the draft token is sampled from
-        index = sample(q, generator)
+        if sampling.greedy:
+            index = logits.argmax(-1)
+        else:
+            qs.append(sampling.q(logits))  # [1, V_draft]: exactly the distribution the token is sampled from
+            index = sample(qs[-1], sampling.generator)
         tokens = (index if draft_vocab is None else draft_vocab[index]).view(1, 1)
         drafts.append(tokens[0])
-        qs.append(q)
         stats.draft_times.append(t1 - t0)
         stats.sampling_time += _now(device) - t1
 
     drafts = torch.cat(drafts) if gamma else seq.new_empty(0)
     t0 = _now(device)
-    logits = forward(target, torch.cat([seq[:, -1:], drafts.view(1, -1)], 1), target_cache, heads[0], gamma + 1)
+    # Committed tokens the target has not seen (the newest one; the whole prompt at first) + the drafts.
+    tokens = torch.cat([seq[:, target_cache.get_seq_length():], drafts.view(1, -1)], 1)
+    logits = forward(target, tokens, target_cache, heads[0], gamma + 1)
     t1 = _now(device)
-    p = p_probs(logits)  # [γ+1, V]
-    q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
-    if draft_vocab is not None:  # q is zero outside the subset; the residual then covers those tokens exactly
-        q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, draft_vocab, q)
-    n_accepted, next_token = verify_draft(p, q, drafts, generator)
+    if sampling.greedy:
+        best = logits.argmax(-1)  # [γ+1]
+        n_accepted = (best[:-1] == drafts).long().cumprod(0).sum()
+        next_token = best.index_select(0, n_accepted.view(1))[0]
+    else:
+        p = sampling.p(logits)  # [γ+1, V]
+        q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
+        if draft_vocab is not None and gamma:  # q is 0 outside the subset; the residual covers those exactly
+            q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, draft_vocab, q)
+        n_accepted, next_token = verify_draft(p, q, drafts, sampling.generator)
     # The one host sync of the step: we need n to crop the caches and the ids to check EOS.
     result = torch.cat([n_accepted.view(1), drafts, next_token.view(1)]).tolist()
     t2 = _now(device)
@@ -135,7 +159,7 @@ def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads
     new_tokens = result[1:1 + n] + result[-1:]
 
     seq = torch.cat([seq, drafts[:n].view(1, -1), next_token.view(1, 1)], 1)
-    crop(target_cache, committed + n)  # verify appended γ+1 tokens; keep all committed but the newest
+    crop(target_cache, committed + n)  # drop rejected drafts; keep all committed tokens but the newest
     crop(draft_cache, min(draft_cache.get_seq_length(), committed + n))  # drop rejected drafts
     stats.cache_time += _now(device) - t2
     stats.target_times.append(t1 - t0)
@@ -144,6 +168,13 @@ def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads
     stats.drafted.append(gamma)
     stats.target_passes += 1
     return seq, new_tokens
+
+
+def _split_prefill(stats: DecodeStats) -> None:
+    """Each model's first forward read the whole prompt: report it as prefill, not as a decoding step."""
+    for times in (stats.target_times, stats.draft_times):
+        if times:
+            stats.prefill_time += times.pop(0)
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -198,6 +229,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
 
     draft_temperature (None = temperature) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a
     1-D LongTensor of target ids the draft may propose; its head is restricted to those rows.
+    generator, if given, must live on the models' device (it drives draft sampling and acceptance).
     """
     _validate(max_new_tokens, temperature, top_k, top_p)
     _validate_pair(target, draft, gamma, draft_temperature, draft_vocab)
@@ -206,26 +238,25 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
     stats = DecodeStats()
     eos = _eos_set(eos_token_id)
     draft_temperature = temperature if draft_temperature is None else draft_temperature
-    p_probs = functools.partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)
-    q_probs = functools.partial(logits_to_probs, temperature=draft_temperature, top_k=top_k, top_p=top_p)
+    sampling = Sampling(temperature, draft_temperature, top_k, top_p, generator)
     if draft_vocab is not None:
         draft_vocab = draft_vocab.to(device)
     heads = (output_head(target), output_head(draft, draft_vocab))
 
     seq = _prompt(input_ids, device)
-    target_cache, draft_cache = prefill(target, seq), prefill(draft, seq)
-    stats.prefill_time = _now(device) - start
+    target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
     out: list[int] = []
     while len(out) < max_new_tokens:
         # A step yields at most γ+1 tokens; drafting past max_new_tokens would be wasted work.
         step_gamma = min(gamma, max_new_tokens - len(out) - 1)
         seq, new_tokens = speculative_step(target, draft, seq, target_cache, draft_cache, step_gamma, heads,
-                                           p_probs, q_probs, draft_vocab, generator, stats)
+                                           sampling, draft_vocab, stats)
         hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         out += new_tokens if hit is None else new_tokens[:hit + 1]
         if hit is not None:
             break
     stats.n_generated = len(out)
+    _split_prefill(stats)
     stats.total_time = _now(device) - start
     return GenerationOutput(torch.tensor(out, dtype=torch.long), stats)
 
@@ -240,10 +271,8 @@ def autoregressive_generate(target, input_ids, max_new_tokens=128, temperature=0
     stats = DecodeStats()
     eos = _eos_set(eos_token_id)
     head = output_head(target)
-    token = _prompt(input_ids, device)
-    cache = prefill(target, token)
-    token = token[:, -1:]
-    stats.prefill_time = _now(device) - start
+    token = _prompt(input_ids, device)  # the first forward feeds the whole prompt
+    cache = DynamicCache(config=target.config)
     out = []
     for _ in range(max_new_tokens):
         t0 = _now(device)
@@ -260,5 +289,6 @@ def autoregressive_generate(target, input_ids, max_new_tokens=128, temperature=0
             break
     stats.target_passes = stats.n_generated = len(out)
     tokens = torch.cat(out).view(-1).cpu()
+    _split_prefill(stats)
     stats.total_time = _now(device) - start
     return GenerationOutput(tokens, stats)

@@ -1,0 +1,271 @@
+"""The acceptance simulator, draft-temperature calibration, the cost ratio c and the best γ.
+
+Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
+serving distribution p_T (temperature, top-k, top-p from the collect manifest, via eval/sampling.py) is
+compared with the draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). The expected
+acceptance of a position is α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1); at T=0 both are
+one-hot and α is argmax agreement.
+
+Per-position acceptance for a block of γ drafts starting at position t is P_k = Π_{i<k} α_{t+i} (the first k
+drafts all accepted), averaged over t; the expected tokens per target pass is 1 + Σ_{k≤γ} P_k, and the
+predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exactly Leviathan et al.'s
+(1 − α^(γ+1)) / ((1 − α)(γc + 1)); the measured P_k keep the burstiness of real acceptance (easy stretches).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from distill.draft import column_map
+from distill.trainer import completion_hidden, layout
+from eval.sampling import expected_acceptance, logits_to_probs
+
+OVERALL = "overall"
+
+
+@dataclass
+class Sampling:
+    """Serving sampling settings: the distribution the target samples from at inference."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class HeldOut:
+    """Held-out rows with the target's serving distribution at each completion position (computed once).
+
+    p_ids/p_probs [N, m]: the m most likely tokens of p_T and their probabilities (T=0: m=1, the argmax);
+    `p_tail` [N] is the mass left out (an upper bound on the error of α from the truncation).
+    """
+    rows: list[dict]
+    domains: list[str]
+    p_ids: torch.Tensor
+    p_probs: torch.Tensor
+    p_tail: torch.Tensor
+    row_of: torch.Tensor
+    sampling: Sampling
+    batch_size: int
+    pad_token_id: int
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.p_ids.shape[0])
+
+
+def _batches(rows: list[dict], batch_size: int, pad: int, device):
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        batch = layout([r["prompt_ids"] for r in chunk], [r["completion_ids"] for r in chunk], pad)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        yield batch, batch["labels"] != -100
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _head_logits(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits over the full head or its `vocab` rows (works with a swapped-in SubsetHead too)."""
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if vocab is not None:
+        weight, bias = weight[vocab], None if bias is None else bias[vocab]
+    return F.linear(hidden, weight, bias).float()
+
+
+@torch.no_grad()
+def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampling, support: int = 128,
+                  batch_size: int = 8, max_prompt_length: int = 512, max_completion_length: int = 256,
+                  pad_token_id: int = 0) -> HeldOut:
+    """One target pass over the held-out rows (prompts truncated from the left, completions from the right)."""
+    rows = [{"prompt_ids": list(r["prompt_ids"])[-max_prompt_length:],
+             "completion_ids": list(r["completion_ids"])[:max_completion_length]} for r in rows]
+    keep = [i for i, r in enumerate(rows) if r["prompt_ids"] and r["completion_ids"]]
+    rows, domains = [rows[i] for i in keep], [domains[i] for i in keep]
+    target.eval()
+    ids, probs, tails, row_of = [], [], [], []
+    m = 1 if sampling.temperature == 0 else support
+    for b, (batch, mask) in enumerate(_batches(rows, batch_size, pad_token_id, _device(target))):
+        logits = _head_logits(target, completion_hidden(target, batch)[mask], None)
+        p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        top = p.topk(min(m, p.shape[-1]), -1)
+        ids.append(top.indices.cpu())
+        probs.append(top.values.cpu())
+        tails.append((1 - top.values.sum(-1)).clamp_min(0).cpu())
+        row_of.append((torch.arange(mask.shape[0], device=mask.device)[:, None] + b * batch_size)
+                      .expand_as(mask)[mask].cpu())
+    return HeldOut(rows, domains, torch.cat(ids), torch.cat(probs), torch.cat(tails), torch.cat(row_of),
+                   sampling, batch_size, pad_token_id)
+
+
+@torch.no_grad()
+def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """α per held-out position for each draft temperature τ: [len(temperatures), N]."""
+    was_training = draft.training
+    draft.eval()
+    device = _device(draft)
+    vocab = None if vocab is None else vocab.to(device)
+    column_of = column_map(vocab, draft.config.vocab_size)
+    s = heldout.sampling
+    out, start = [], 0
+    for batch, mask in _batches(heldout.rows, heldout.batch_size, heldout.pad_token_id, device):
+        logits = _head_logits(draft, completion_hidden(draft, batch)[mask], vocab)
+        n = logits.shape[0]
+        p_ids = heldout.p_ids[start:start + n].to(device)
+        p = heldout.p_probs[start:start + n].to(device)
+        cols = p_ids if column_of is None else column_of[p_ids]
+        alphas = []
+        for tau in temperatures:
+            q = logits_to_probs(logits, tau, s.top_k, s.top_p)
+            q_at = q.gather(-1, cols.clamp_min(0)) * (cols >= 0)  # q is 0 outside the subset
+            alphas.append(expected_acceptance(p, q_at).cpu())
+        out.append(torch.stack(alphas))
+        start += n
+    draft.train(was_training)
+    return torch.cat(out, 1)
+
+
+def domain_index(heldout: HeldOut) -> dict[str, torch.Tensor]:
+    """Domain -> boolean mask over positions, plus OVERALL."""
+    row_domains = heldout.domains
+    names = sorted(set(row_domains))
+    per_row = torch.tensor([names.index(d) for d in row_domains])
+    pos_domain = per_row[heldout.row_of]
+    masks = {d: pos_domain == i for i, d in enumerate(names)}
+    masks[OVERALL] = torch.ones_like(pos_domain, dtype=torch.bool)
+    return masks
+
+
+def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, gamma_max: int) -> list[float]:
+    """P_k, k = 1..γmax: the chance that the first k drafts of a block are all accepted, averaged over the
+    block's start position (windows that fit inside a completion), for the positions selected by `positions`."""
+    rows = defaultdict(list)
+    for a, r, keep in zip(alpha.tolist(), heldout.row_of.tolist(), positions.tolist()):
+        if keep:
+            rows[r].append(a)
+    if not rows:
+        return [0.0] * gamma_max
+    length = max(len(v) for v in rows.values())
+    a = torch.full((len(rows), length), float("nan"), dtype=torch.float64)
+    for i, v in enumerate(rows.values()):
+        a[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
+    result, prod = [], torch.ones_like(a)
+    for k in range(1, gamma_max + 1):
+        prod = prod[:, :a.shape[1] - k + 1] * a[:, k - 1:]  # prod[t] = Π_{i<k} a[t+i]
+        valid = ~torch.isnan(prod)
+        result.append(float(prod[valid].mean()) if valid.any() else result[-1] if result else 0.0)
+    return result
+
+
+def accepted_length(per_position: list[float], gamma: int) -> float:
+    """Expected tokens per target pass (accepted drafts + the bonus/correction token)."""
+    return 1.0 + sum(per_position[:gamma])
+
+
+def summarize(alpha: torch.Tensor, heldout: HeldOut, gamma: int = 4, gamma_max: int = 8) -> dict[str, dict]:
+    """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ."""
+    out = {}
+    for name, mask in domain_index(heldout).items():
+        per_position = per_position_acceptance(alpha, heldout, mask, max(gamma, gamma_max))
+        out[name] = {"acceptance": float(alpha[mask].mean()) if mask.any() else 0.0,
+                     "mean_accepted_length": accepted_length(per_position, gamma),
+                     "per_position_acceptance": per_position[:max(gamma, gamma_max)],
+                     "positions": int(mask.sum())}
+    return out
+
+
+def heldout_metrics(summary: dict[str, dict], gamma: int, prefix: str = "heldout") -> dict[str, float]:
+    """Flat MLflow metrics from `summarize`."""
+    flat = {}
+    for name, s in summary.items():
+        flat[f"{prefix}/acceptance/{name}"] = s["acceptance"]
+        flat[f"{prefix}/mean_accepted_length_g{gamma}/{name}"] = s["mean_accepted_length"]
+    return flat
+
+
+def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=None, refine: int = 5) -> dict:
+    """Per domain and overall, the draft temperature τ maximising mean α against p_T.
+
+    τ is searched as a multiple of the serving temperature T over `ratios`, then refined on `refine` points
+    (geometric) between the best ratio's neighbours: two passes over the held-out rows in all. T=0 (greedy):
+    τ = 0, α = argmax agreement. Returns {"temperature": {d: τ}, "acceptance": {d: α(τ)},
+    "acceptance_at_serving": {d: α(T)}, "alpha": {d: per-position α at d's τ}}.
+    """
+    T = heldout.sampling.temperature
+    masks = domain_index(heldout)
+    if T == 0:
+        alpha = acceptance(draft, heldout, [0.0], vocab)[0]
+        acc = {d: float(alpha[m].mean()) for d, m in masks.items()}
+        return {"temperature": {d: 0.0 for d in masks}, "acceptance": acc, "acceptance_at_serving": acc,
+                "alpha": {d: alpha for d in masks}}
+    ratios = sorted(set(float(r) for r in ratios) | {1.0})
+    taus = [r * T for r in ratios]
+    table = dict(zip(taus, acceptance(draft, heldout, taus, vocab)))
+    fine = set()
+    for d, m in masks.items():
+        best = max(range(len(taus)), key=lambda i: float(table[taus[i]][m].mean()))
+        lo, hi = taus[max(best - 1, 0)], taus[min(best + 1, len(taus) - 1)]
+        if hi > lo and refine > 0:
+            fine.update(lo * (hi / lo) ** (j / (refine + 1)) for j in range(1, refine + 1))
+    fine = sorted(t for t in fine if t not in table)
+    if fine:
+        table.update(zip(fine, acceptance(draft, heldout, fine, vocab)))
+    result = {"temperature": {}, "acceptance": {}, "acceptance_at_serving": {}, "alpha": {}}
+    for d, m in masks.items():
+        tau = max(table, key=lambda t: float(table[t][m].mean()))
+        result["temperature"][d] = round(tau, 4)
+        result["acceptance"][d] = float(table[tau][m].mean())
+        result["acceptance_at_serving"][d] = float(table[T][m].mean())
+        result["alpha"][d] = table[tau]
+    return result
+
+
+@torch.no_grad()
+def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context_length: int = 64,
+                       steps: int = 24, warmup: int = 4, seed: int = 0) -> dict:
+    """c = median draft forward / median target forward for one decoding step (1 token, KV cache, the
+    draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up."""
+    device = _device(target)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (1, context_length + warmup + steps), generator=g).to(device)
+    heads = {}
+    for name, model, rows in (("target", target, None), ("draft", draft, vocab)):
+        head = model.get_output_embeddings()
+        w = head.weight if rows is None else head.weight[rows.to(device)]
+        heads[name] = (model, w, DynamicCache(config=model.config))
+        model.model(input_ids=tokens[:, :context_length], cache=heads[name][2], use_cache=True)
+    times = {"target": [], "draft": []}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(warmup + steps):
+        tok = tokens[:, context_length + i:context_length + i + 1]
+        for name, (model, w, cache) in heads.items():
+            sync()
+            t0 = time.perf_counter()
+            hidden = model.model(input_ids=tok, cache=cache, use_cache=True).last_hidden_state
+            F.linear(hidden[:, -1], w).float().argmax(-1)
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    target_s, draft_s = statistics.median(times["target"]), statistics.median(times["draft"])
+    return {"c": draft_s / target_s, "draft_forward_ms": 1e3 * draft_s, "target_forward_ms": 1e3 * target_s}
+
+
+def best_gamma(per_position: list[float], c: float, gammas: list[int]) -> tuple[int, dict[int, float]]:
+    """γ maximising the predicted speedup (1 + Σ_{k≤γ} P_k) / (γc + 1); returns (γ, {γ: speedup})."""
+    speedups = {int(g): accepted_length(per_position, int(g)) / (int(g) * c + 1) for g in gammas
+                if int(g) <= len(per_position)}
+    return max(speedups, key=speedups.get), speedups
+
+
+def predicted_speedup_iid(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. 2023, Thm 3.8 with i.i.d. acceptance α (for reference next to the measured one)."""
+    from eval.sampling import expected_walltime_improvement
+    return float(expected_walltime_improvement(min(alpha, 1 - 1e-9), gamma, c)) if not math.isnan(alpha) else 0.0

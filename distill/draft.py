@@ -1,0 +1,172 @@
+"""Draft construction (`model.draft.init`) and the FR-Spec vocabulary subset.
+
+- `pretrained`: a small model of the target's family (local dir / hub id / packaged GGUF), same tokenizer.
+- `derive`: a subset of the target's layers with its embeddings, final norm and (tied) head
+  (`pipeline.models.derive_draft`), optionally narrowed to `derive.hidden_size` by keeping the hidden
+  dimensions with the largest embedding norm (structured pruning of every weight's hidden axis).
+- `fresh`: the target's architecture and vocabulary with `fresh.*` sizes, randomly initialised.
+
+FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked
+Speculative Sampling"): the draft's head is restricted to the K target tokens most frequent in the
+collected completions (stop tokens always included). The exported weights keep the full vocabulary, so
+the draft stays an ordinary HF model; the id list travels in speculative.json and the project's decoder
+slices the head at load time. Training and evaluation here use the same sliced head (`SubsetHead`).
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Iterable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from pipeline.errors import PipelineError
+from pipeline.models import check_compatible, derive_draft, load_model, load_tokenizer, resolve_model
+
+INITS = ("derive", "pretrained", "fresh")
+
+
+def build_draft(spec: DictConfig | dict, target, target_tokenizer, paths, seed: int = 0):
+    """(draft model in fp32 on the target's device, tokenizer, description for manifests)."""
+    spec = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
+    init = spec.get("init") or "derive"
+    device = next(target.parameters()).device
+    if init == "pretrained":
+        path = resolve_model(spec, "draft", paths)
+        draft, tokenizer = load_model(path, device, torch.float32), load_tokenizer(path)
+        check_compatible(target_tokenizer, tokenizer, target, draft)
+        return draft, tokenizer, {"init": "pretrained", "path": str(path)}
+    if init == "derive":
+        derive = spec.get("derive") or {}
+        layers = derive.get("layers")
+        if layers is None:
+            raise PipelineError("model.draft.init=derive needs model.draft.derive.layers: e.g. [0, 1, 2, 3]")
+        draft = derive_draft(target, list(layers)).float()
+        width = derive.get("hidden_size")
+        if width and int(width) != target.config.hidden_size:
+            draft = narrow_hidden(draft, int(width))
+        return draft.to(device), target_tokenizer, {"init": "derive", "layers": [int(i) for i in layers],
+                                                    "hidden_size": draft.config.hidden_size}
+    if init == "fresh":
+        fresh = spec.get("fresh") or {}
+        config = copy.deepcopy(target.config)
+        for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads"):
+            if fresh.get(key):
+                setattr(config, key, int(fresh[key]))
+        config.head_dim = config.hidden_size // config.num_attention_heads
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1] * config.num_hidden_layers
+        torch.manual_seed(seed)
+        draft = type(target)(config).float()
+        return draft.to(device).eval(), target_tokenizer, {"init": "fresh", **{k: getattr(config, k) for k in (
+            "num_hidden_layers", "hidden_size", "intermediate_size")}}
+    raise PipelineError(f"unknown model.draft.init={init!r}: use one of {', '.join(INITS)}")
+
+
+# Which axis of each Llama/Qwen2-style weight is the residual-stream (hidden) axis.
+_HIDDEN_AXIS = {"embed_tokens.weight": 1, "lm_head.weight": 1, "norm.weight": 0, "input_layernorm.weight": 0,
+                "post_attention_layernorm.weight": 0, "q_proj.weight": 1, "k_proj.weight": 1, "v_proj.weight": 1,
+                "o_proj.weight": 0, "gate_proj.weight": 1, "up_proj.weight": 1, "down_proj.weight": 0}
+
+
+def narrow_hidden(draft, width: int):
+    """The same layers with a `width`-dimensional residual stream: keep the hidden dimensions with the
+    largest embedding column norm and slice every weight's hidden axis (attention heads keep head_dim)."""
+    config = copy.deepcopy(draft.config)
+    if not 0 < width < config.hidden_size:
+        raise PipelineError(f"model.draft.derive.hidden_size={width} must be below the target's "
+                            f"{config.hidden_size}: use a smaller width or null")
+    config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    old = config.hidden_size
+    keep = draft.get_input_embeddings().weight.norm(dim=0).topk(width).indices.sort().values
+    config.hidden_size = width
+    narrow = type(draft)(config).to(next(draft.parameters()).dtype)
+    state = {}
+    for key, value in draft.state_dict().items():
+        suffix = ".".join(key.split(".")[-2:]) if not key.startswith("lm_head") else key
+        axis = _HIDDEN_AXIS.get(suffix)
+        if axis is None and old in value.shape and not key.endswith(".bias"):  # q/k/v biases: head axis
+            raise PipelineError(f"cannot narrow weight {key} of a {type(draft).__name__}: "
+                                "use derive.hidden_size=null or init=fresh for this architecture")
+        state[key] = value if axis is None else value.index_select(axis, keep.to(value.device))
+    narrow.load_state_dict(state)
+    if getattr(config, "tie_word_embeddings", False):
+        narrow.tie_weights()
+    return narrow.eval()
+
+
+def freeze_shared(draft) -> int:
+    """Freeze the input embeddings and the output head (shared with the target for a derived draft);
+    returns the number of parameters left to train."""
+    for module in (draft.get_input_embeddings(), draft.get_output_embeddings()):
+        for p in module.parameters():
+            p.requires_grad_(False)
+    return sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+
+def vocab_subset(completions: Iterable[list[int]], k: int, vocab_size: int, always: Iterable[int] = (),
+                 prompts: Iterable[list[int]] = ()) -> torch.Tensor:
+    """FR-Spec: `always` (stop tokens), then the ids most frequent in the target's `completions`, then those
+    most frequent in the `prompts` (same-domain text the target has not written), then the lowest unused ids
+    (BPE vocabularies assign ids in merge order, so low ids are the tokenizer corpus's most common pieces);
+    the first k, sorted.
+    """
+    if not 0 < k <= vocab_size:
+        raise PipelineError(f"model.draft.vocab_subset={k} is outside [1, {vocab_size}]: use 0 (off) or a "
+                            "value such as 4096")
+    chosen = dict.fromkeys(int(i) for i in always)
+    for source in (completions, prompts):
+        for token, _ in Counter(int(t) for ids in source for t in ids).most_common():
+            if len(chosen) >= k:
+                break
+            chosen.setdefault(token)
+    token = 0
+    while len(chosen) < k:
+        chosen.setdefault(token)
+        token += 1
+    return torch.tensor(sorted(list(chosen)[:max(k, len(set(always)))]), dtype=torch.long)
+
+
+def column_map(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """target id -> column in the subset head (−1 outside); None for a full-vocabulary head."""
+    if vocab is None:
+        return None
+    col = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab.device)
+    col[vocab] = torch.arange(len(vocab), device=vocab.device)
+    return col
+
+
+class SubsetHead(nn.Module):
+    """An output head restricted to the rows in `vocab`, sharing the full head's weight Parameter.
+
+    Swapped in for `lm_head` during training and evaluation so the draft computes exactly the logits the
+    decoder will use; the state dict is unchanged (`weight`), so checkpoints are ordinary full-vocab models.
+    """
+
+    def __init__(self, head: nn.Linear, vocab: torch.Tensor):
+        super().__init__()
+        self.weight = head.weight
+        self.bias = head.bias
+        self.register_buffer("vocab", vocab.to(head.weight.device), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[self.vocab]
+        return nn.functional.linear(hidden, self.weight[self.vocab], bias)
+
+
+def use_subset_head(draft, vocab: torch.Tensor | None):
+    """Restrict the draft's head to `vocab` in place (None: no-op). Returns the original head."""
+    head = draft.get_output_embeddings()
+    if vocab is not None and not isinstance(head, SubsetHead):
+        draft.set_output_embeddings(SubsetHead(head, vocab))
+    return head
+
+
+def restore_full_head(draft, head: nn.Module) -> None:
+    if isinstance(draft.get_output_embeddings(), SubsetHead):
+        draft.set_output_embeddings(head)
+    if getattr(draft.config, "tie_word_embeddings", False):
+        draft.tie_weights()

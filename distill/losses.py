@@ -1,0 +1,200 @@
+"""Distillation losses between the target (teacher, p) and the draft (q), per completion position.
+
+Convention as in eval/sampling.py: **p is the target distribution, q is the draft distribution.**
+
+Every loss returns one value per position ([N]); the trainer masks and averages. All math is in fp32.
+- `fkl`  forward KL(p ‖ q) = Σ p log(p/q) (mass-covering; the classic KD loss, Hinton et al. 2015)
+- `rkl`  reverse KL(q ‖ p) (mode-seeking; MiniLLM, Gu et al. 2024)
+- `jsd`  generalised JSD(β) = β KL(p ‖ m) + (1−β) KL(q ‖ m), m = β p + (1−β) q
+         (GKD, Agarwal et al. 2024, eq. 1; same convention as TRL's `generalized_jsd_loss`)
+- `tvd`  total variation ½ Σ |p − q| = 1 − Σ min(p, q): one minus the acceptance rate itself
+         (Leviathan et al. 2023; DistillSpec, Zhou et al. 2024)
+- `ce`   cross-entropy −log q(y) on the target's sampled token y (sequence-level KD, Kim & Rush 2016);
+         needs no teacher distribution. The loss temperature does not apply to it.
+
+The loss temperature divides both teacher and draft logits before the softmax (no T² factor, as TRL).
+
+Two teacher forms:
+- **dense**: teacher logits over the draft's output classes (online target forward). When the draft
+  predicts over a vocabulary subset (FR-Spec), the target logits are sliced to the same rows, i.e. the
+  teacher is renormalised over the subset: tokens outside it can never be drafted, so their mass is
+  unreachable for any draft, and the renormalised p is an optimum of both TVD and FKL under that limit.
+- **top-k** (`SparseTeacher`, cached by the collect stage at T=1): k ids and log-probs per position,
+  the tail (all other tokens) handled explicitly by `tail`:
+  * `bucket` (default): the tail is one extra "other" class holding the teacher's remaining mass,
+    compared against the draft's mass on every unlisted token. Every divergence stays finite and
+    proper, and the teacher's uncertainty is kept (renormalising would tell the draft the target is
+    more confident than it is). At T=1 this is exact on k+1 classes (a lower bound of the full-vocab
+    divergence, by data processing). At T≠1 the tail is assumed spread evenly over the unlisted
+    tokens (the only per-token tail value the cache allows).
+  * `renormalize`: the teacher is its top-k renormalised, zero elsewhere; the draft is still
+    penalised (TVD, JSD) for mass on unlisted tokens. Reverse KL is infinite under it (q > 0 where
+    p = 0) and is refused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import PipelineError
+
+LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
+TAILS = ("bucket", "renormalize")
+
+
+def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online") -> None:
+    """One-line errors for a loss configuration that cannot work."""
+    if name not in LOSSES:
+        raise PipelineError(f"unknown distillation loss {name!r}: use distill.loss=one of {', '.join(LOSSES)}")
+    if name == "jsd" and not 0.0 < float(beta) < 1.0:
+        raise PipelineError(f"distill.beta={beta} is outside (0, 1): JSD(β) needs 0 < β < 1 "
+                            "(use loss=fkl for β→0 or loss=rkl for β→1)")
+    if tail not in TAILS:
+        raise PipelineError(f"unknown distill.topk_tail={tail!r}: use bucket or renormalize")
+    if name == "rkl" and teacher == "topk" and tail == "renormalize":
+        raise PipelineError("reverse KL against a renormalised top-k teacher is infinite: "
+                            "use distill.topk_tail=bucket or distill.teacher=online")
+
+
+# ---------------------------------------------------------------- divergences on aligned log-probs
+# log_p, log_q: [N, C] log-probabilities over the same C classes (-inf = zero mass). Return [N].
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a ‖ b) = Σ a (log a − log b), with 0 log 0 = 0."""
+    a = log_a.exp()
+    terms = torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a))
+    return terms.sum(-1)
+
+
+def forward_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return _kl(log_p, log_q)
+
+
+def reverse_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return _kl(log_q, log_p)
+
+
+def jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+
+
+def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+# exp(-1e4) is 0 in fp32: a floor that keeps zero-mass classes at zero probability while their log stays
+# finite, so logaddexp/exp never see (-inf) - (-inf) and gradients stay free of NaN.
+LOG_FLOOR = -1e4
+
+
+def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    log_p, log_q = log_p.clamp_min(LOG_FLOOR), log_q.clamp_min(LOG_FLOOR)
+    if name == "fkl":
+        return forward_kl(log_p, log_q)
+    if name == "rkl":
+        return reverse_kl(log_p, log_q)
+    if name == "jsd":
+        return jsd(log_p, log_q, beta)
+    if name == "tvd":
+        return tvd(log_p, log_q)
+    raise PipelineError(f"{name!r} is not a divergence between distributions: use one of fkl, rkl, jsd, tvd")
+
+
+# ---------------------------------------------------------------- teachers
+@dataclass
+class SparseTeacher:
+    """Cached top-k teacher at the loss positions.
+
+    ids: [N, k] columns in the draft's output space (-1 = a token the draft cannot predict, e.g. outside
+    its vocabulary subset); logprobs: [N, k] target log-probs at T=1 over the full vocabulary;
+    n_unlisted: draft classes not listed (for the even-tail assumption at T≠1), [N] or an int;
+    n_tail: full-vocabulary tokens not in the top-k, V − k.
+    """
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    n_unlisted: torch.Tensor | int
+    n_tail: int
+
+
+def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int,
+                   column_of: torch.Tensor | None = None) -> SparseTeacher:
+    """Builds a SparseTeacher from cached target ids [N, k]; column_of maps a target id to its column in
+    the draft's vocabulary subset (-1 outside), None for a full-vocabulary draft."""
+    k = topk_ids.shape[-1]
+    if column_of is None:
+        ids, n_classes = topk_ids.long(), vocab_size
+    else:
+        ids, n_classes = column_of[topk_ids.long()], int((column_of >= 0).sum())
+    n_listed = (ids >= 0).sum(-1)
+    return SparseTeacher(ids, topk_logprobs.float(), n_classes - n_listed, vocab_size - k)
+
+
+def sparse_log_probs(teacher: SparseTeacher, temperature: float, tail: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher log-probs over the k listed classes + 1 "other" class, at the loss temperature: [N, k+1].
+
+    Listed tokens the draft cannot predict (id −1) are dropped, and what remains is renormalised: as for
+    the dense teacher, that mass is unreachable. Returns (log_p [N, k+1], valid [N, k]).
+    """
+    lp = teacher.logprobs
+    valid = teacher.ids >= 0
+    scaled = torch.where(valid, lp / temperature, torch.full_like(lp, -math.inf))
+    if tail == "bucket":
+        listed_mass = lp.exp().sum(-1).clamp(max=1.0)
+        tail_mass = (1.0 - listed_mass).clamp_min(0.0)
+        # Even-tail assumption: each of the n_tail unlisted tokens holds tail/n_tail at T=1; at temperature
+        # T its weight is (tail/n_tail)^(1/T). Only the unlisted tokens the draft can predict count.
+        per_token = torch.log(tail_mass.clamp_min(1e-30) / teacher.n_tail)
+        n_unlisted = torch.as_tensor(teacher.n_unlisted, dtype=lp.dtype, device=lp.device).expand_as(per_token)
+        log_other = per_token / temperature + torch.log(n_unlisted.clamp_min(1))
+        log_other = torch.where((tail_mass > 0) & (n_unlisted > 0), log_other, torch.full_like(log_other, -math.inf))
+    else:
+        log_other = torch.full_like(lp[..., 0], -math.inf)
+    logits = torch.cat([scaled, log_other.unsqueeze(-1)], -1)
+    return torch.log_softmax(logits, -1), valid
+
+
+def draft_sparse_log_probs(draft_logits: torch.Tensor, teacher: SparseTeacher, temperature: float,
+                           valid: torch.Tensor) -> torch.Tensor:
+    """The draft's log-probs on the same k+1 classes: the listed ids, then all other tokens together."""
+    z = draft_logits.float() / temperature
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    ids = teacher.ids.clamp_min(0)
+    listed = torch.where(valid, z.gather(-1, ids) - lse, torch.full_like(teacher.logprobs, -math.inf))
+    # log of the mass on every unlisted token, computed from the logits (not 1 − Σ listed) for stability
+    is_listed = torch.zeros_like(z).scatter_add_(-1, ids, valid.to(z.dtype)) > 0
+    none_left = is_listed.all(-1, keepdim=True)  # every class listed: "other" is empty
+    # (a row with nothing left keeps its logits here, so logsumexp stays finite and so do its gradients)
+    masked = torch.where(is_listed & ~none_left, torch.full_like(z, -math.inf), z)
+    other = torch.logsumexp(masked, -1, keepdim=True) - lse
+    other = torch.where(none_left, torch.full_like(other, -math.inf), other)
+    return torch.cat([listed, other], -1)
+
+
+# ---------------------------------------------------------------- the loss
+def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """−log q(y) per position; labels −100 (e.g. a token outside the draft's vocabulary subset) give 0."""
+    return F.cross_entropy(draft_logits.float(), labels.clamp_min(0), reduction="none") * (labels >= 0)
+
+
+def distillation_loss(name: str, draft_logits: torch.Tensor, *, teacher_logits: torch.Tensor | None = None,
+                      teacher: SparseTeacher | None = None, labels: torch.Tensor | None = None,
+                      temperature: float = 1.0, beta: float = 0.5, tail: str = "bucket") -> torch.Tensor:
+    """Per-position loss [N] for draft logits [N, C] against a dense (teacher_logits [N, C], same classes)
+    or a sparse (SparseTeacher) teacher; `ce` uses labels [N] (class indices, −100 = ignore)."""
+    if name == "ce":
+        if labels is None:
+            raise PipelineError("loss=ce needs the target's tokens as labels")
+        return cross_entropy(draft_logits, labels)
+    if teacher_logits is not None:
+        log_p = torch.log_softmax(teacher_logits.float() / temperature, -1)
+        log_q = torch.log_softmax(draft_logits.float() / temperature, -1)
+    elif teacher is not None:
+        log_p, valid = sparse_log_probs(teacher, temperature, tail)
+        log_q = draft_sparse_log_probs(draft_logits, teacher, temperature, valid)
+    else:
+        raise PipelineError(f"loss={name} needs a teacher: distill.teacher=online or topk")
+    return divergence(name, log_p, log_q, beta)

@@ -1,0 +1,450 @@
+"""Distill stage: losses against hand-computed values, top-k vs online teacher, a short distillation that
+raises held-out acceptance, temperature calibration, export round-trip (HF assisted generation), resume,
+two processes under accelerate, and bad input refused with one line. Tiny random models; CPU; fixed seeds."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.losses import distillation_loss, sparse_teacher
+from pipeline.errors import PipelineError
+from tests.conftest import REPO, tiny_llama
+
+VOCAB = 96
+SPECIALS = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+DOMAINS = ("chat", "code")
+
+
+# ---------------------------------------------------------------- fixtures
+def tiny_tokenizer():
+    """A word-level tokenizer over a fixed vocabulary, built offline, with a minimal chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def peaked_target(seed: int = 0):
+    """A tiny random Llama whose next-token distributions are peaked (a scaled head), like a real LM's."""
+    model = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=4, seed=seed, tie=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+def collect(target, path: Path, n_prompts: int = 24, new_tokens: int = 24, temperature: float = 1.0,
+            topk: int = 16, seed: int = 0) -> Path:
+    """A collect-stage output (dataset + manifest) sampled from `target`, with top-k labels at T=1."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_prompts):
+        domain = DOMAINS[i % len(DOMAINS)]
+        prompt = [2, 4] + torch.randint(6, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() + [3, 2, 5]
+        ids = torch.tensor([prompt])
+        completion, ids_k, lps_k = [], [], []
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                logp = target(ids).logits[0, -1].float().log_softmax(-1)
+                top = logp.topk(topk)
+                probs = (logp / temperature).softmax(-1)
+                tok = int(torch.multinomial(probs, 1, generator=g))
+                completion.append(tok)
+                ids_k.append(top.indices.tolist())
+                lps_k.append(top.values.tolist())
+                ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+        rows.append({"id": f"{domain}-{i}/t0/s0", "prompt_id": f"{domain}-{i}", "domain": domain, "turn": 0,
+                     "sample": 0, "prompt_ids": prompt, "completion_ids": completion, "text": "",
+                     "finish_reason": "length", "topk_ids": ids_k, "topk_logprobs": lps_k})
+    path.mkdir(parents=True, exist_ok=True)
+    Dataset.from_list(rows).save_to_disk(str(path / "dataset"))
+    (path / "manifest.json").write_text(json.dumps({"sampling": {"temperature": temperature, "top_p": 1.0,
+                                                                 "top_k": 0}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("distill")
+    target = peaked_target()
+    tok = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    return {"root": root, "target": root / "target", "collect": collect(target, root / "collect")}
+
+
+class Tracker:
+    """Records what the stage logs (stands in for MLflow)."""
+
+    def __init__(self):
+        self.metrics, self.steps = {}, []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+        self.steps.append((step, dict(metrics)))
+
+    def log_params(self, params): ...
+    def log_artifact(self, path, artifact_path=None): ...
+    def log_artifacts(self, path, artifact_path=None): ...
+    def set_tags(self, tags): ...
+
+
+def overrides(setup, out: Path, *extra: str) -> list[str]:
+    return [f"paths.artifacts={out}", f"model.target.path={setup['target']}", f"paths.collect={setup['collect']}",
+            "tracking.enabled=false", "runtime.device=cpu", "model.draft.derive.layers=[0]",
+            "model.draft.vocab_subset=0", "distill.max_steps=40", "distill.batch_size=4", "distill.eval_steps=20",
+            "distill.save_steps=20", "distill.learning_rate=3e-3", "distill.heldout_fraction=0.25",
+            "distill.cost.steps=4", "distill.max_train_minutes=null", "seed=0", *extra]
+
+
+def compose(setup, out: Path, *extra: str):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides(setup, out, *extra))
+
+
+def run_stage(setup, out: Path, *extra: str):
+    from distill.stage import run
+
+    tracker = Tracker()
+    return run(compose(setup, out, *extra), tracker), tracker
+
+
+# ---------------------------------------------------------------- losses
+# p = target, q = draft over three tokens; each expected value is worked out by hand in its comment.
+P, Q = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
+HAND = {
+    # ½(|.5−.2| + |.3−.5| + |.2−.3|) = ½(.3 + .2 + .1)
+    ("tvd", None): 0.3,
+    # .5 ln(.5/.2) + .3 ln(.3/.5) + .2 ln(.2/.3) = .45815 − .15325 − .08109
+    ("fkl", None): 0.2238047,
+    # .2 ln(.2/.5) + .5 ln(.5/.3) + .3 ln(.3/.2) = −.18326 + .25541 + .12164
+    ("rkl", None): 0.1937942,
+    # m = βp + (1−β)q; β KL(p‖m) + (1−β) KL(q‖m). β=.5: m = (.35, .4, .25)
+    ("jsd", 0.1): 0.0196612,
+    ("jsd", 0.5): 0.0508746,
+    ("jsd", 0.9): 0.0175626,
+}
+
+
+def logits(probs):
+    return torch.tensor([probs]).log()
+
+
+@pytest.mark.parametrize("name,beta", list(HAND), ids=[f"{n}{'' if b is None else b}" for n, b in HAND])
+def test_loss_matches_hand_computed_value(name, beta):
+    loss = distillation_loss(name, logits(Q), teacher_logits=logits(P), beta=beta or 0.5)
+    assert loss.shape == (1,)
+    assert loss.item() == pytest.approx(HAND[(name, beta)], abs=1e-5)
+
+
+def test_cross_entropy_is_negative_log_prob_of_the_target_token():
+    loss = distillation_loss("ce", logits(Q), labels=torch.tensor([1]))
+    assert loss.item() == pytest.approx(-math.log(0.5), abs=1e-6)  # q(token 1) = .5
+    assert distillation_loss("ce", logits(Q), labels=torch.tensor([-100])).item() == 0.0  # ignored position
+
+
+def test_loss_temperature_softens_both_distributions():
+    # T=2: p ∝ √p = (.7071, .5477, .4472)/1.7020 = (.41545, .32180, .26275); q likewise = (.26275, .41545, .32180)
+    # TVD = ½(.15270 + .09365 + .05905)
+    loss = distillation_loss("tvd", logits(Q), teacher_logits=logits(P), temperature=2.0)
+    assert loss.item() == pytest.approx(0.1526948, abs=1e-5)
+
+
+def test_topk_bucket_is_exact_on_the_listed_tokens_plus_other():
+    # p = (.5, .3, .15, .05), top-2 listed, "other" = .2; q uniform: (.25, .25) + other .5
+    # TVD = ½(.25 + .05 + .3) = .3; FKL = .5 ln 2 + .3 ln 1.2 + .2 ln .4
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    teacher = sparse_teacher(torch.tensor([[0, 1]]), p[:, :2].log(), vocab_size=4)
+    q = torch.zeros(1, 4)
+    assert distillation_loss("tvd", q, teacher=teacher).item() == pytest.approx(0.3, abs=1e-6)
+    fkl = 0.5 * math.log(2) + 0.3 * math.log(1.2) + 0.2 * math.log(0.4)
+    assert distillation_loss("fkl", q, teacher=teacher).item() == pytest.approx(fkl, abs=1e-6)
+    # renormalize: p = (.625, .375) on the listed tokens, 0 elsewhere; TVD = ½(.375 + .125 + .5)
+    assert distillation_loss("tvd", q, teacher=teacher, tail="renormalize").item() == pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
+def test_cached_topk_teacher_is_close_to_online_teacher(name):
+    """At loss temperature 1 with the top-32 holding ~97% of the mass. (Reverse KL is the most tail-sensitive:
+    a draft's mass on tokens the target finds unlikely is weighted by log q/p. At T != 1 the cached tail is an
+    even-spread estimate; distill/losses.py says so.)"""
+    torch.manual_seed(0)
+    vocab, k = 512, 32
+    teacher_logits = torch.randn(64, vocab) * 4  # peaked, like an LM
+    draft_logits = teacher_logits * 0.9 + torch.randn(64, vocab) * 0.5
+    logp = teacher_logits.log_softmax(-1)
+    top = logp.topk(k)
+    assert top.values.exp().sum(-1).mean() > 0.95
+    online = distillation_loss(name, draft_logits, teacher_logits=teacher_logits).mean()
+    # float16 log-probs, as the collect stage stores them
+    cached = distillation_loss(name, draft_logits, teacher=sparse_teacher(top.indices, top.values.half().float(), vocab)).mean()
+    assert cached.item() == pytest.approx(online.item(), rel=0.08)
+
+
+def test_losses_have_finite_gradients_with_a_vocab_subset():
+    from distill.draft import column_map
+
+    torch.manual_seed(0)
+    subset = torch.arange(0, 64, 2)
+    column_of = column_map(subset, 64)
+    teacher_logits = torch.randn(8, 64) * 3
+    top = teacher_logits.log_softmax(-1).topk(8)
+    for name in ("fkl", "rkl", "jsd", "tvd"):
+        draft = torch.randn(8, len(subset), requires_grad=True)
+        loss = distillation_loss(name, draft, teacher=sparse_teacher(top.indices, top.values, 64, column_of)).sum()
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(draft.grad).all(), name
+
+
+def test_unknown_loss_or_bad_beta_is_refused():
+    from distill.losses import check_loss
+
+    with pytest.raises(PipelineError, match="unknown distillation loss"):
+        check_loss("kl")
+    with pytest.raises(PipelineError, match="outside"):
+        check_loss("jsd", beta=1.0)
+    with pytest.raises(PipelineError, match="infinite"):
+        check_loss("rkl", tail="renormalize", teacher="topk")
+
+
+# ---------------------------------------------------------------- draft construction
+def test_vocab_subset_keeps_stop_tokens_and_the_most_frequent_tokens():
+    from distill.draft import vocab_subset
+
+    completions = [[10, 10, 10, 11, 11, 12], [10, 13, 11]]
+    subset = vocab_subset(completions, 4, vocab_size=50, always=[1])
+    assert subset.tolist() == [1, 10, 11, 12]  # the stop token 1 even though it never occurs
+    with_prompts = vocab_subset([[10, 10, 11]], 4, vocab_size=50, always=[1], prompts=[[30, 30, 31, 10]])
+    assert with_prompts.tolist() == [1, 10, 11, 30]  # then the prompts' most frequent tokens
+    filled = vocab_subset([[40]], 3, vocab_size=50, always=[1])
+    assert filled.tolist() == [0, 1, 40]  # too few distinct tokens: the lowest (most common BPE) ids fill in
+
+
+def test_subset_head_is_full_vocab_on_save(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from distill.draft import restore_full_head, use_subset_head
+
+    model = tiny_llama(vocab_size=VOCAB, layers=1, tie=True)
+    head = use_subset_head(model, torch.arange(10))
+    assert model(torch.tensor([[3, 4]])).logits.shape[-1] == 10
+    model.save_pretrained(tmp_path)
+    restore_full_head(model, head)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded(torch.tensor([[3, 4]])).logits.shape[-1] == VOCAB
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_narrower_derived_draft_runs():
+    from distill.draft import narrow_hidden
+    from pipeline.models import derive_draft
+
+    target = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, tie=True)
+    draft = narrow_hidden(derive_draft(target, [0]), 32)
+    assert draft.config.hidden_size == 32 and draft.lm_head.weight.shape == (VOCAB, 32)
+    assert torch.isfinite(draft(torch.tensor([[3, 4, 5]])).logits).all()
+
+
+# ---------------------------------------------------------------- calibration
+@pytest.mark.parametrize("scale", [1.5, 1 / 1.5])
+def test_calibration_recovers_a_known_temperature(scale):
+    """Draft logits = target logits × s, so q_τ = p_T exactly at τ = s·T: calibration must find it
+    (s = 1/1.5 is "draft = target logits / 1.5", whose best τ is T/1.5)."""
+    import copy
+
+    from distill.calibrate import Sampling, build_heldout, calibrate_temperature
+
+    target = peaked_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1 / 20)  # moderate peaks, so temperature matters everywhere
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(scale)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
+             "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
+    T = 0.8
+    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), support=VOCAB, pad_token_id=1)
+    result = calibrate_temperature(draft, heldout, [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0], refine=7)
+    for domain in ("a", "b", "overall"):
+        assert result["temperature"][domain] == pytest.approx(scale * T, rel=0.04)
+        assert result["acceptance"][domain] == pytest.approx(1.0, abs=0.01)
+    assert result["acceptance_at_serving"]["overall"] < 0.97
+
+
+def test_best_gamma_follows_the_walltime_formula():
+    from distill.calibrate import best_gamma
+
+    alpha = 0.8
+    gamma, speedups = best_gamma([alpha ** k for k in range(1, 9)], c=0.05, gammas=range(1, 9))
+    formula = {g: (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * 0.05 + 1)) for g in range(1, 9)}
+    assert gamma == max(formula, key=formula.get)
+    assert speedups[4] == pytest.approx(formula[4])
+    assert best_gamma([0.1 ** k for k in range(1, 9)], c=0.3, gammas=range(1, 9))[0] == 1
+
+
+# ---------------------------------------------------------------- the stage
+@pytest.fixture(scope="module")
+def distilled(setup):
+    """One short distillation of a one-layer draft (shared frozen embeddings/head) on the tiny target."""
+    result, tracker = run_stage(setup, setup["root"] / "run")
+    return result, tracker, setup["root"] / "run"
+
+
+def test_short_distillation_raises_heldout_acceptance(distilled):
+    result, tracker, _ = distilled
+    assert result["acceptance_after"] - result["acceptance_before"] > 0.15, result
+    steps = [s for s, m in tracker.steps if "heldout/acceptance/overall" in m]
+    assert steps == [20, 40]  # the acceptance simulator ran at every eval step
+    assert "heldout/mean_accepted_length_g4/chat" in tracker.metrics
+
+
+def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
+    _, _, out = distilled
+    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    for key in ("target", "serving_temperature", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
+        assert key in spec
+    assert set(spec["draft_temperature"]) == set(spec["gamma"]) == {"chat", "code", "default"}
+    assert spec["acceptance"]["after"]["overall"] > spec["acceptance"]["before"]["overall"]
+    assert 0 < spec["cost"]["c"] < 5
+    card = (out / "draft" / "README.md").read_text()
+    assert f"{spec['acceptance']['after']['chat']:.3f}" in card  # the card shows this run's numbers
+    assert (out / "draft_init" / "config.json").exists() and (out / "draft" / "tokenizer.json").exists()
+
+
+def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):
+    from transformers import AutoModelForCausalLM
+
+    _, _, out = distilled
+    target = AutoModelForCausalLM.from_pretrained(setup["target"]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(out / "draft").eval()
+    assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == VOCAB
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.cat([torch.tensor([[2, 4]]), torch.randint(6, VOCAB, (1, 6), generator=g)], 1)
+        kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=1, eos_token_id=None)
+        plain = target.generate(ids, **kwargs)
+        assisted = target.generate(ids, assistant_model=draft, **kwargs)
+        assert torch.equal(plain, assisted)
+
+
+def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
+    result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.teacher=online",
+                                "distill.lmbda=0.5", "distill.max_steps=6", "distill.loss=fkl")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert len(spec["vocab_subset"]) == 48 and 1 in spec["vocab_subset"] and 3 in spec["vocab_subset"]
+    assert tracker.metrics["on_policy_batches"] > 0
+
+
+def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, monkeypatch, capsys):
+    from distill.trainer import DistillTrainer
+
+    compute = DistillTrainer.compute_loss
+    calls = {"n": 0}
+
+    def crash_at_step_30(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 30:
+            raise KeyboardInterrupt("simulated crash")
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistillTrainer, "compute_loss", crash_at_step_30)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(setup, tmp_path)
+    checkpoints = list((tmp_path / "distill_ckpt").glob("*/checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-20"]
+    assert not (tmp_path / "draft").exists()  # nothing half-exported
+    monkeypatch.setattr(DistillTrainer, "compute_loss", compute)
+    capsys.readouterr()
+    result, _ = run_stage(setup, tmp_path)
+    assert "resuming from" in capsys.readouterr().out and "checkpoint-20" in str(checkpoints[0])
+    uninterrupted = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    assert result["acceptance_after"] == pytest.approx(uninterrupted["acceptance"]["after"]["overall"], abs=0.02)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (("paths.collect=/nonexistent",), "no collected data"),
+    (("distill.loss=kl",), "unknown distillation loss"),
+    (("model.draft.derive.layers=[0,9]",), "out of range"),
+])
+def test_bad_input_is_one_clear_error(setup, tmp_path, extra, match):
+    with pytest.raises(PipelineError, match=match):
+        run_stage(setup, tmp_path, *extra)
+    assert not (tmp_path / "draft").exists()
+
+
+def test_draft_with_another_tokenizer_is_refused(setup, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    words[10], words[11] = words[11], words[10]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    draft = tiny_llama(vocab_size=VOCAB, layers=1)
+    draft.save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(PipelineError, match="different ids"):
+        run_stage(setup, tmp_path / "out", "model.draft.init=pretrained", f"model.draft.path={tmp_path / 'other'}")
+
+
+def test_two_processes_with_accelerate(setup, tmp_path):
+    """`accelerate launch --num_processes 2 -m pipeline stage=distill` on CPU (gloo)."""
+    if shutil.which("accelerate") is None:
+        pytest.skip("accelerate CLI not installed")
+    cmd = ["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "pipeline", "stage=distill",
+           *overrides(setup, tmp_path, "runtime.threads=1", "distill.max_steps=10", "distill.eval_steps=5",
+                      "distill.save_steps=5")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0 and any(s in output for s in ("Gloo", "gloo", "Address already in use", "c10d")):
+        pytest.skip(f"two CPU processes cannot rendezvous here: {output.strip().splitlines()[-1][:200]}")
+    assert proc.returncode == 0, output[-3000:]
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 10
+    assert output.count("held-out acceptance before") == 1  # evaluation runs on the main process only
+
+
+@pytest.mark.smoke
+def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant(real_target, tmp_path):
+    """The embedded SmolLM2 target: a two-layer derived draft with an FR-Spec head, exported, reloaded and used
+    as HF `assistant_model`: greedy output equals the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    from distill.draft import build_draft, use_subset_head
+    from distill.export import full_vocab, save_draft
+
+    target, tokenizer = real_target
+    draft, draft_tok, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})
+    head = use_subset_head(draft, torch.arange(4096))
+    assert draft(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 4096
+    save_draft(full_vocab(draft, head), draft_tok, tmp_path / "draft", {"vocab_subset": list(range(4096))}, "# card",
+               target.generation_config)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(ids, **kwargs), target.generate(ids, assistant_model=reloaded, **kwargs))

@@ -1,0 +1,125 @@
+"""End to end on the real embedded model with the quick budget: `stage=all`, its resume after a
+crash, MLflow runs, and `dvc repro` in a fresh clone (first run executes, second is a no-op)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.smoke, pytest.mark.slow]
+
+
+def _shared_model_cache() -> list[str]:
+    # Reuse the converted embedded model across runs: conversion is tested elsewhere.
+    return [f"paths.models={REPO / 'artifacts/models'}", f"paths.cache={REPO / 'artifacts/cache'}"]
+
+
+def _pipeline(*overrides: str, cwd: Path = REPO, timeout: int = 1200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "pipeline", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, real_target_path):
+    """A quick `stage=all` that first crashes in distill (bad loss name), then is rerun."""
+    artifacts = tmp_path_factory.mktemp("e2e") / "artifacts"
+    common = ["experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache()]
+    crashed = _pipeline(*common, "distill.loss=no_such_loss")
+    resumed = _pipeline(*common)
+    return artifacts, crashed, resumed
+
+
+def test_interrupted_run_fails_cleanly_and_resumes(quick_run):
+    artifacts, crashed, resumed = quick_run
+    assert crashed.returncode == 2, crashed.stderr[-2000:]
+    assert len(crashed.stderr.strip().splitlines()) == 1 and "no_such_loss" in crashed.stderr
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # collect's finished shards from the crashed run are reused, not regenerated
+    done = re.search(r"(\d+) shards \((\d+) already done\)", resumed.stdout)
+    assert done and done.group(1) == done.group(2), resumed.stdout[-3000:]
+
+
+def test_every_artifact_is_written_with_its_schema(quick_run):
+    artifacts, _, resumed = quick_run
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (artifacts / f"prompts/{split}.jsonl").read_text().splitlines()]
+        assert rows and all({"id", "domain", "turns"} <= set(r) for r in rows)
+
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(artifacts / "collect/dataset"))
+    assert {"id", "domain", "prompt_ids", "completion_ids", "text", "finish_reason"} <= set(ds.column_names)
+    assert set(ds["finish_reason"]) <= {"eos", "length"}
+    assert json.loads((artifacts / "collect/manifest.json").read_text())["sampling"]
+
+    for name in ("draft", "draft_init"):
+        assert (artifacts / name / "config.json").exists()
+    spec = json.loads((artifacts / "draft/speculative.json").read_text())
+    assert {"target", "draft_temperature", "gamma"} <= set(spec)
+    assert (artifacts / "draft/README.md").read_text().strip()
+
+    metrics = json.loads((artifacts / "eval/metrics.json").read_text())
+    assert {"gamma", "temperature", "target", "draft", "domains", "overall"} <= set(metrics)
+    for domain, m in metrics["domains"].items():
+        spec_m = m["speculative"]
+        assert 0.0 <= spec_m["acceptance_rate"] <= 1.0
+        assert spec_m["mean_accepted_length"] >= 1.0
+        assert {"tokens_per_s", "latency_p50_s", "latency_p95_s", "c", "per_position_acceptance"} <= set(spec_m)
+        assert m["autoregressive"]["tokens_per_s"] > 0 and m["speedup"] > 0
+        assert m["greedy_match"] == 1.0, f"greedy speculative output differs from the target's on {domain}"
+    assert (artifacts / "eval/report.md").read_text().count("|") > 10
+    assert list((artifacts / "eval").glob("*.png"))
+    # the per-domain table is printed at the end of the run
+    assert "overall" in resumed.stdout[-4000:]
+
+
+def test_mlflow_holds_one_nested_run_per_stage(quick_run):
+    artifacts, _, resumed = quick_run
+    assert resumed.returncode == 0
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{artifacts / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("draft-distillation")
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'")
+    by_name = {}
+    for r in runs:
+        by_name.setdefault(r.info.run_name, []).append(r)
+    assert {"all", "prepare", "collect", "distill", "eval"} <= set(by_name)
+    parent = by_name["all"][-1].info.run_id
+    for stage in ("prepare", "collect", "distill", "eval"):
+        child = [r for r in by_name[stage] if r.data.tags.get("mlflow.parentRunId") == parent]
+        assert child, f"{stage} is not nested under the stage=all run"
+        assert child[0].data.metrics, f"{stage} logged no metrics"
+        assert child[0].data.tags.get("git_commit")
+    eval_run = [r for r in by_name["eval"] if r.data.tags.get("mlflow.parentRunId") == parent][0]
+    assert any(k.startswith("overall") or "acceptance" in k for k in eval_run.data.metrics)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_dvc_repro_runs_once_then_is_a_no_op(tmp_path, real_target_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    # Same pipeline, smoke-sized budget and the shared model cache.
+    extra = " ".join(["experiment=quick", "tracking.enabled=false", *_shared_model_cache()])
+    dvc_yaml = clone / "dvc.yaml"
+    dvc_yaml.write_text(re.sub(r"(cmd: python -m pipeline stage=\w+)", rf"\1 {extra}", dvc_yaml.read_text()))
+    dvc = [sys.executable, "-m", "dvc"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DVC_NO_ANALYTICS": "1"}
+    first = subprocess.run([*dvc, "repro"], cwd=clone, env=env, capture_output=True, text=True, timeout=1500)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert (clone / "artifacts/eval/metrics.json").exists()
+    second = subprocess.run([*dvc, "repro"], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Running stage" not in second.stdout, second.stdout
+    status = subprocess.run([*dvc, "status"], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    assert "up to date" in status.stdout.lower(), status.stdout

@@ -1,0 +1,331 @@
+"""The speculative decoder: exactness (greedy and sampled), cache rollback, stopping, stats, input errors."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from eval import sampling
+from eval.sampling import expected_acceptance, logits_to_probs
+from eval.speculative import (autoregressive_generate, forward, output_head, speculative_generate,
+                              speculative_step, DecodeStats, Sampling)
+from pipeline.errors import PipelineError
+
+torch.set_num_threads(1)
+VOCAB = 16
+
+
+def tiny_llama(seed: int, vocab: int = VOCAB) -> LlamaForCausalLM:
+    # initializer_range 0.2 (not HF's 0.02) so outputs depend on context and are far from uniform:
+    # otherwise target and draft agree by accident and distribution tests have no power.
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    """The target with small weight noise: agrees often (greedy agreement and acceptance well above the far draft)."""
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def far_draft():
+    """An independent random model: almost never agrees with the target."""
+    return tiny_llama(1)
+
+
+@pytest.fixture(scope="module")
+def drafts(target, close_draft, far_draft):
+    return {"close": close_draft, "far": far_draft, "same": target}
+
+
+def random_prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("draft_name", ["close", "far"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_autoregressive(target, drafts, draft_name, gamma):
+    accepted = 0
+    for prompt in random_prompts(8, seed=gamma):
+        expected = autoregressive_generate(target, prompt, 20, temperature=0).tokens
+        out = speculative_generate(target, drafts[draft_name], prompt, 20, gamma=gamma, temperature=0)
+        assert out.tokens.tolist() == expected.tolist()
+        accepted += out.stats.n_accepted
+    assert accepted > 0 or draft_name == "far"
+
+
+def test_drafts_agree_often_and_rarely(target, close_draft, far_draft):
+    """Guards the fixtures: the tests below need one draft that mostly agrees and one that mostly does not."""
+    tokens = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        p = logits_to_probs(target(tokens).logits, 1.0)
+        close, far = (logits_to_probs(d(tokens).logits, 1.0) for d in (close_draft, far_draft))
+    assert expected_acceptance(p, close).mean() > 0.7 and expected_acceptance(p, far).mean() < 0.5
+    assert (p.argmax(-1) == close.argmax(-1)).float().mean() > 0.5 > 0.2 > (p.argmax(-1) == far.argmax(-1)).float().mean()
+
+
+def test_greedy_with_draft_vocab_subset_equals_autoregressive(target, close_draft):
+    subset = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13])
+    for prompt in random_prompts(4, seed=11):
+        expected = autoregressive_generate(target, prompt, 16, temperature=0).tokens
+        out = speculative_generate(target, close_draft, prompt, 16, gamma=3, temperature=0, draft_vocab=subset)
+        assert out.tokens.tolist() == expected.tolist()
+
+
+def test_greedy_target_with_a_sampling_draft_equals_autoregressive(target, far_draft):
+    """temperature 0 with draft_temperature > 0 takes the general accept/residual path with a one-hot p."""
+    generator = torch.Generator().manual_seed(7)
+    for prompt in random_prompts(4, seed=12):
+        expected = autoregressive_generate(target, prompt, 16, temperature=0).tokens
+        out = speculative_generate(target, far_draft, prompt, 16, gamma=3, temperature=0, draft_temperature=1.0,
+                                   generator=generator)
+        assert out.tokens.tolist() == expected.tolist()
+
+
+# ---- distribution: chi-square of speculative samples against the target's exact joint of 2 tokens ----
+
+PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~4 forwards of the tiny models
+
+
+def exact_joint(target, temperature, top_k=0, top_p=1.0) -> np.ndarray:
+    """P(x1, x2 | PROMPT) under the target with the same filtering, by enumerating x1 in one batch."""
+    with torch.inference_mode():
+        p1 = logits_to_probs(target(PROMPT.view(1, -1)).logits[0, -1], temperature, top_k, top_p)
+        both = torch.cat([PROMPT.expand(VOCAB, -1), torch.arange(VOCAB).view(-1, 1)], 1)
+        p2 = logits_to_probs(target(both).logits[:, -1], temperature, top_k, top_p)
+    return (p1.view(-1, 1) * p2).double().numpy()
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square over all cells, pooling cells with expected count < 5 into one."""
+    counts, expected = counts.ravel(), probs.ravel() * counts.sum()
+    small = expected < 5
+    assert counts[expected == 0].sum() == 0, "sampled a token the target gives probability 0"
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue  # exact sums for scipy
+
+
+def speculative_joint_counts(target, draft, n_samples, seed=0, **kwargs) -> np.ndarray:
+    # max_new_tokens 3 with gamma 2: the first step drafts 2 tokens, so both draft positions, the
+    # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    for _ in range(n_samples):
+        x = speculative_generate(target, draft, PROMPT, 3, gamma=2, generator=generator, **kwargs).tokens
+        counts[x[0], x[1]] += 1
+    return counts
+
+
+N_SAMPLES = 1200  # ~4 s per case on one core; the wrong sampler below is rejected with p < 1e-10 at this size
+
+
+@pytest.mark.parametrize("draft_name,kwargs", [
+    ("far", dict(temperature=1.0)),
+    ("close", dict(temperature=0.6)),
+    ("far", dict(temperature=0.8, top_k=5)),
+    ("far", dict(temperature=1.0, top_p=0.7)),
+    ("far", dict(temperature=0.7, draft_temperature=1.3)),
+    ("close", dict(temperature=1.0, draft_vocab=torch.tensor([0, 1, 2, 4, 6, 9, 10, 12, 14]))),
+], ids=["T1.0", "T0.6", "top_k", "top_p", "draft_temperature", "draft_vocab"])
+def test_speculative_samples_follow_target_distribution(target, drafts, draft_name, kwargs):
+    probs = exact_joint(target, kwargs["temperature"], kwargs.get("top_k", 0), kwargs.get("top_p", 1.0))
+    counts = speculative_joint_counts(target, drafts[draft_name], N_SAMPLES, **kwargs)
+    assert chi_square_pvalue(counts, probs) > 1e-3
+
+
+def test_distribution_test_rejects_resampling_from_target_instead_of_residual(target, far_draft, monkeypatch):
+    monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p)
+    counts = speculative_joint_counts(target, far_draft, N_SAMPLES, temperature=1.0)
+    assert chi_square_pvalue(counts, exact_joint(target, 1.0)) < 1e-6
+
+
+# ---- cache rollback ----
+
+def run_one_step(target, draft, prompt, gamma, sampling):
+    seq = prompt.view(1, -1)
+    caches = DynamicCache(config=target.config), DynamicCache(config=draft.config)
+    heads = output_head(target), output_head(draft)
+    stats = DecodeStats()
+    with torch.inference_mode():
+        seq, new = speculative_step(target, draft, seq, *caches, gamma, heads, sampling, None, stats)
+    return seq, caches, heads, new, stats.accepted[0]
+
+
+def assert_cache_continues_like_a_fresh_forward(model, seq, cache, head):
+    pending = seq[:, cache.get_seq_length():]
+    with torch.inference_mode():
+        cached = forward(model, pending, cache, head)[0]
+        fresh = model(seq).logits[0, -1]
+    torch.testing.assert_close(cached, fresh.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_name,temperature,expect_all", [
+    ("far", 0.0, False), ("close", 0.0, None), ("same", 0.0, True), ("far", 1.0, None), ("close", 1.0, None)])
+def test_caches_hold_exactly_the_accepted_prefix(target, drafts, draft_name, temperature, expect_all):
+    gamma = 4
+    sampling = Sampling(temperature, temperature, generator=torch.Generator().manual_seed(3))
+    for prompt in random_prompts(6, seed=21):
+        seq, (target_cache, draft_cache), heads, new, n = run_one_step(target, drafts[draft_name], prompt, gamma,
+                                                                       sampling)
+        assert seq.shape[1] == len(prompt) + n + 1 and seq[0, len(prompt):].tolist() == new
+        if expect_all is not None:
+            assert (n == gamma) == expect_all
+        # Target: everything but the newest token; draft: all accepted tokens it has fed, at most γ-1 drafts.
+        assert target_cache.get_seq_length() == seq.shape[1] - 1
+        assert draft_cache.get_seq_length() == len(prompt) + min(n, gamma - 1)
+        assert_cache_continues_like_a_fresh_forward(target, seq, target_cache, heads[0])
+        assert_cache_continues_like_a_fresh_forward(drafts[draft_name], seq, draft_cache, heads[1])
+
+
+# ---- stopping exactly where autoregressive decoding stops ----
+
+def greedy_reference(target, prompt, n):
+    return autoregressive_generate(target, prompt, n, temperature=0).tokens.tolist()
+
+
+def test_eos_inside_an_accepted_block_ends_generation_there(target):
+    prompt = torch.tensor([4, 1, 7])
+    reference = greedy_reference(target, prompt, 30)
+    eos = reference[2]
+    stop = reference.index(eos)  # first occurrence, inside the first block of γ+1 = 6 tokens
+    out = speculative_generate(target, target, prompt, 30, gamma=5, temperature=0, eos_token_id=eos)
+    assert out.tokens.tolist() == reference[:stop + 1]
+    assert out.stats.accepted[0] > stop  # the EOS was an accepted draft token, not the bonus token
+    ar = autoregressive_generate(target, prompt, 30, temperature=0, eos_token_id=eos)
+    assert ar.tokens.tolist() == reference[:stop + 1]
+
+
+def test_eos_as_a_list_stops_at_the_first_of_any(target, close_draft):
+    prompt = torch.tensor([2, 8])
+    reference = greedy_reference(target, prompt, 30)
+    eos = [reference[9], reference[5]]
+    stop = min(reference.index(e) for e in eos)
+    out = speculative_generate(target, close_draft, prompt, 30, gamma=3, temperature=0, eos_token_id=eos)
+    assert out.tokens.tolist() == reference[:stop + 1]
+    sampled = speculative_generate(target, close_draft, prompt, 200, gamma=3, temperature=1.0, eos_token_id=eos,
+                                   generator=torch.Generator().manual_seed(0)).tokens.tolist()
+    assert sampled[-1] in eos and not set(sampled[:-1]) & set(eos)
+
+
+@pytest.mark.parametrize("max_new_tokens,gamma", [(8, 5), (3, 10), (1, 4), (7, 3)])
+def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, gamma):
+    prompt = torch.tensor([5, 6, 7])
+    out = speculative_generate(target, target, prompt, max_new_tokens, gamma=gamma, temperature=0)
+    assert out.tokens.tolist() == greedy_reference(target, prompt, max_new_tokens)
+    assert len(out.tokens) == max_new_tokens
+    # The identical draft accepts everything, so each step drafts exactly what still fits before the bonus.
+    remaining, expected_drafted = max_new_tokens, []
+    while remaining > 0:
+        expected_drafted.append(min(gamma, remaining - 1))
+        remaining -= expected_drafted[-1] + 1
+    assert out.stats.drafted == expected_drafted
+
+
+# ---- stats ----
+
+@pytest.mark.parametrize("eos_token_id", [None, 3])
+def test_stats_are_consistent(target, close_draft, eos_token_id):
+    generator = torch.Generator().manual_seed(1)
+    for prompt in random_prompts(5, seed=31):
+        out = speculative_generate(target, close_draft, prompt, 40, gamma=4, temperature=1.0,
+                                   eos_token_id=eos_token_id, generator=generator)
+        s = out.stats
+        assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted)) and s.n_accepted <= s.n_drafted
+        # Each model's first forward (the one reading the prompt) is timed as prefill, not as a step.
+        assert s.target_passes == len(s.accepted) == len(s.drafted) == len(s.target_times) + 1
+        assert len(s.draft_times) == s.n_drafted - 1
+        truncated = sum(a + 1 for a in s.accepted) - len(out.tokens)
+        assert truncated == 0 or (eos_token_id is not None and out.tokens[-1] == eos_token_id
+                                  and truncated <= s.accepted[-1])
+        assert s.n_generated == len(out.tokens)
+        assert s.mean_accepted_length == pytest.approx(len(out.tokens) / s.target_passes)
+        assert s.total_time >= s.prefill_time + sum(s.draft_times) + sum(s.target_times)
+
+
+def test_autoregressive_stats_count_one_token_per_pass(target):
+    out = autoregressive_generate(target, torch.tensor([[1, 2, 3]]), 12, temperature=0.8,
+                                  generator=torch.Generator().manual_seed(0))
+    assert len(out.tokens) == out.stats.target_passes == len(out.stats.target_times) + 1 == 12
+    assert out.stats.mean_accepted_length == 1.0
+
+
+# ---- input validation ----
+
+def other_vocab_draft():
+    return tiny_llama(2, vocab=VOCAB + 4)
+
+
+@pytest.mark.parametrize("case,kwargs", [
+    ("gamma", dict(gamma=0)),
+    ("max_new_tokens", dict(max_new_tokens=0)),
+    ("temperature", dict(temperature=-1.0)),
+    ("top_p_zero", dict(top_p=0.0)),
+    ("top_p_above_one", dict(top_p=1.2)),
+    ("top_k", dict(top_k=-2)),
+    ("draft_temperature", dict(draft_temperature=-0.5)),
+    ("draft_vocab_range", dict(draft_vocab=torch.tensor([0, VOCAB]))),
+    ("batch", dict(input_ids=torch.zeros(2, 3, dtype=torch.long))),
+    ("empty_prompt", dict(input_ids=torch.zeros(0, dtype=torch.long))),
+])
+def test_bad_input_raises_one_line_pipeline_error(target, close_draft, case, kwargs):
+    kwargs = {"input_ids": torch.tensor([1, 2]), **kwargs}
+    with pytest.raises(PipelineError) as info:
+        speculative_generate(target, close_draft, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_draft_with_another_vocabulary_is_refused(target):
+    with pytest.raises(PipelineError, match="vocabulary"):
+        speculative_generate(target, other_vocab_draft(), torch.tensor([1, 2]))
+
+
+def test_draft_on_another_device_is_refused(target, close_draft):
+    draft = copy.deepcopy(close_draft).to("meta")  # a device other than the target's, without needing a GPU
+    with pytest.raises(PipelineError, match="device"):
+        speculative_generate(target, draft, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=2.0)])
+def test_autoregressive_bad_input_raises_pipeline_error(target, kwargs):
+    with pytest.raises(PipelineError):
+        autoregressive_generate(target, torch.tensor([1, 2]), **kwargs)
+
+
+# ---- real model ----
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
+
+
+@pytest.mark.smoke
+def test_greedy_speculative_equals_autoregressive_on_real_model(real_target):
+    from eval.bench import truncated_draft
+
+    torch.set_num_threads(1)
+    model, tokenizer = real_target
+    draft = truncated_draft(model, 2)
+    for prompt in CHAT_PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        expected = autoregressive_generate(model, ids, 24, temperature=0, eos_token_id=tokenizer.eos_token_id)
+        out = speculative_generate(model, draft, ids, 24, gamma=4, temperature=0, eos_token_id=tokenizer.eos_token_id)
+        assert out.tokens.tolist() == expected.tokens.tolist()
