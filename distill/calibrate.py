@@ -13,6 +13,7 @@ predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exact
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -234,6 +235,9 @@ def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context
     """c = median draft forward / median target forward for one decoding step (1 token, KV cache, the
     draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up."""
     device = _device(target)
+    dtype = next(target.parameters()).dtype
+    if next(draft.parameters()).dtype != dtype:  # time the draft as it will serve: in the target's dtype
+        draft = copy.deepcopy(draft).to(dtype)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.config.vocab_size, (1, context_length + warmup + steps), generator=g).to(device)
     heads = {}

@@ -7,6 +7,7 @@ ${paths.draft_init}) -> per-domain before/after table.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ from pipeline.models import check_compatible, load_role, model_identity
 TEACHERS = ("online", "topk")
 # Settings that change the result; everything else (logging, eval cadence, time guard) may change
 # between a crash and its resume.
-RESUME_NEUTRAL = {"resume", "eval_steps", "logging_steps", "save_steps", "save_total_limit", "max_train_minutes",
+RESUME_NEUTRAL = {"resume", "keep_checkpoints", "eval_steps", "logging_steps", "save_steps", "save_total_limit", "max_train_minutes",
                   "heldout_support", "eval_batch_size", "gammas", "tau_ratios", "tau_refine", "cost"}
 
 
@@ -45,6 +46,9 @@ def check_config(d: DictConfig) -> None:
         raise PipelineError(f"unknown distill.teacher={d.teacher!r}: use online or topk")
     if not 0.0 <= float(d.lmbda) <= 1.0:
         raise PipelineError(f"distill.lmbda={d.lmbda} is not a share in [0, 1]: use e.g. 0 (off) or 0.5")
+    if float(d.lmbda) > 0 and d.loss == "ce":
+        raise PipelineError("on-policy batches (distill.lmbda > 0) are labelled by the target's distribution, which "
+                            "loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set distill.lmbda=0")
     if not 0.0 < float(d.heldout_fraction) < 1.0:
         raise PipelineError(f"distill.heldout_fraction={d.heldout_fraction} must be in (0, 1): use e.g. 0.15")
     if float(d.loss_temperature) <= 0:
@@ -190,11 +194,6 @@ def _run(cfg: DictConfig, tracker) -> dict:
         f"rows over {len(set(held['domain']))} domains; draft {draft_info}, "
         f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params; serving T={sampling.temperature}"
         + (f"; FR-Spec head {len(vocab)} tokens" if vocab is not None else ""))
-    if main:
-        init_spec = {"target": target_ident, "serving_temperature": sampling.temperature,
-                     "sampling": vars(sampling), "draft": draft_info,
-                     "vocab_subset": vocab.tolist() if vocab is not None else None, "distilled": False}
-        save_draft(draft, draft_tokenizer, cfg.paths.draft_init, init_spec, None, target.generation_config)
 
     # ---- held-out target distributions and acceptance before
     gamma = int(d.gamma)
@@ -208,6 +207,12 @@ def _run(cfg: DictConfig, tracker) -> dict:
         tracker.log_metrics(cal.heldout_metrics(before, gamma, "heldout_before"), step=0)
         log(f"held-out acceptance before: {before[cal.OVERALL]['acceptance']:.3f} "
             f"({heldout.n_positions} positions, p truncation ≤ {float(heldout.p_tail.mean()):.4f})")
+        init_spec = {"target": target_ident, "serving_temperature": sampling.temperature,
+                     "sampling": vars(sampling), "draft": draft_info,
+                     "vocab_subset": vocab.tolist() if vocab is not None else None, "distilled": False,
+                     "acceptance": {"before": {k: v["acceptance"] for k, v in before.items()}}}
+        save_draft(copy.deepcopy(draft).to(next(target.parameters()).dtype), draft_tokenizer, cfg.paths.draft_init,
+                   init_spec, None, target.generation_config)
 
     # ---- teacher labels
     teacher = d.teacher
@@ -270,8 +275,11 @@ def _run(cfg: DictConfig, tracker) -> dict:
                            for s, t, m in history],
         "heldout": {"rows": len(heldout.rows), "positions": heldout.n_positions},
     }
-    save_draft(draft, draft_tokenizer, cfg.paths.draft, spec, model_card(spec, f"{cfg.model.draft.name} (distilled)"),
-               target.generation_config)
+    serving_dtype = next(target.parameters()).dtype  # what eval loads it as (bf16 on CUDA)
+    save_draft(draft.to(serving_dtype), draft_tokenizer, cfg.paths.draft, spec,
+               model_card(spec, f"{cfg.model.draft.name} (distilled)"), target.generation_config)
+    if not d.keep_checkpoints:
+        shutil.rmtree(Path(cfg.paths.artifacts) / "distill_ckpt" / fp, ignore_errors=True)
     print_table(spec, before, after, calib, best)
     metrics = {**cal.heldout_metrics(after, gamma, "heldout_after"), "c": cost["c"], "train_tokens": train_tokens,
                "train_minutes": minutes,
@@ -304,9 +312,15 @@ def train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops, heldout, 
     else:
         trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     device = next(target.parameters()).device
+    if not d.get("max_steps") and not d.get("max_epochs"):
+        raise PipelineError("distill.max_steps and distill.max_epochs are both null: set at least one")
     max_steps = int(d.max_steps) if d.get("max_steps") else -1
+    if d.get("max_epochs"):  # small collections: stop after max_epochs passes (held-out acceptance has flattened)
+        per_step = int(d.batch_size) * int(d.grad_accum) * state.num_processes
+        by_epochs = max(1, math.ceil(float(d.max_epochs) * len(train) / per_step))
+        max_steps = by_epochs if max_steps < 0 else min(max_steps, by_epochs)
     args = DistillConfig(
-        output_dir=str(out_dir), max_steps=max_steps, num_train_epochs=float(d.get("epochs") or 1),
+        output_dir=str(out_dir), max_steps=max_steps,
         per_device_train_batch_size=int(d.batch_size), gradient_accumulation_steps=int(d.grad_accum),
         learning_rate=float(d.learning_rate), weight_decay=float(d.weight_decay), warmup_steps=float(d.warmup),
         lr_scheduler_type=d.lr_scheduler, max_grad_norm=float(d.max_grad_norm),

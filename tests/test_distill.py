@@ -109,8 +109,8 @@ class Tracker:
 def overrides(setup, out: Path, *extra: str) -> list[str]:
     return [f"paths.artifacts={out}", f"model.target.path={setup['target']}", f"paths.collect={setup['collect']}",
             "tracking.enabled=false", "runtime.device=cpu", "model.draft.derive.layers=[0]",
-            "model.draft.vocab_subset=0", "distill.max_steps=40", "distill.batch_size=4", "distill.eval_steps=20",
-            "distill.save_steps=20", "distill.learning_rate=3e-3", "distill.heldout_fraction=0.25",
+            "model.draft.vocab_subset=0", "distill.max_steps=40", "distill.max_epochs=null", "distill.batch_size=4",
+            "distill.eval_steps=20", "distill.save_steps=20", "distill.learning_rate=3e-3", "distill.heldout_fraction=0.25",
             "distill.cost.steps=4", "distill.max_train_minutes=null", "seed=0", *extra]
 
 
@@ -349,8 +349,9 @@ def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(d
 
 def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.teacher=online",
-                                "distill.lmbda=0.5", "distill.max_steps=6", "distill.loss=fkl")
+                                "distill.lmbda=0.5", "distill.max_epochs=1", "distill.loss=fkl")
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 5  # max_epochs=1 caps max_steps: ceil(18 train rows / batch 4)
     assert len(spec["vocab_subset"]) == 48 and 1 in spec["vocab_subset"] and 3 in spec["vocab_subset"]
     assert tracker.metrics["on_policy_batches"] > 0
 
