@@ -125,7 +125,7 @@ def run_stage(tmp_path: Path, models: dict, *overrides: str, prompts: list[dict]
 def test_greedy_eval_writes_schema_report_plots_and_matches_autoregressive(tmp_path, models):
     metrics, out, tracker = run_stage(tmp_path, models, f"eval.draft={models['draft']}",
                                       f"eval.draft_init={models['draft_init']}", "eval.temperature=0",
-                                      "eval.gammas=[1,3]")
+                                      "eval.gammas=[1,3]", "eval.baselines=true")
     assert {"gamma", "temperature", "target", "draft", "domains", "overall"} <= set(metrics)
     assert metrics["temperature"] == 0 and metrics["gamma"] == 3  # the export's default γ
     assert set(metrics["domains"]) == {"chat", "code"}
