@@ -231,41 +231,74 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
 
 @torch.no_grad()
 def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context_length: int = 64,
-                       steps: int = 24, warmup: int = 4, seed: int = 0) -> dict:
+                       steps: int = 24, warmup: int = 4, seed: int = 0, max_verify: int = 0) -> dict:
     """c = median draft forward / median target forward for one decoding step (1 token, KV cache, the
-    draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up."""
+    draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up.
+
+    With max_verify = γmax > 0 it also times the target verifying k = 2..γmax+1 tokens in one forward:
+    `verify_ratio[γ]` = that time / one-token time (1 in the walltime formula's idealisation; ~1.4 at γ=4
+    for the embedded model on a 2-core CPU, where a forward is compute-bound).
+    """
     device = _device(target)
     dtype = next(target.parameters()).dtype
     if next(draft.parameters()).dtype != dtype:  # time the draft as it will serve: in the target's dtype
         draft = copy.deepcopy(draft).to(dtype)
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, target.config.vocab_size, (1, context_length + warmup + steps), generator=g).to(device)
+    n_tokens = context_length + warmup + steps + max_verify + 1
+    tokens = torch.randint(0, target.config.vocab_size, (1, n_tokens), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     heads = {}
     for name, model, rows in (("target", target, None), ("draft", draft, vocab)):
         head = model.get_output_embeddings()
         w = head.weight if rows is None else head.weight[rows.to(device)]
         heads[name] = (model, w, DynamicCache(config=model.config))
         model.model(input_ids=tokens[:, :context_length], cache=heads[name][2], use_cache=True)
+
+    def step(name, tok):
+        model, w, cache = heads[name]
+        sync()
+        t0 = time.perf_counter()
+        hidden = model.model(input_ids=tok, cache=cache, use_cache=True).last_hidden_state
+        F.linear(hidden[0], w).float().argmax(-1)
+        sync()
+        return time.perf_counter() - t0
+
     times = {"target": [], "draft": []}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for i in range(warmup + steps):
         tok = tokens[:, context_length + i:context_length + i + 1]
-        for name, (model, w, cache) in heads.items():
-            sync()
-            t0 = time.perf_counter()
-            hidden = model.model(input_ids=tok, cache=cache, use_cache=True).last_hidden_state
-            F.linear(hidden[:, -1], w).float().argmax(-1)
-            sync()
+        for name in heads:
+            t = step(name, tok)
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(t)
     target_s, draft_s = statistics.median(times["target"]), statistics.median(times["draft"])
-    return {"c": draft_s / target_s, "draft_forward_ms": 1e3 * draft_s, "target_forward_ms": 1e3 * target_s}
+    result = {"c": draft_s / target_s, "draft_forward_ms": 1e3 * draft_s, "target_forward_ms": 1e3 * target_s}
+    if max_verify:
+        cache = heads["target"][2]
+        base = cache.get_seq_length()
+        start = context_length + warmup + steps
+        ratios = {}
+        for gamma in range(1, max_verify + 1):
+            one, many = [], []
+            for _ in range(max(3, steps // 4)):  # paired with 1-token steps, so load drift cancels out
+                one.append(step("target", tokens[:, start:start + 1]))
+                cache.crop(base - cache.get_seq_length())  # transformers 5: a negative count drops tokens
+                many.append(step("target", tokens[:, start:start + gamma + 1]))
+                cache.crop(base - cache.get_seq_length())
+            ratios[gamma] = round(statistics.median(many) / statistics.median(one), 3)
+        result["verify_ratio"] = ratios
+    return result
 
 
-def best_gamma(per_position: list[float], c: float, gammas: list[int]) -> tuple[int, dict[int, float]]:
-    """γ maximising the predicted speedup (1 + Σ_{k≤γ} P_k) / (γc + 1); returns (γ, {γ: speedup})."""
-    speedups = {int(g): accepted_length(per_position, int(g)) / (int(g) * c + 1) for g in gammas
-                if int(g) <= len(per_position)}
+def best_gamma(per_position: list[float], c: float, gammas: list[int],
+               verify_ratio: dict[int, float] | None = None) -> tuple[int, dict[int, float]]:
+    """γ maximising the predicted speedup (1 + Σ_{k≤γ} P_k) / (γc + r_γ); returns (γ, {γ: speedup}).
+
+    r_γ = 1 (the default) is Leviathan et al.'s walltime formula; a measured `verify_ratio` (the target's
+    (γ+1)-token forward over its 1-token forward) accounts for verification not being free on CPUs.
+    """
+    verify_ratio = verify_ratio or {}
+    speedups = {int(g): accepted_length(per_position, int(g)) / (int(g) * c + verify_ratio.get(int(g), 1.0))
+                for g in gammas if int(g) <= len(per_position)}
     return max(speedups, key=speedups.get), speedups
 
 

@@ -26,7 +26,8 @@ Two teacher forms:
     proper, and the teacher's uncertainty is kept (renormalising would tell the draft the target is
     more confident than it is). At T=1 this is exact on k+1 classes (a lower bound of the full-vocab
     divergence, by data processing). At T≠1 the tail is assumed spread evenly over the unlisted
-    tokens (the only per-token tail value the cache allows).
+    tokens (the only per-token tail value the cache allows); that overstates the tail mass for T>1
+    (Jensen), so use teacher=online when the loss temperature is not 1.
   * `renormalize`: the teacher is its top-k renormalised, zero elsewhere; the draft is still
     penalised (TVD, JSD) for mass on unlisted tokens. Reverse KL is infinite under it (q > 0 where
     p = 0) and is refused.

@@ -216,6 +216,9 @@ def _run(cfg: DictConfig, tracker) -> dict:
 
     # ---- teacher labels
     teacher = d.teacher
+    if teacher == "topk" and d.loss != "ce" and float(d.loss_temperature) != 1.0:
+        log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={d.loss_temperature} their tail is an "
+            "even-spread estimate (distill/losses.py); distill.teacher=online is exact")
     if teacher == "topk" and d.loss != "ce" and "topk_ids" not in train.column_names:
         t0 = time.time()
         ids, lps = topk_labels(target, train, int(d.topk), int(d.eval_batch_size), tokenizer.pad_token_id,
@@ -238,14 +241,15 @@ def _run(cfg: DictConfig, tracker) -> dict:
     after_alpha = cal.acceptance(draft, heldout, [sampling.temperature], vocab)[0]
     after = cal.summarize(after_alpha, heldout, gamma)
     calib = cal.calibrate_temperature(draft, heldout, list(d.tau_ratios), vocab, int(d.tau_refine))
-    cost = cal.measure_cost_ratio(target, draft, vocab, int(d.cost.context_length), int(d.cost.steps))
-    cost["device"] = str(next(target.parameters()).device)
     gammas = [int(g) for g in d.gammas]
+    cost = cal.measure_cost_ratio(target, draft, vocab, int(d.cost.context_length), int(d.cost.steps),
+                                  max_verify=max(gammas) if d.cost.verify else 0)
+    cost["device"] = str(next(target.parameters()).device)
     best, speedups = {}, {}
     for dom, alpha in calib["alpha"].items():
         mask = cal.domain_index(heldout)[dom]
         per_position = cal.per_position_acceptance(alpha, heldout, mask, max(gammas))
-        best[dom], speedups[dom] = cal.best_gamma(per_position, cost["c"], gammas)
+        best[dom], speedups[dom] = cal.best_gamma(per_position, cost["c"], gammas, cost.get("verify_ratio"))
 
     def per_domain(values: dict) -> dict:
         out = {k: v for k, v in values.items() if k != cal.OVERALL}
