@@ -48,20 +48,24 @@ def _fmt(x, digits=3):
     return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _kv(d: dict | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in (d or {}).items())
+
+
 def model_card(spec: dict, title: str) -> str:
     """A short README: what the draft is, for which target, and its held-out numbers per domain."""
     acc = spec.get("acceptance", {})
     mal = spec.get("mean_accepted_length", {})
     g = mal.get("gamma", 4)
-    domains = [d for d in acc.get("after", {}) if d != "default"]
+    domains = [d for d in acc.get("after", {}) if d not in ("default", "overall")]
     lines = [f"# {title}", "",
              f"Draft model for speculative decoding with **{spec['target'].get('name') or spec['target'].get('path')}** "
              f"(target sha256 `{str(spec['target'].get('source_sha256'))[:12]}`), distilled on the target's own "
              "generations by this project's distill stage. Loads with `AutoModelForCausalLM.from_pretrained` and "
              "works as `assistant_model` in HF `generate`; `speculative.json` holds the calibration below.", "",
-             f"- draft: {spec.get('draft')}",
-             f"- training: {spec.get('training')}",
-             f"- serving sampling calibrated for: T={spec.get('serving_temperature')}, {spec.get('sampling')}",
+             f"- draft: {_kv(spec.get('draft'))}",
+             f"- training: {_kv(spec.get('training'))}",
+             f"- serving sampling calibrated for: {_kv(spec.get('sampling'))}",
              f"- cost ratio c (draft/target forward on {spec.get('cost', {}).get('device')}): "
              f"{_fmt(spec.get('cost', {}).get('c'))} ({_fmt(spec.get('cost', {}).get('draft_forward_ms'), 2)} ms / "
              f"{_fmt(spec.get('cost', {}).get('target_forward_ms'), 2)} ms)",
@@ -70,13 +74,18 @@ def model_card(spec: dict, title: str) -> str:
              f"Held-out expected acceptance Σ min(p, q) (teacher-forced on held-out collected rows) and predicted "
              f"mean accepted length at γ={g}, before and after distillation:", "",
              f"| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
-             f"| draft τ | best γ |", "|---|---|---|---|---|---|---|---|"]
+             f"| draft τ | best γ | predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for d in domains + ["overall"]:
         lines.append(f"| {d} | {_fmt(acc.get('before', {}).get(d))} | {_fmt(acc.get('after', {}).get(d))} | "
                      f"{_fmt(acc.get('after_calibrated', {}).get(d))} | {_fmt(mal.get('before', {}).get(d), 2)} | "
                      f"{_fmt(mal.get('after', {}).get(d), 2)} | "
                      f"{_fmt(spec['draft_temperature'].get(d, spec['draft_temperature'].get('default')), 2)} | "
-                     f"{spec['gamma'].get(d, spec['gamma'].get('default'))} |")
+                     f"{spec['gamma'].get(d, spec['gamma'].get('default'))} | "
+                     f"{_fmt(spec.get('predicted_speedup', {}).get(d), 2)} |")
+    verify = spec.get("cost", {}).get("verify_ratio")
+    lines += ["", "Predicted speedup = (1 + Σ_k≤γ P_k) / (γc + r_γ) from the measured per-position acceptance P_k, "
+              "c, and r_γ = the target's (γ+1)-token verify forward over its 1-token forward"
+              + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
               "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]
