@@ -182,14 +182,21 @@ def _run(cfg: DictConfig, tracker) -> dict:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
     keep_cols = [c for c in ("prompt_ids", "completion_ids", "topk_ids", "topk_logprobs") if c in dataset.column_names]
+    # Nothing here may write into the collected dataset's folder: datasets' map/filter/flatten cache files would
+    # land there and make DVC see collect's output as modified. Rows are chosen in Python and materialised once
+    # into our own cache (add_column needs that), one file per process.
     train = dataset.select(train_idx).select_columns(keep_cols)
-    train = train.filter(lambda r: len(r["prompt_ids"]) > 0 and len(r["completion_ids"]) > 0)
+    nonempty = [i for i, (p, c) in enumerate(zip(train["prompt_ids"], train["completion_ids"])) if p and c]
+    train = train.select(nonempty)
     held = dataset.select(held_idx)
     stops = stop_token_ids(tokenizer, target)
     k_subset = int(cfg.model.draft.get("vocab_subset") or 0)
     vocab = (vocab_subset(train["completion_ids"], k_subset, vocab_size, stops, train["prompt_ids"])
              if k_subset else None)
     fp = fingerprint(cfg, target_ident, manifest, len(dataset))
+    scratch = Path(cfg.paths.cache) / "distill"
+    scratch.mkdir(parents=True, exist_ok=True)
+    train = train.flatten_indices(cache_file_name=str(scratch / f"train-{fp}-rank{state.process_index}.arrow"))
     log(f"{len(train)} train rows ({sum(map(len, train['completion_ids'])):,} completion tokens), {len(held)} held-out "
         f"rows over {len(set(held['domain']))} domains; draft {draft_info}, "
         f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params; serving T={sampling.temperature}"
@@ -228,8 +235,8 @@ def _run(cfg: DictConfig, tracker) -> dict:
             "(the collected data has none)")
     if d.loss == "ce" or teacher == "online":
         train = train.remove_columns([c for c in ("topk_ids", "topk_logprobs") if c in train.column_names])
-    train = train.map(lambda r: {"length": len(r["prompt_ids"][-int(d.max_prompt_length):])
-                                 + len(r["completion_ids"][:int(d.max_completion_length)])})
+    train = train.add_column("length", [min(len(p), int(d.max_prompt_length)) + min(len(c), int(d.max_completion_length))
+                                        for p, c in zip(train["prompt_ids"], train["completion_ids"])])
 
     # ---- train
     history, train_tokens, steps, minutes = train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops,

@@ -333,6 +333,11 @@ def test_short_distillation_raises_heldout_acceptance(distilled):
     assert "heldout/mean_accepted_length_g4/chat" in tracker.metrics
 
 
+def test_distill_leaves_the_collected_data_untouched(distilled, setup):
+    # datasets' cache files written next to the input would make DVC rerun collect on every repro
+    assert not list((setup["collect"] / "dataset").glob("cache-*.arrow"))
+
+
 def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     _, _, out = distilled
     spec = json.loads((out / "draft" / "speculative.json").read_text())

@@ -1,5 +1,6 @@
 """End to end on the real embedded model with the quick budget: `stage=all`, its resume after a
-crash, MLflow runs, and `dvc repro` in a fresh clone (first run executes, second is a no-op)."""
+crash, MLflow runs, and `dvc repro` in a fresh clone (first run executes, second is a no-op,
+a swept distill param reruns distill and eval only)."""
 from __future__ import annotations
 
 import json
@@ -123,8 +124,15 @@ def test_dvc_repro_runs_once_then_is_a_no_op(tmp_path, real_target_path):
     assert (clone / "artifacts/eval/metrics.json").exists()
     second = subprocess.run([*dvc, "repro"], cwd=clone, env=env, capture_output=True, text=True, timeout=1500)
     assert second.returncode == 0, second.stderr[-2000:]
-    if "Running stage" in second.stdout:
-        # Known open bug (issue 6): collect reruns on the second repro although nothing changed.
-        pytest.xfail("second dvc repro reran: " + ", ".join(re.findall(r"Running stage '(\w+)'", second.stdout)))
+    assert "Running stage" not in second.stdout, "second dvc repro reran: " + ", ".join(_ran(second.stdout))
     status = subprocess.run([*dvc, "status"], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
     assert "up to date" in status.stdout.lower(), status.stdout
+    # One distill param swept as a DVC experiment reruns distill and eval only.
+    exp = subprocess.run([*dvc, "exp", "run", "-S", "conf/distill/default.yaml:loss=tvd"], cwd=clone, env=env,
+                         capture_output=True, text=True, timeout=1500)
+    assert exp.returncode == 0, (exp.stdout + exp.stderr)[-3000:]
+    assert _ran(exp.stdout) == ["distill", "eval"], exp.stdout[-2000:]
+
+
+def _ran(dvc_stdout: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", dvc_stdout)
