@@ -249,7 +249,9 @@ def _run(cfg: DictConfig, tracker) -> dict:
     after = cal.summarize(after_alpha, heldout, gamma)
     calib = cal.calibrate_temperature(draft, heldout, list(d.tau_ratios), vocab, int(d.tau_refine))
     gammas = [int(g) for g in d.gammas]
-    cost = cal.measure_cost_ratio(target, draft, vocab, int(d.cost.context_length), int(d.cost.steps),
+    serving_dtype = next(target.parameters()).dtype  # what eval loads the draft as (bf16 on CUDA / bf16 CPUs)
+    cost = cal.measure_cost_ratio(target, copy.deepcopy(draft).to(serving_dtype), vocab,
+                                  int(d.cost.context_length), int(d.cost.steps),
                                   max_verify=max(gammas) if d.cost.verify else 0)
     cost["device"] = str(next(target.parameters()).device)
     best, speedups = {}, {}
@@ -286,7 +288,6 @@ def _run(cfg: DictConfig, tracker) -> dict:
                            for s, t, m in history],
         "heldout": {"rows": len(heldout.rows), "positions": heldout.n_positions},
     }
-    serving_dtype = next(target.parameters()).dtype  # what eval loads it as (bf16 on CUDA)
     save_draft(draft.to(serving_dtype), draft_tokenizer, cfg.paths.draft, spec,
                model_card(spec, f"{cfg.model.draft.name} (distilled)"), target.generation_config)
     if not d.keep_checkpoints:

@@ -125,7 +125,18 @@ def _fidelity(metrics: dict) -> list[str]:
                      "speculative and autoregressive outputs token for token:")
     lines += ["", markdown_table(["domain", "greedy match"],
                                  [[d, _f(v)] for d, v in fid["by_domain"].items()] + [["all", _f(fid["share"])]]), ""]
-    if fid["share"] < 1.0:
+    mismatches = fid.get("mismatches") or []
+    if mismatches:
+        lines += ["Each mismatch with the target's top-2 logit gap where the outputs first differ (a near-tie is a "
+                  f"gap ≤ {fid.get('near_tie_ulps')} ulp of the top logit in the serving dtype: the batched verify "
+                  "pass and the 1-token step round differently there; a larger gap would be a decoder bug):", "",
+                  markdown_table(["draft", "domain", "prompt", "turn", "first differing token", "top-2 gap", "ulp",
+                                  "near-tie"],
+                                 [[str(x) for x in (m.get("method", "speculative"), m["domain"], m["prompt_id"], m["turn"],
+                                                    m["position"], m["top2_gap"], m["ulp"])]
+                                  + ["yes" if m["near_tie"] else "**no**"] for m in mismatches]),
+                  ""]
+    elif fid["share"] < 1.0:
         lines.append("A mismatch under greedy decoding in reduced precision can come from a near-tie between two "
                      "tokens resolved differently by a batched verify pass and a single-token step; in fp32 it "
                      "points at a decoder bug.")

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
+from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts
 from eval.report import domain_rows, log_to_tracker, machine, text_table, write_outputs
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
@@ -317,16 +318,6 @@ def benchmark(prompts, methods, tokenizer, device, s: dict, seed: int) -> tuple[
     return records, contexts
 
 
-def first_prompts(contexts: list[dict], n: int) -> list[dict]:
-    """The encoded requests of the first n prompts of each domain (all their turns)."""
-    keep: dict[str, list[str]] = {}
-    for c in contexts:
-        ids = keep.setdefault(c["domain"], [])
-        if c["prompt_id"] not in ids and len(ids) < n:
-            ids.append(c["prompt_id"])
-    return [c for c in contexts if c["prompt_id"] in keep[c["domain"]]]
-
-
 def gamma_sweep(contexts, methods, device, s: dict, seed: int) -> dict:
     """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain,
     each γ interleaved with an autoregressive run of the same request."""
@@ -343,22 +334,6 @@ def gamma_sweep(contexts, methods, device, s: dict, seed: int) -> dict:
             runs[key].append({"tokens": tokens, "time_s": t, "stats": stats})
     return {"gammas": s["gammas"], "n_prompts_per_domain": s["sweep_prompts_per_domain"], "n_requests": len(subset),
             "by_gamma": {str(g): M.sweep_point(runs[g], runs["ar"]) for g in s["gammas"]}}
-
-
-def fidelity_check(contexts, target, draft: Draft, plans, stop, s: dict) -> dict:
-    """When sampling: greedy speculative vs greedy autoregressive, token for token, on a few prompts per domain
-    (the sampled runs cannot be compared token for token; their exactness is the decoder tests' job)."""
-    ar, spec = [], []
-    for c in first_prompts(contexts, s["fidelity_prompts_per_domain"]):
-        key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
-        out = autoregressive_generate(target, c["ids"], s["max_new_tokens"], temperature=0, eos_token_id=stop)
-        ar.append(key | {"tokens": out.tokens.tolist()})
-        out = speculative_generate(target, draft.model, c["ids"], s["max_new_tokens"], temperature=0,
-                                   gamma=plans[c["domain"]]["gamma"], eos_token_id=stop, draft_vocab=draft.vocab)
-        spec.append(key | {"tokens": out.tokens.tolist()})
-    domains = dict.fromkeys(r["domain"] for r in spec)
-    return {"n_prompts": s["fidelity_prompts_per_domain"], "temperature": 0.0, "share": M.greedy_match(spec, ar),
-            "by_domain": {d: M.greedy_match([r for r in spec if r["domain"] == d], ar) for d in domains}}
 
 
 # ---------------------------------------------------------------- the stage
@@ -393,6 +368,8 @@ def run(cfg: DictConfig, tracker) -> dict:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, device, s, cfg.seed)
     if s["temperature"] > 0 and s["fidelity_prompts_per_domain"]:
         metrics["fidelity"] = fidelity_check(contexts, target, drafts["speculative"], plans["speculative"], stop, s)
+    elif "fidelity" in metrics:
+        metrics["fidelity"] |= {"mismatches": diagnose(records, contexts, target), "near_tie_ulps": NEAR_TIE_ULPS}
     metrics["wall_s"] = time.time() - t0
     tuned = drafts["speculative"]
     metrics["setup"] = {

@@ -26,8 +26,22 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated.
+
+    Why it matters here: on such a CPU (measured on a Zen 4 EPYC, 1 thread, SmolLM2-135M) a bf16 forward
+    of 1/2/5 tokens takes 29/29/32 ms, while fp32 takes 41/68/71 ms, because fp32 GEMMs with a few rows
+    fall off the GEMV path. Speculative decoding needs the (γ+1)-token verify pass to cost about one step.
+    """
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers; absent in some torch builds
+        return False
+
+
 def resolve_device(runtime: DictConfig | dict | None) -> tuple[torch.device, torch.dtype]:
-    """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA, fp32 on CPU."""
+    """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA and on CPUs
+    with native bf16 matmuls, else fp32."""
     runtime = runtime or {}
     device = runtime.get("device", "auto") or "auto"
     if device == "auto":
@@ -36,7 +50,7 @@ def resolve_device(runtime: DictConfig | dict | None) -> tuple[torch.device, tor
         raise PipelineError("runtime.device=cuda but no CUDA device is visible: use runtime.device=cpu")
     dtype = runtime.get("dtype", "auto") or "auto"
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        dtype = "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
     if dtype not in DTYPES:
         raise PipelineError(f"unknown runtime.dtype={dtype!r}: use one of auto, float32, bfloat16, float16")
     return torch.device(device), DTYPES[dtype]

@@ -63,7 +63,7 @@ TINY = ["collect.max_new_tokens=10", "collect.samples_per_prompt=2", "collect.to
 
 def overrides(artifacts: Path, target: Path, extra=()) -> list[str]:
     return [f"paths.artifacts={artifacts}", f"model.target.path={target}", "tracking.enabled=false",
-            "runtime.device=cpu", "runtime.threads=1", *TINY, *extra]
+            "runtime.device=cpu", "runtime.dtype=float32", "runtime.threads=1", *TINY, *extra]
 
 
 def compose(artifacts: Path, target: Path, extra=()):

@@ -108,7 +108,7 @@ class Tracker:
 
 def overrides(setup, out: Path, *extra: str) -> list[str]:
     return [f"paths.artifacts={out}", f"model.target.path={setup['target']}", f"paths.collect={setup['collect']}",
-            "tracking.enabled=false", "runtime.device=cpu", "model.draft.derive.layers=[0]",
+            "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "model.draft.derive.layers=[0]",
             "model.draft.vocab_subset=0", "distill.max_steps=40", "distill.max_epochs=null", "distill.batch_size=4",
             "distill.eval_steps=20", "distill.save_steps=20", "distill.learning_rate=3e-3", "distill.heldout_fraction=0.25",
             "distill.cost.steps=4", "distill.max_train_minutes=null", "seed=0", *extra]

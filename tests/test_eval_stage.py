@@ -107,7 +107,7 @@ def compose_cfg(root: Path, target: Path, *overrides: str):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=[f"paths.artifacts={root}", f"model.target.path={target}",
-                                            "tracking.enabled=false", "runtime.device=cpu", "eval.max_new_tokens=12",
+                                            "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "eval.max_new_tokens=12",
                                             "eval.warmup_tokens=2", *overrides])
 
 
@@ -222,7 +222,7 @@ def test_hydra_multirun_writes_one_eval_per_job(tmp_path, models):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[2:3])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "pipeline", "-m", "stage=eval", f"paths.artifacts={tmp_path / 'a'}",
-           f"model.target.path={models['target']}", "tracking.enabled=false", "runtime.threads=1",
+           f"model.target.path={models['target']}", "tracking.enabled=false", "runtime.threads=1", "runtime.dtype=float32",
            f"eval.prompts_file={prompts}", "eval.draft=derive", "model.draft.derive.layers=[0]",
            "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.gamma=1,2"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -247,3 +247,33 @@ def test_smoke_real_model_greedy_speculative_matches_autoregressive(tmp_path, re
     assert set(metrics["domains"]) == {"chat", "code"}
     assert metrics["overall"]["greedy_match"] == 1.0
     assert metrics["overall"]["mean_accepted_length"] >= 1.0
+
+
+def test_a_greedy_mismatch_is_located_and_judged_by_the_targets_top2_gap():
+    from eval.fidelity import divergence, ulp
+
+    target = tiny_llama(vocab_size=64, hidden_size=32, layers=2, tie=False)
+    ids = torch.tensor([[0, 5, 9, 12]])
+    ar = autoregressive_tokens(target, ids, 8)
+    spec = ar[:3] + [(ar[3] + 1) % 64] + ar[4:]
+    found = divergence(target, ids, ar, spec)
+    assert found["position"] == 3 and found["dtype"] == "float32"
+    with torch.no_grad():
+        logits = target(torch.cat([ids, torch.tensor([ar[:3]])], 1)).logits[0, -1]
+    top = logits.topk(2).values
+    assert found["top2_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+    assert not found["near_tie"]  # a random model's fp32 top-2 gap is far above a few ulps
+    # Two identical output rows tie exactly: a mismatch between them is a near-tie, not a bug.
+    with torch.no_grad():
+        head = target.lm_head.weight
+        runner_up = int(logits.topk(2).indices[1])
+        head[runner_up] = head[ar[3]]
+    tied = divergence(target, ids, ar, spec)
+    assert tied["top2_gap"] == 0.0 and tied["near_tie"]
+    assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(1.0, torch.float32) == 2 ** -23
+
+
+def autoregressive_tokens(model, ids, n: int) -> list[int]:
+    from eval.speculative import autoregressive_generate
+
+    return autoregressive_generate(model, ids, n, temperature=0).tokens.tolist()

@@ -163,7 +163,8 @@ def test_derived_draft_shares_target_weights_and_checks_layer_range():
 
 def test_device_and_dtype_follow_config():
     device, dtype = models.resolve_device({"device": "cpu", "dtype": "auto"})
-    assert device.type == "cpu" and dtype == torch.float32
+    assert device.type == "cpu" and dtype == (torch.bfloat16 if models.cpu_has_native_bf16() else torch.float32)
+    assert models.resolve_device({"device": "cpu", "dtype": "float32"})[1] == torch.float32
     assert models.resolve_device({"device": "cpu", "dtype": "bfloat16"})[1] == torch.bfloat16
     with pytest.raises(PipelineError, match="dtype"):
         models.resolve_device({"device": "cpu", "dtype": "float8"})

@@ -80,7 +80,11 @@ def test_every_artifact_is_written_with_its_schema(quick_run):
         assert spec_m["mean_accepted_length"] >= 1.0
         assert {"tokens_per_s", "latency_p50_s", "latency_p95_s", "c", "per_position_acceptance"} <= set(spec_m)
         assert m["autoregressive"]["tokens_per_s"] > 0 and m["speedup"] > 0
-        assert m["greedy_match"] == 1.0, f"greedy speculative output differs from the target's on {domain}"
+        # Lossless: equal token for token, except where the serving dtype rounds a near-tie differently in the
+        # verify pass and the 1-token step (bf16 on CPUs with native bf16; in fp32 that allowance is ~1e-6).
+        mismatches = [x for x in metrics["fidelity"]["mismatches"] if x["domain"] == domain]
+        assert m["greedy_match"] == 1.0 or mismatches, domain
+        assert all(x["near_tie"] for x in mismatches), f"greedy output differs beyond a near-tie: {mismatches}"
     assert (artifacts / "eval/report.md").read_text().count("|") > 10
     assert list((artifacts / "eval").glob("*.png"))
     # the per-domain table is printed at the end of the run

@@ -1,0 +1,77 @@
+"""Fidelity: greedy speculative output vs greedy autoregressive output, token for token.
+
+In exact arithmetic they are identical (Leviathan et al. 2023, the verify step keeps the target's
+argmax). In bf16 the (γ+1)-token verify pass and the 1-token step round differently, so where the
+target's top two logits are within rounding of each other the two runs can pick different tokens and
+then continue differently. Every mismatch is therefore reported with the target's top-2 logit gap at
+the first differing position: a gap of a few bf16 ulps is a near-tie, a large gap is a decoder bug.
+"""
+from __future__ import annotations
+
+import torch
+
+from eval import metrics as M
+from eval.speculative import autoregressive_generate, speculative_generate
+
+# A gap up to this many units in the last place of the top logit counts as a near-tie: the two forward
+# shapes accumulate a 30-layer residual stream in different orders, so a few ulps of drift are expected.
+NEAR_TIE_ULPS = 4
+
+
+def first_prompts(contexts: list[dict], n: int) -> list[dict]:
+    """The encoded requests of the first n prompts of each domain (all their turns)."""
+    keep: dict[str, list[str]] = {}
+    for c in contexts:
+        ids = keep.setdefault(c["domain"], [])
+        if c["prompt_id"] not in ids and len(ids) < n:
+            ids.append(c["prompt_id"])
+    return [c for c in contexts if c["prompt_id"] in keep[c["domain"]]]
+
+
+def ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype` numbers at |x| (for x in [2^e, 2^(e+1)) it is eps · 2^e)."""
+    import math
+
+    return torch.finfo(dtype).eps * 2.0 ** (math.frexp(abs(x))[1] - 1) if x else torch.finfo(dtype).tiny
+
+
+@torch.inference_mode()
+def divergence(target, ids: torch.Tensor, ar: list[int], spec: list[int]) -> dict:
+    """Where two token lists first differ and the target's top-2 logit gap there (one fresh forward)."""
+    i = next((k for k, (a, b) in enumerate(zip(ar, spec)) if a != b), min(len(ar), len(spec)))
+    prefix = torch.cat([ids, torch.tensor([ar[:i]], dtype=ids.dtype, device=ids.device)], 1)
+    logits = target(prefix).logits[0, -1]
+    top = logits.float().topk(2).values
+    gap, top1 = float(top[0] - top[1]), float(top[0])
+    dtype = logits.dtype
+    return {"position": i, "top2_gap": round(gap, 5), "ulp": ulp(top1, dtype), "dtype": str(dtype).removeprefix("torch."),
+            "near_tie": gap <= NEAR_TIE_ULPS * ulp(top1, dtype)}
+
+
+def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
+    """Greedy speculative vs greedy autoregressive on the first prompts of each domain (sampled runs cannot be
+    compared token for token; their exactness in distribution is the decoder tests' job)."""
+    ar, spec, mismatches = [], [], []
+    for c in first_prompts(contexts, s["fidelity_prompts_per_domain"]):
+        key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
+        a = autoregressive_generate(target, c["ids"], s["max_new_tokens"], temperature=0, eos_token_id=stop)
+        b = speculative_generate(target, draft.model, c["ids"], s["max_new_tokens"], temperature=0,
+                                 gamma=plans[c["domain"]]["gamma"], eos_token_id=stop, draft_vocab=draft.vocab)
+        ar.append(key | {"tokens": a.tokens.tolist()})
+        spec.append(key | {"tokens": b.tokens.tolist()})
+        if ar[-1]["tokens"] != spec[-1]["tokens"]:
+            mismatches.append(key | divergence(target, c["ids"], ar[-1]["tokens"], spec[-1]["tokens"]))
+    domains = dict.fromkeys(r["domain"] for r in spec)
+    return {"n_prompts": s["fidelity_prompts_per_domain"], "temperature": 0.0, "share": M.greedy_match(spec, ar),
+            "by_domain": {d: M.greedy_match([r for r in spec if r["domain"] == d], ar) for d in domains},
+            "mismatches": mismatches, "near_tie_ulps": NEAR_TIE_ULPS}
+
+
+def diagnose(records: list[dict], contexts: list[dict], target, methods=("speculative", "speculative_init")) -> list:
+    """After a greedy benchmark: every speculative output that differs from the autoregressive one, located."""
+    ar = {(r["prompt_id"], r["turn"]): r["tokens"] for r in records if r["method"] == "autoregressive"}
+    ids = {(c["prompt_id"], c["turn"]): c["ids"] for c in contexts}
+    return [{"method": r["method"], "domain": r["domain"], "prompt_id": r["prompt_id"], "turn": r["turn"]}
+            | divergence(target, ids[key], ar[key], r["tokens"])
+            for r in records if r["method"] in methods
+            for key in [(r["prompt_id"], r["turn"])] if key in ar and r["tokens"] != ar[key]]
