@@ -37,7 +37,12 @@ def build_draft(spec: DictConfig | dict, target, target_tokenizer, paths, seed: 
         path = resolve_model(spec, "draft", paths)
         draft, tokenizer = load_model(path, device, torch.float32), load_tokenizer(path)
         check_compatible(target_tokenizer, tokenizer, target, draft)
-        return draft, tokenizer, {"init": "pretrained", "path": str(path)}
+        info = {"init": "pretrained", "path": str(path)}
+        keep = spec.get("keep_layers")
+        if keep:  # a cheaper draft: a subset of the pretrained draft's own layers, distilled to recover
+            draft = derive_draft(draft, list(keep))
+            info["keep_layers"] = [int(i) for i in keep]
+        return draft, tokenizer, info
     if init == "derive":
         derive = spec.get("derive") or {}
         layers = derive.get("layers")

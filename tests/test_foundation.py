@@ -33,11 +33,20 @@ def test_every_preset_composes(preset, experiment):
     overrides = [f"model={preset}"] + ([f"experiment={experiment}"] if experiment else [])
     cfg = _compose(*overrides)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    assert cfg.model.name == preset
+    assert cfg.model.name == preset  # an explicit model= wins over an experiment's own pair
     spec = cfg.model.target
     assert spec.path or spec.package, "a target needs a path or a package source"
     if spec.package:
         assert len(spec.package.sha256) == 64 and spec.package.size > 0
+
+
+def test_real_experiment_is_the_verified_qwen_pair_with_a_cheaper_draft_head():
+    cfg = _compose("experiment=real")
+    target, draft = cfg.model.target.package, cfg.model.draft.package
+    assert cfg.model.target.name == "Qwen2.5-Coder-1.5B-Instruct" and cfg.model.draft.init == "pretrained"
+    assert target.sha256.startswith("cc324af0") and target.size == 1_117_320_768 and len(target.chunks) == 22
+    assert draft.sha256.startswith("1d961463") and draft.size == 491_400_064 and len(draft.chunks) == 6
+    assert 0 < cfg.model.draft.vocab_subset < 151_936 and cfg.eval.baselines and cfg.eval.temperature == 0
 
 
 def test_default_preset_is_the_embedded_model():
