@@ -75,3 +75,16 @@ def diagnose(records: list[dict], contexts: list[dict], target, methods=("specul
             | divergence(target, ids[key], ar[key], r["tokens"])
             for r in records if r["method"] in methods
             for key in [(r["prompt_id"], r["turn"])] if key in ar and r["tokens"] != ar[key]]
+
+
+def fp32_recheck(contexts, target, draft, plans, stop, s: dict, mismatches: list[dict]) -> dict:
+    """The mismatched requests again, greedy, with float32 copies of both models: equality is expected there, so
+    a mismatch that persists in fp32 is a bug and one that disappears was rounding."""
+    import copy
+
+    again = {m["prompt_id"] for m in mismatches}
+    fp32 = copy.copy(draft)
+    fp32.model = copy.deepcopy(draft.model).float()
+    result = fidelity_check([c for c in contexts if c["prompt_id"] in again], copy.deepcopy(target).float(), fp32,
+                            plans, stop, {**s, "fidelity_prompts_per_domain": len(again)})
+    return {"n_prompts": len(again), "share": result["share"], "mismatches": result["mismatches"]}

@@ -136,7 +136,13 @@ def _fidelity(metrics: dict) -> list[str]:
                                                     m["position"], m["top2_gap"], m["ulp"])]
                                   + ["yes" if m["near_tie"] else "**no**"] for m in mismatches]),
                   ""]
-    elif fid["share"] < 1.0:
+    fp32 = fid.get("fp32")
+    if fp32:
+        lines += [f"The mismatched request(s) of the tuned draft again, greedy, with float32 copies of both models "
+                  f"({fp32['n_prompts']} prompt(s)): match share **{_f(fp32['share'])}**"
+                  + (" — every reduced-precision mismatch above was rounding." if fp32["share"] == 1.0 else
+                     f"; {len(fp32['mismatches'])} mismatch(es) remain in fp32: a decoder bug to investigate."), ""]
+    if fid["share"] < 1.0 and not mismatches and not fp32:
         lines.append("A mismatch under greedy decoding in reduced precision can come from a near-tie between two "
                      "tokens resolved differently by a batched verify pass and a single-token step; in fp32 it "
                      "points at a decoder bug.")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
-from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts
+from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
 from eval.report import domain_rows, log_to_tracker, machine, text_table, write_outputs
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
@@ -370,6 +370,10 @@ def run(cfg: DictConfig, tracker) -> dict:
         metrics["fidelity"] = fidelity_check(contexts, target, drafts["speculative"], plans["speculative"], stop, s)
     elif "fidelity" in metrics:
         metrics["fidelity"] |= {"mismatches": diagnose(records, contexts, target), "near_tie_ulps": NEAR_TIE_ULPS}
+    spec = M.SPECULATIVE
+    found = [m for m in metrics.get("fidelity", {}).get("mismatches", []) if m.get("method", spec) == spec]
+    if s.get("fp32_recheck") and dtype != torch.float32 and found:
+        metrics["fidelity"]["fp32"] = fp32_recheck(contexts, target, drafts[spec], plans[spec], stop, s, found)
     metrics["wall_s"] = time.time() - t0
     tuned = drafts["speculative"]
     metrics["setup"] = {

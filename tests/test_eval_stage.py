@@ -277,3 +277,19 @@ def autoregressive_tokens(model, ids, n: int) -> list[int]:
     from eval.speculative import autoregressive_generate
 
     return autoregressive_generate(model, ids, n, temperature=0).tokens.tolist()
+
+
+def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():
+    from eval.fidelity import fp32_recheck
+    from eval.stage import Draft
+    from pipeline.models import derive_draft
+
+    target = tiny_llama(vocab_size=64, hidden_size=32, layers=3).to(torch.bfloat16)
+    draft = Draft(derive_draft(target, [0]), {})
+    contexts = [{"domain": d, "prompt_id": f"{d}-{i}", "turn": 0, "ids": torch.tensor([[0, 5 + i, 9, 12]])}
+                for d in ("chat", "code") for i in range(2)]
+    plans = {"chat": {"gamma": 3}, "code": {"gamma": 2}}
+    s = {"max_new_tokens": 12, "fidelity_prompts_per_domain": 1}
+    out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
+    assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
+    assert next(target.parameters()).dtype == torch.bfloat16  # the served models are left as they were
