@@ -306,6 +306,12 @@ def _run(cfg: DictConfig, tracker) -> dict:
             "c": cost["c"], "train_tokens": train_tokens, "train_minutes": minutes, "draft": str(cfg.paths.draft)}
 
 
+def mixed_bf16(d: DictConfig, target) -> bool:
+    """bf16 autocast over fp32 master weights: `auto` follows the serving dtype (CUDA, or a CPU with native bf16)."""
+    choice = d.get("bf16", "auto")
+    return next(target.parameters()).dtype == torch.bfloat16 if choice == "auto" else bool(choice)
+
+
 def train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops, heldout, fp, tracker, main, sampling, gamma,
                 state):
     """Runs DistillTrainer (resuming from the last checkpoint of this configuration); returns
@@ -339,7 +345,7 @@ def train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops, heldout, 
         logging_steps=int(d.logging_steps), save_strategy="steps", save_steps=int(d.save_steps),
         save_total_limit=int(d.save_total_limit), report_to="none", seed=int(cfg.seed), data_seed=int(cfg.seed),
         remove_unused_columns=False, train_sampling_strategy="group_by_length", length_column_name="length",
-        bf16=device.type == "cuda", use_cpu=device.type == "cpu", dataloader_num_workers=0,
+        bf16=mixed_bf16(d, target), use_cpu=device.type == "cpu", dataloader_num_workers=0,
         ddp_find_unused_parameters=False, disable_tqdm=not main,
         loss=d.loss, beta=float(d.beta), loss_temperature=float(d.loss_temperature), teacher=d.teacher,
         topk_tail=d.topk_tail, lmbda=float(d.lmbda), on_policy_temperature=float(d.on_policy_temperature),

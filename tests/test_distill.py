@@ -333,6 +333,15 @@ def test_short_distillation_raises_heldout_acceptance(distilled):
     assert "heldout/mean_accepted_length_g4/chat" in tracker.metrics
 
 
+def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, tmp_path):
+    # the path a CPU with native bf16 (or a GPU) takes by default: bf16 target, autocast over fp32 master weights
+    result, _ = run_stage(setup, tmp_path, "runtime.dtype=bfloat16", "distill.bf16=auto", "distill.max_steps=20")
+    assert result["acceptance_after"] - result["acceptance_before"] > 0.1, result
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert 0 < spec["cost"]["c"] < 5
+
+
 def test_distill_leaves_the_collected_data_untouched(distilled, setup):
     # datasets' cache files written next to the input would make DVC rerun collect on every repro
     assert not list((setup["collect"] / "dataset").glob("cache-*.arrow"))
