@@ -65,6 +65,9 @@ def model_card(spec: dict, title: str) -> str:
              "works as `assistant_model` in HF `generate`; `speculative.json` holds the calibration below.", "",
              f"- draft: {_kv(spec.get('draft'))}",
              f"- training: {_kv(spec.get('training'))}",
+             "- exported weights: " + ("the distilled draft" if spec.get("selected", "distilled") == "distilled" else
+                                       "the initial draft: training lowered held-out acceptance to "
+                                       f"{_fmt(acc.get('after_training', {}).get('overall'))}"),
              f"- serving sampling calibrated for: {_kv(spec.get('sampling'))}",
              f"- cost ratio c (draft/target forward on {spec.get('cost', {}).get('device')}): "
              f"{_fmt(spec.get('cost', {}).get('c'))} ({_fmt(spec.get('cost', {}).get('draft_forward_ms'), 2)} ms / "

@@ -239,14 +239,23 @@ def _run(cfg: DictConfig, tracker) -> dict:
                                         for p, c in zip(train["prompt_ids"], train["completion_ids"])])
 
     # ---- train
+    init_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()} if d.keep_best else None
     history, train_tokens, steps, minutes = train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops,
                                                        heldout, fp, tracker, main, sampling, gamma, state)
     if not main:
         return {}
 
-    # ---- after, calibration, cost, γ
+    # ---- after (or the init, when training made held-out acceptance worse), calibration, cost, γ
     after_alpha = cal.acceptance(draft, heldout, [sampling.temperature], vocab)[0]
     after = cal.summarize(after_alpha, heldout, gamma)
+    trained = {k: v["acceptance"] for k, v in after.items()}
+    selected = "distilled"
+    if init_state is not None and after[cal.OVERALL]["acceptance"] < before[cal.OVERALL]["acceptance"]:
+        log(f"held-out acceptance fell in training ({before[cal.OVERALL]['acceptance']:.3f} → "
+            f"{after[cal.OVERALL]['acceptance']:.3f}): exporting the initial draft (distill.keep_best=false ships the "
+            "trained one)")
+        draft.load_state_dict(init_state)
+        after, selected = before, "init"
     calib = cal.calibrate_temperature(draft, heldout, list(d.tau_ratios), vocab, int(d.tau_refine))
     gammas = [int(g) for g in d.gammas]
     serving_dtype = next(target.parameters()).dtype  # what eval loads the draft as (bf16 on CUDA / bf16 CPUs)
@@ -274,7 +283,8 @@ def _run(cfg: DictConfig, tracker) -> dict:
         "vocab_subset": vocab.tolist() if vocab is not None else None,
         "acceptance": {"before": {k: v["acceptance"] for k, v in before.items()},
                        "after": {k: v["acceptance"] for k, v in after.items()},
-                       "after_calibrated": calib["acceptance"]},
+                       "after_calibrated": calib["acceptance"], "after_training": trained},
+        "selected": selected,
         "mean_accepted_length": {"gamma": gamma, "before": {k: v["mean_accepted_length"] for k, v in before.items()},
                                  "after": {k: v["mean_accepted_length"] for k, v in after.items()}},
         "per_position_acceptance": {k: v["per_position_acceptance"] for k, v in after.items()},

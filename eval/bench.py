@@ -9,36 +9,19 @@ Prints ratios, asserts nothing about wall-clock. Without --draft, the draft is t
 --draft-layers layers sharing its embeddings, final norm and head.
 """
 import argparse
-import copy
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from eval.speculative import autoregressive_generate, speculative_generate
+from pipeline.models import derive_draft
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "spec-bench" / "question.jsonl"
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
                     "Give three tips for learning to cook.", "What causes the seasons on Earth?"]
-
-
-def truncated_draft(target, n_layers: int = 2):
-    """A draft made of the target's first n_layers decoder layers, sharing (not copying) every weight."""
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = n_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:n_layers]
-    with torch.device("meta"):  # every module is replaced by the target's below; allocate nothing
-        draft = type(target)(config)
-    for name in ("embed_tokens", "norm", "rotary_emb"):
-        setattr(draft.model, name, getattr(target.model, name))
-    draft.model.layers = nn.ModuleList(target.model.layers[:n_layers])
-    draft.lm_head = target.lm_head
-    draft.generation_config = copy.deepcopy(target.generation_config)
-    return draft.eval()
 
 
 def load_prompts(path: Path | None, n: int) -> list[str]:
@@ -88,7 +71,7 @@ def run(args) -> dict:
     if args.draft:
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
     else:
-        draft = truncated_draft(target, args.draft_layers)
+        draft = derive_draft(target, list(range(args.draft_layers)))
     set_fixed_gamma(draft, args.gamma)
     eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)

@@ -479,3 +479,13 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     ids = tokenizer(text, return_tensors="pt").input_ids
     kwargs = dict(max_new_tokens=20, do_sample=False)
     assert torch.equal(target.generate(ids, **kwargs), target.generate(ids, assistant_model=reloaded, **kwargs))
+
+
+def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
+    # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead
+    result, _ = run_stage(setup, tmp_path, "distill.learning_rate=3.0", "distill.max_steps=10", "distill.warmup=0",
+                          "distill.max_grad_norm=1e9")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
+    assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
+    assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()

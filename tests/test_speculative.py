@@ -317,11 +317,11 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "
 
 @pytest.mark.smoke
 def test_greedy_speculative_equals_autoregressive_on_real_model(real_target):
-    from eval.bench import truncated_draft
+    from pipeline.models import derive_draft
 
     torch.set_num_threads(1)
     model, tokenizer = real_target
-    draft = truncated_draft(model, 2)
+    draft = derive_draft(model, [0, 1])
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
