@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from omegaconf import DictConfig
 
 from pipeline.atomic import atomic_dir, write_json
@@ -169,112 +168,6 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "big") >> 1
 
 
-# ----------------------------------------------------------------------------- HF backend
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-class HFBackend:
-    """Batched `generate` with left padding; halves the batch on CUDA out-of-memory and retries."""
-
-    def __init__(self, model, pad_id: int, stop_ids: list[int], sampling: Sampling, topk: int, batch_size: int):
-        from transformers import GenerationConfig
-
-        self.model, self.pad_id, self.stop_ids = model, pad_id, set(stop_ids)
-        self.sampling, self.topk, self.batch_size = sampling, topk, batch_size
-        self.device = next(model.parameters()).device
-        # The stage's settings are the only sampling settings: the checkpoint's generation_config
-        # defaults (e.g. a repetition_penalty) would otherwise fill every field left unset here.
-        model.generation_config = GenerationConfig(eos_token_id=list(stop_ids), pad_token_id=pad_id,
-                                                   bos_token_id=model.config.bos_token_id)
-        greedy = sampling.temperature == 0
-        self.gen_config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-            **({} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                  "top_k": sampling.top_k}),  # top_k=0 explicitly: HF's default is 50
-            eos_token_id=list(stop_ids), pad_token_id=pad_id,
-            # raw logits are generate's pre-processing logits (transformers 5.x `_sample`:
-            # stored before logits_processor), i.e. the target's distribution at temperature 1.
-            output_logits=topk > 0, return_dict_in_generate=True)
-
-    def generate(self, contexts: list[list[int]], seed: int, progress=None) -> list[Completion]:
-        while True:
-            done = [0]
-
-            def count(n):
-                done[0] += n
-                if progress:
-                    progress(n)
-            try:
-                return self._generate(contexts, seed, count)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not _is_oom(e):
-                    raise
-                if progress and done[0]:
-                    progress(-done[0])
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if self.batch_size == 1:
-                    raise PipelineError("out of memory at collect.batch_size=1: lower collect.max_new_tokens "
-                                        "or collect.topk, or use a larger device") from None
-                self.batch_size //= 2
-                print(f"[collect] out of memory: retrying with batch_size={self.batch_size}")
-
-    def _generate(self, contexts: list[list[int]], seed: int, progress) -> list[Completion]:
-        torch.manual_seed(seed)
-        out: list[Completion | None] = [None] * len(contexts)
-        for idx in self._batches([len(c) for c in contexts]):
-            for i, completion in zip(idx, self._generate_batch([contexts[i] for i in idx])):
-                out[i] = completion
-            progress(len(idx))
-        return out
-
-    def _batches(self, lengths: list[int]) -> list[list[int]]:
-        """Indices grouped into batches of at most batch_size, longest first (similar lengths share
-        a batch; an OOM shows up in the first one). A batch also closes when left padding would
-        more than double its prefill (width x rows > 2 x real tokens): one long context among
-        short ones would otherwise multiply the prefill work of the whole batch."""
-        batches: list[list[int]] = []
-        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-            batch = batches[-1] if batches else []
-            grown = batch + [i]
-            if batch and len(grown) <= self.batch_size and \
-                    len(grown) * lengths[grown[0]] <= 2 * sum(lengths[j] for j in grown):
-                batch.append(i)
-            else:
-                batches.append([i])
-        return batches
-
-    @torch.inference_mode()
-    def _generate_batch(self, contexts: list[list[int]]) -> list[Completion]:
-        width = max(map(len, contexts))
-        input_ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ctx in enumerate(contexts):  # left padding: every context ends at the same column
-            input_ids[row, width - len(ctx):] = torch.tensor(ctx)
-            attention_mask[row, width - len(ctx):] = 1
-        result = self.model.generate(input_ids=input_ids.to(self.device),
-                                     attention_mask=attention_mask.to(self.device),
-                                     generation_config=self.gen_config)
-        generated = result.sequences[:, width:].cpu().tolist()
-        top_ids = top_lp = None
-        if self.topk:
-            # One [B, V] step at a time: a full [B, T, V] log_softmax would double the peak memory.
-            steps = [torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1) for logits in result.logits]
-            top_ids = torch.stack([s.indices for s in steps], 1).to(torch.int32).cpu().numpy()
-            top_lp = torch.stack([s.values for s in steps], 1).to(torch.float16).cpu().numpy()
-        del result
-        completions = []
-        for row, tokens in enumerate(generated):
-            end = next((j for j, t in enumerate(tokens) if t in self.stop_ids), None)
-            n, reason = (end + 1, "eos") if end is not None else (len(tokens), "length")
-            completions.append(Completion(tokens[:n], reason,
-                                          top_ids[row, :n] if top_ids is not None else None,
-                                          top_lp[row, :n] if top_lp is not None else None))
-        return completions
-
-
 # ----------------------------------------------------------------------------- shards
 
 def collect_shard(backend, tokenizer, prompts: list[dict], sampling: Sampling, seed: int,
@@ -363,6 +256,8 @@ def _make_backend(cfg: DictConfig, path: Path, pad_id: int, stop_ids, sampling, 
     if topk > model.config.vocab_size:
         raise PipelineError(f"collect.topk={topk} exceeds the target's vocabulary "
                             f"({model.config.vocab_size}): lower collect.topk")
+    from data.collect_hf import HFBackend
+
     return HFBackend(model, pad_id, stop_ids, sampling, topk, int(cfg.collect.batch_size))
 
 

@@ -276,7 +276,8 @@ def test_two_accelerate_processes_produce_the_rows_of_one_cli_process(tmp_path, 
 # ----------------------------------------------------------------------------- batching
 
 def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_target, monkeypatch):
-    from data.collect import HFBackend, Sampling
+    from data.collect import Sampling
+    from data.collect_hf import HFBackend
     from pipeline.models import load_model
 
     model = load_model(tiny_target)
@@ -299,7 +300,7 @@ def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_targ
 
 
 def test_batches_are_length_sorted_and_never_more_than_double_the_prefill():
-    from data.collect import HFBackend
+    from data.collect_hf import HFBackend
 
     backend = HFBackend.__new__(HFBackend)  # only the batching rule, no model
     backend.batch_size = 4
@@ -317,7 +318,8 @@ def test_batches_are_length_sorted_and_never_more_than_double_the_prefill():
 
 def test_batched_generation_equals_unbatched_greedy(tiny_target):
     """Left padding must not change what the target generates (greedy, fp32)."""
-    from data.collect import HFBackend, Sampling
+    from data.collect import Sampling
+    from data.collect_hf import HFBackend
     from pipeline.models import load_model
 
     model = load_model(tiny_target)
