@@ -76,8 +76,8 @@ def model_card(spec: dict, title: str) -> str:
              f"{len(spec['vocab_subset']) if spec.get('vocab_subset') else 'off (full vocabulary)'}", "",
              f"Held-out expected acceptance Σ min(p, q) (teacher-forced on held-out collected rows) and predicted "
              f"mean accepted length at γ={g}, before and after distillation:", "",
-             f"| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
-             f"| draft τ | best γ | predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
+             "| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
+             "| draft τ | best γ | predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for d in domains + ["overall"]:
         lines.append(f"| {d} | {_fmt(acc.get('before', {}).get(d))} | {_fmt(acc.get('after', {}).get(d))} | "
                      f"{_fmt(acc.get('after_calibrated', {}).get(d))} | {_fmt(mal.get('before', {}).get(d), 2)} | "

@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
