@@ -222,3 +222,11 @@ def test_embedded_model_converts_once_and_generates(real_target_path, monkeypatc
     out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stop_token_ids(tok, model))
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("name,kind", [("ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
+def test_accelerate_config_examples_load(name, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "conf" / "accelerate" / f"{name}.yaml"))
+    assert config.distributed_type.name == kind and config.mixed_precision == "bf16"
