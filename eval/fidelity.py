@@ -42,10 +42,9 @@ def divergence(target, ids: torch.Tensor, ar: list[int], spec: list[int]) -> dic
     prefix = torch.cat([ids, torch.tensor([ar[:i]], dtype=ids.dtype, device=ids.device)], 1)
     logits = target(prefix).logits[0, -1]
     top = logits.float().topk(2).values
-    gap, top1 = float(top[0] - top[1]), float(top[0])
-    dtype = logits.dtype
-    return {"position": i, "top2_gap": round(gap, 5), "ulp": ulp(top1, dtype), "dtype": str(dtype).removeprefix("torch."),
-            "near_tie": gap <= NEAR_TIE_ULPS * ulp(top1, dtype)}
+    gap, spacing = float(top[0] - top[1]), ulp(float(top[0]), logits.dtype)
+    return {"position": i, "top2_gap": round(gap, 5), "ulp": spacing, "dtype": str(logits.dtype).removeprefix("torch."),
+            "near_tie": gap <= NEAR_TIE_ULPS * spacing}
 
 
 def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
