@@ -62,6 +62,8 @@ def settings_from(cfg: DictConfig) -> dict:
     for key in ("max_prompts_per_domain", "fidelity_prompts_per_domain"):
         if s[key] is not None and (not isinstance(s[key], int) or s[key] < 0 + (key == "max_prompts_per_domain")):
             bad(key, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+    if s.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
+        bad("baselines_draft", "is not a draft eval loads", "use speculative (the tuned export) or speculative_init")
     if isinstance(s["domains"], str):
         s["domains"] = [s["domains"]]
     return s
@@ -258,7 +260,11 @@ def make_methods(target, drafts: dict[str, Draft], plans: dict, stop: list[int],
     methods = {"autoregressive": ours_ar}
     methods.update({name: ours_spec(name) for name in drafts})
     if s["baselines"]:
-        draft = drafts["speculative"].model
+        which = s.get("baselines_draft") or "speculative"
+        if which not in drafts:
+            raise PipelineError(f"eval.baselines_draft={which} is not loaded here (drafts: {', '.join(drafts)}): use "
+                                "speculative, or speculative_init when an undistilled draft exists")
+        draft = drafts[which].model
         # The fixed-γ run uses the γ our decoder runs with on each domain (calibrated or overridden).
         configs = {d: assistant_configs(draft, plan["gamma"]) for d, plan in plans["speculative"].items()}
 

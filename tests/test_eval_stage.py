@@ -293,3 +293,12 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():
     out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
     assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
     assert next(target.parameters()).dtype == torch.bfloat16  # the served models are left as they were
+
+
+def test_hf_assisted_can_run_with_the_undistilled_draft(tmp_path, models):
+    metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", f"eval.draft_init={models['draft_init']}",
+                              "eval.baselines=true", "eval.baselines_draft=speculative_init", "eval.temperature=0",
+                              "eval.gammas=[]")
+    assert metrics["overall"]["hf_assisted"]["greedy_match"] == 1.0
+    with pytest.raises(PipelineError, match="baselines_draft"):
+        run_stage(tmp_path, models, "eval.baselines_draft=other")
