@@ -236,8 +236,8 @@ def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context
     draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up.
 
     With max_verify = γmax > 0 it also times the target verifying k = 2..γmax+1 tokens in one forward:
-    `verify_ratio[γ]` = that time / one-token time (1 in the walltime formula's idealisation; ~1.4 at γ=4
-    for the embedded model on a 2-core CPU, where a forward is compute-bound).
+    `verify_ratio[γ]` = that time / one-token time (1 in the walltime formula's idealisation; ≈1.05 at γ=4
+    for the embedded model in bf16 on a CPU with native bf16, but ~1.7 in fp32, whose few-row GEMMs are slow).
     """
     device = _device(target)
     dtype = next(target.parameters()).dtype

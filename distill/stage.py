@@ -238,7 +238,8 @@ def _run(cfg: DictConfig, tracker) -> dict:
                                         for p, c in zip(train["prompt_ids"], train["completion_ids"])])
 
     # ---- train
-    init_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()} if d.keep_best else None
+    keep = d.keep_best and main  # only the main process evaluates and exports
+    init_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()} if keep else None
     history, train_tokens, steps, minutes = train_draft(cfg, d, draft, target, tokenizer, train, vocab, stops,
                                                        heldout, fp, tracker, main, sampling, gamma, state)
     if not main:
@@ -257,9 +258,8 @@ def _run(cfg: DictConfig, tracker) -> dict:
         after, selected = before, "init"
     calib = cal.calibrate_temperature(draft, heldout, list(d.tau_ratios), vocab, int(d.tau_refine))
     gammas = [int(g) for g in d.gammas]
-    serving_dtype = next(target.parameters()).dtype  # what eval loads the draft as (bf16 on CUDA / bf16 CPUs)
-    cost = cal.measure_cost_ratio(target, copy.deepcopy(draft).to(serving_dtype), vocab,
-                                  int(d.cost.context_length), int(d.cost.steps),
+    # timed as served: measure_cost_ratio casts a copy of the draft to the target's dtype
+    cost = cal.measure_cost_ratio(target, draft, vocab, int(d.cost.context_length), int(d.cost.steps),
                                   max_verify=max(gammas) if d.cost.verify else 0)
     cost["device"] = str(next(target.parameters()).device)
     best, speedups = {}, {}
@@ -297,6 +297,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
                            for s, t, m in history],
         "heldout": {"rows": len(heldout.rows), "positions": heldout.n_positions},
     }
+    serving_dtype = next(target.parameters()).dtype  # what eval loads the draft as (bf16 on CUDA / bf16 CPUs)
     save_draft(draft.to(serving_dtype), draft_tokenizer, cfg.paths.draft, spec,
                model_card(spec, f"{cfg.model.draft.name} (distilled)"), target.generation_config)
     if not d.keep_checkpoints:

@@ -8,6 +8,9 @@ the first differing position: a gap of a few bf16 ulps is a near-tie, a large ga
 """
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 
 from eval import metrics as M
@@ -30,8 +33,6 @@ def first_prompts(contexts: list[dict], n: int) -> list[dict]:
 
 def ulp(x: float, dtype: torch.dtype) -> float:
     """The spacing of `dtype` numbers at |x| (for x in [2^e, 2^(e+1)) it is eps · 2^e)."""
-    import math
-
     return torch.finfo(dtype).eps * 2.0 ** (math.frexp(abs(x))[1] - 1) if x else torch.finfo(dtype).tiny
 
 
@@ -79,8 +80,6 @@ def diagnose(records: list[dict], contexts: list[dict], target, methods=("specul
 def fp32_recheck(contexts, target, draft, plans, stop, s: dict, mismatches: list[dict]) -> dict:
     """The mismatched requests again, greedy, with float32 copies of both models: equality is expected there, so
     a mismatch that persists in fp32 is a bug and one that disappears was rounding."""
-    import copy
-
     again = {m["prompt_id"] for m in mismatches}
     fp32 = copy.copy(draft)
     fp32.model = copy.deepcopy(draft.model).float()
