@@ -34,7 +34,7 @@ def bench_prompts(cfg, n: int, domains: list[str]) -> list[dict]:
         rows = [json.loads(line) for line in spec_bench.read_text().splitlines() if line.strip()]
         rows = [{"id": str(r["question_id"]), "domain": r["category"], "turns": r["turns"][:1]} for r in rows]
     else:
-        from data.prompts import load_split
+        from pipeline.prompts import load_split
         rows = [dict(r, turns=r["turns"][:1]) for r in load_split(cfg.paths.prompts, "train")]
     rows = [r for r in rows if r["domain"] in domains] or rows
     return rows[::max(1, len(rows) // n)][:n]

@@ -119,7 +119,7 @@ def _settings(c: DictConfig) -> tuple[Sampling, int]:
 
 def _load_prompts(cfg: DictConfig) -> dict[str, list[dict]]:
     """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
-    from data.prompts import load_split
+    from pipeline.prompts import load_split
 
     domains = cfg.collect.domains
     if isinstance(domains, str):

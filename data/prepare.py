@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data import sources
-from data.prompts import SPLITS, load_prompts, normalized_text, write_prompts
+from pipeline.prompts import SPLITS, load_prompts, normalized_text, write_prompts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.errors import PipelineError
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from data.prompts import load_prompts
+from pipeline.prompts import load_prompts
 from pipeline.errors import PipelineError
 from pipeline.packaged import WheelFile, fetch_file
 

@@ -1,7 +1,7 @@
 """The acceptance simulator, draft-temperature calibration, the cost ratio c and the best γ.
 
 Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
-serving distribution p_T (temperature, top-k, top-p from the collect manifest, via eval/sampling.py) is
+serving distribution p_T (temperature, top-k, top-p from the collect manifest, via pipeline/sampling.py) is
 compared with the draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). The expected
 acceptance of a position is α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1); at T=0 both are
 one-hot and α is argmax agreement.
@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from distill.draft import column_map
 from distill.trainer import completion_hidden, layout
-from eval.sampling import expected_acceptance, logits_to_probs
+from pipeline.sampling import expected_acceptance, logits_to_probs
 
 OVERALL = "overall"
 
@@ -310,5 +310,5 @@ def best_gamma(per_position: list[float], c: float, gammas: list[int],
 
 def predicted_speedup_iid(alpha: float, gamma: int, c: float) -> float:
     """Leviathan et al. 2023, Thm 3.8 with i.i.d. acceptance α (for reference next to the measured one)."""
-    from eval.sampling import expected_walltime_improvement
+    from pipeline.sampling import expected_walltime_improvement
     return float(expected_walltime_improvement(min(alpha, 1 - 1e-9), gamma, c)) if not math.isnan(alpha) else 0.0

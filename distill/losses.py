@@ -1,6 +1,6 @@
 """Distillation losses between the target (teacher, p) and the draft (q), per completion position.
 
-Convention as in eval/sampling.py: **p is the target distribution, q is the draft distribution.**
+Convention as in pipeline/sampling.py: **p is the target distribution, q is the draft distribution.**
 
 Every loss returns one value per position ([N]); the trainer masks and averages. All math is in fp32.
 - `fkl`  forward KL(p ‖ q) = Σ p log(p/q) (mass-covering; the classic KD loss, Hinton et al. 2015)

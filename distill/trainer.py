@@ -19,7 +19,7 @@ from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArgumen
 
 from distill.draft import column_map
 from distill.losses import check_loss, distillation_loss, sparse_teacher
-from eval.sampling import logits_to_probs, sample
+from pipeline.sampling import logits_to_probs, sample
 
 
 # ---------------------------------------------------------------- batching

@@ -1,7 +1,7 @@
 """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and plain autoregressive decoding.
 
 Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV caches for both models.
-p = target distribution, q = draft distribution (see eval/sampling.py for the math).
+p = target distribution, q = draft distribution (see pipeline/sampling.py for the math).
 
 Caches: each model's cache holds a prefix of the committed tokens (prompt + accepted output) and the
 next forward feeds the rest. There is no separate prefill pass: the first forward of each model feeds
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eval.sampling import logits_to_probs, sample, validate_sampling, verify_draft
+from pipeline.sampling import logits_to_probs, sample, validate_sampling, verify_draft
 from pipeline.errors import PipelineError
 
 

@@ -86,7 +86,7 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def load_eval_prompts(cfg: DictConfig, s: dict) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
-    from data.prompts import load_prompts, load_split
+    from pipeline.prompts import load_prompts, load_split
 
     if s["prompts_file"]:
         source = str(s["prompts_file"])

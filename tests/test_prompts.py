@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data import prepare, sources
-from data.prompts import load_prompts, load_split, normalized_text, write_prompts
+from pipeline.prompts import load_prompts, load_split, normalized_text, write_prompts
 from pipeline.errors import PipelineError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
-"""The sampling and acceptance math in eval/sampling.py (p = target, q = draft)."""
+"""The sampling and acceptance math in pipeline/sampling.py (p = target, q = draft)."""
 import pytest
 import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eval import sampling
-from eval.sampling import (expected_acceptance, expected_accepted_length, expected_walltime_improvement,
+from pipeline import sampling
+from pipeline.sampling import (expected_acceptance, expected_accepted_length, expected_walltime_improvement,
                            logits_to_probs, residual_distribution, sample, validate_sampling, verify_draft)
 from pipeline.errors import PipelineError
 

@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from eval import sampling
-from eval.sampling import expected_acceptance, logits_to_probs
+from pipeline import sampling
+from pipeline.sampling import expected_acceptance, logits_to_probs
 from eval.speculative import (autoregressive_generate, forward, output_head, speculative_generate,
                               speculative_step, DecodeStats, Sampling)
 from pipeline.errors import PipelineError

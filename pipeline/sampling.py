@@ -1,4 +1,4 @@
-"""Sampling and acceptance math for speculative decoding, shared by the decoder and by distillation.
+"""Sampling and acceptance math for speculative decoding, shared by collect, distill and eval.
 
 Convention (the papers', not gpt-fast's): **p is the target distribution, q is the draft distribution.**
 
@@ -9,19 +9,61 @@ done in fp32 whatever the model dtype. References:
 - Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"
   (arXiv:2302.01318): the same modified rejection sampling, Algorithm 2.
 """
+import hashlib
+from dataclasses import asdict, dataclass, replace
+
 import torch
 
 from pipeline.errors import PipelineError
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """One sampling distribution: temperature (0 = greedy), then top-k (0 = off), then top-p (1 = off).
+
+    The serving settings of the target (collect generates with them, distill tunes the draft for them,
+    eval decodes with them); the draft's q is the same filters at its own temperature (`with_temperature`).
+    """
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Sampling":
+        """From a config or manifest mapping; missing or null keys take the neutral value."""
+        return cls(float(values.get("temperature") or 0.0), int(values.get("top_k") or 0),
+                   float(values.get("top_p") or 1.0))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_temperature(self, temperature: float) -> "Sampling":
+        return replace(self, temperature=float(temperature))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def validate_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
     """Raises a one-line PipelineError for sampling settings that define no distribution."""
-    if temperature is None or temperature < 0:
+    if temperature is None or not isinstance(temperature, (int, float)) or temperature < 0:
         raise PipelineError(f"temperature must be >= 0 (0 = greedy), got {temperature}: pass a non-negative value")
-    if top_k is None or top_k < 0:
-        raise PipelineError(f"top_k must be >= 0 (0 = off), got {top_k}: pass a non-negative integer")
-    if top_p is None or not 0.0 < top_p <= 1.0:
+    if top_k is None or not isinstance(top_k, int) or top_k < 0:
+        raise PipelineError(f"top_k must be an integer >= 0 (0 = off), got {top_k}: pass a non-negative integer")
+    if top_p is None or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise PipelineError(f"top_p must be in (0, 1] (1 = off), got {top_p}: pass a value in that range")
+
+
+def derive_seed(*parts) -> int:
+    """A stable 63-bit seed from (seed, domain, shard, turn, request, ...): independent of process and order."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "big") >> 1
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""`speculative.json`: the contract between the distill stage (writer) and every user of a draft export
+(the eval stage, the model card, anyone serving the draft).
+
+It travels next to the draft's HF weights. Per-domain entries are `{domain: value, ..., "default": value}`;
+`default` serves domains the calibration never saw. Fields (docs/architecture.md has the full schema):
+
+    version                this file's format; a reader refuses other versions with one line
+    target                 identity of the target the draft was tuned for (name, path, sizes, source_sha256)
+    sampling               the serving distribution the calibration is for: temperature, top_k, top_p
+    draft                  how the draft was built (init, layers / path, parameters)
+    vocab_subset           FR-Spec target ids of the draft head, or null (weights stay full-vocabulary)
+    distilled              false for the undistilled reference export (draft_init)
+    gamma                  draft tokens per target pass, per domain (null: not calibrated)
+    draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
+    selected               "distilled" | "init": which weights were exported (distill.keep_best)
+    acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated
+    mean_accepted_length   {"gamma": γ, "before": {...}, "after": {...}} predicted tokens per target pass
+    per_position_acceptance  P_k per domain (the chance the first k drafts of a block are accepted)
+    predicted_speedup      per domain, at the chosen γ, from the measured cost
+    cost                   c, forward times, verify ratios, device, dtype
+    training               loss, teacher, steps, tokens, minutes, rows, fingerprint
+    learning_curve         [{step, train_tokens, acceptance}]
+    heldout                sizes of the calibration and reporting splits
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+from pipeline.atomic import write_json
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+
+FILENAME = "speculative.json"
+VERSION = 2
+DEFAULT = "default"
+
+
+@dataclass
+class SpeculativeSpec:
+    target: dict
+    sampling: Sampling
+    draft: dict
+    vocab_subset: list[int] | None = None
+    distilled: bool = True
+    gamma: dict[str, int] | None = None
+    draft_temperature: dict[str, float] | None = None
+    selected: str = "distilled"
+    acceptance: dict = field(default_factory=dict)
+    mean_accepted_length: dict = field(default_factory=dict)
+    per_position_acceptance: dict = field(default_factory=dict)
+    predicted_speedup: dict = field(default_factory=dict)
+    cost: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    learning_curve: list = field(default_factory=list)
+    heldout: dict = field(default_factory=dict)
+    version: int = VERSION
+
+    def for_domain(self, key: str, domain: str):
+        """A per-domain calibration value (`gamma`, `draft_temperature`): the domain's, else `default`, else None."""
+        values = getattr(self, key)
+        if not values:
+            return None
+        return values.get(domain, values.get(DEFAULT))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["sampling"] = self.sampling.to_dict()
+        return out
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / FILENAME
+        write_json(path, self.to_dict())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = FILENAME) -> "SpeculativeSpec":
+        if not isinstance(data, dict):
+            raise PipelineError(f"{where} is not a JSON object: re-export the draft with stage=distill")
+        version = data.get("version")
+        if version != VERSION:
+            raise PipelineError(f"{where} has format version {version} (this code reads {VERSION}): re-export the "
+                                "draft with `python -m pipeline stage=distill`, or delete the file to use the "
+                                "draft uncalibrated")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(data))
+        if unknown or missing:
+            problem = ", ".join(filter(None, [f"unknown keys {unknown}" if unknown else "",
+                                              f"missing keys {missing}" if missing else ""]))
+            raise PipelineError(f"{where} does not match format version {VERSION} ({problem}): re-export the draft "
+                                "with `python -m pipeline stage=distill`")
+        values = dict(data)
+        try:
+            values["sampling"] = Sampling.from_dict(values["sampling"] or {})
+        except (AttributeError, TypeError, ValueError, PipelineError) as e:
+            raise PipelineError(f"{where}: invalid sampling {data['sampling']!r} ({e}): re-export the draft") from None
+        return cls(**values)
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "SpeculativeSpec | None":
+        """The directory's speculative.json, or None when it has none (a plain HF model directory)."""
+        path = Path(directory) / FILENAME
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PipelineError(f"{path} is not valid JSON ({e.msg}): re-export the draft or delete the file") from None
+        return cls.from_dict(data, str(path))
