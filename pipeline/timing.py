@@ -21,3 +21,29 @@ def synced_clock(device: torch.device | str):
         torch.cuda.synchronize(device)
         return time.perf_counter()
     return now
+
+
+class Stopwatch:
+    """Marks inside a loop whose intervals are read once, after the loop.
+
+    On CPU a mark is a perf_counter reading. On CUDA it is a recorded event: recording does not wait for
+    the GPU, so a decode loop can be profiled per forward without the per-forward synchronisations that
+    would slow the very run being timed; `elapsed` waits for the events only when the numbers are read.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self, start, end) -> float:
+        """Seconds between two marks."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
