@@ -1,7 +1,7 @@
 """The acceptance simulator, draft-temperature calibration, the cost ratio c and the best γ.
 
 Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
-serving distribution p_T (temperature, top-k, top-p from the collect manifest, via pipeline/sampling.py) is
+serving distribution p_T (temperature, top-k, top-p: the core Sampling, pipeline/sampling.py) is
 compared with the draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). The expected
 acceptance of a position is α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1); at T=0 both are
 one-hot and α is argmax agreement.
@@ -14,29 +14,19 @@ predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exact
 from __future__ import annotations
 
 import copy
-import math
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-from distill.draft import column_map
-from distill.trainer import completion_hidden, layout
-from pipeline.sampling import expected_acceptance, logits_to_probs
+from distill.batch import Truncation, batches, completion_hidden
+from pipeline.heads import column_map, head_logits, head_rows
+from pipeline.sampling import Sampling, expected_acceptance
+from pipeline.timing import synced_clock
 
 OVERALL = "overall"
-
-
-@dataclass
-class Sampling:
-    """Serving sampling settings: the distribution the target samples from at inference."""
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
 
 
 @dataclass
@@ -60,43 +50,27 @@ class HeldOut:
     def n_positions(self) -> int:
         return int(self.p_ids.shape[0])
 
-
-def _batches(rows: list[dict], batch_size: int, pad: int, device):
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        batch = layout([r["prompt_ids"] for r in chunk], [r["completion_ids"] for r in chunk], pad)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        yield batch, batch["labels"] != -100
+    def batches(self, device):
+        return batches(self.rows, self.batch_size, self.pad_token_id, device)  # rows are stored truncated
 
 
 def _device(model):
     return next(model.parameters()).device
 
 
-def _head_logits(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits over the full head or its `vocab` rows (works with a swapped-in SubsetHead too)."""
-    head = model.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if vocab is not None:
-        weight, bias = weight[vocab], None if bias is None else bias[vocab]
-    return F.linear(hidden, weight, bias).float()
-
-
 @torch.no_grad()
-def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampling, support: int = 128,
-                  batch_size: int = 8, max_prompt_length: int = 512, max_completion_length: int = 256,
-                  pad_token_id: int = 0) -> HeldOut:
-    """One target pass over the held-out rows (prompts truncated from the left, completions from the right)."""
-    rows = [{"prompt_ids": list(r["prompt_ids"])[-max_prompt_length:],
-             "completion_ids": list(r["completion_ids"])[:max_completion_length]} for r in rows]
+def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampling, truncation: Truncation,
+                  support: int = 128, batch_size: int = 8, pad_token_id: int = 0) -> HeldOut:
+    """One target pass over the held-out rows (rows without a prompt or a completion are dropped)."""
+    rows = [dict(zip(("prompt_ids", "completion_ids"), truncation(r))) for r in rows]
     keep = [i for i, r in enumerate(rows) if r["prompt_ids"] and r["completion_ids"]]
     rows, domains = [rows[i] for i in keep], [domains[i] for i in keep]
     target.eval()
     ids, probs, tails, row_of = [], [], [], []
-    m = 1 if sampling.temperature == 0 else support
-    for b, (batch, mask) in enumerate(_batches(rows, batch_size, pad_token_id, _device(target))):
-        logits = _head_logits(target, completion_hidden(target, batch)[mask], None)
-        p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    m = 1 if sampling.greedy else support
+    rows_of_head = head_rows(target)
+    for b, (batch, mask) in enumerate(batches(rows, batch_size, pad_token_id, _device(target))):
+        p = sampling.probs(head_logits(completion_hidden(target, batch)[mask], rows_of_head))
         top = p.topk(min(m, p.shape[-1]), -1)
         ids.append(top.indices.cpu())
         probs.append(top.values.cpu())
@@ -115,23 +89,36 @@ def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.
     device = _device(draft)
     vocab = None if vocab is None else vocab.to(device)
     column_of = column_map(vocab, draft.config.vocab_size)
-    s = heldout.sampling
+    rows = head_rows(draft, vocab)
     out, start = [], 0
-    for batch, mask in _batches(heldout.rows, heldout.batch_size, heldout.pad_token_id, device):
-        logits = _head_logits(draft, completion_hidden(draft, batch)[mask], vocab)
+    for batch, mask in heldout.batches(device):
+        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
         n = logits.shape[0]
         p_ids = heldout.p_ids[start:start + n].to(device)
         p = heldout.p_probs[start:start + n].to(device)
         cols = p_ids if column_of is None else column_of[p_ids]
         alphas = []
         for tau in temperatures:
-            q = logits_to_probs(logits, tau, s.top_k, s.top_p)
+            q = heldout.sampling.with_temperature(tau).probs(logits)
             q_at = q.gather(-1, cols.clamp_min(0)) * (cols >= 0)  # q is 0 outside the subset
             alphas.append(expected_acceptance(p, q_at).cpu())
         out.append(torch.stack(alphas))
         start += n
     draft.train(was_training)
     return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def acceptance_at(draft, heldout: HeldOut, temperature_of: dict[str, float], vocab=None) -> torch.Tensor:
+    """α per held-out position [N], each position at its domain's draft temperature (OVERALL's elsewhere)."""
+    masks = domain_index(heldout)
+    taus = sorted({temperature_of.get(d, temperature_of[OVERALL]) for d in masks if d != OVERALL})
+    table = dict(zip(taus, acceptance(draft, heldout, taus, vocab)))
+    alpha = torch.zeros(heldout.n_positions)
+    for domain, mask in masks.items():
+        if domain != OVERALL:
+            alpha[mask] = table[temperature_of.get(domain, temperature_of[OVERALL])][mask]
+    return alpha
 
 
 def domain_index(heldout: HeldOut) -> dict[str, torch.Tensor]:
@@ -229,86 +216,91 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
     return result
 
 
+class _Stepper:
+    """One model decoding on a KV cache over a fixed context: the unit the cost ratio times."""
+
+    def __init__(self, model, vocab, context: torch.Tensor):
+        self.model, self.rows = model, head_rows(model, vocab)
+        self.cache = DynamicCache(config=model.config)
+        self.clock = synced_clock(_device(model))
+        model.model(input_ids=context, cache=self.cache, use_cache=True)
+
+    def __call__(self, tokens: torch.Tensor) -> float:
+        """Seconds for one forward of `tokens` [1, k] and the head's argmax at the last position."""
+        t0 = self.clock()
+        hidden = self.model.model(input_ids=tokens, cache=self.cache, use_cache=True).last_hidden_state
+        head_logits(hidden[0, -1:], self.rows).argmax(-1)
+        return self.clock() - t0
+
+    def rewind(self, length: int) -> None:
+        self.cache.crop(length - self.cache.get_seq_length())  # transformers 5: a negative count drops tokens
+
+
 @torch.no_grad()
 def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context_length: int = 64,
                        steps: int = 24, warmup: int = 4, seed: int = 0, max_verify: int = 0) -> dict:
     """c = median draft forward / median target forward for one decoding step (1 token, KV cache, the
     draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up.
 
-    With max_verify = γmax > 0 it also times the target verifying k = 2..γmax+1 tokens in one forward:
-    `verify_ratio[γ]` = that time / one-token time (1 in the walltime formula's idealisation; ≈1.05 at γ=4
-    for the embedded model in bf16 on a CPU with native bf16, but ~1.7 in fp32, whose few-row GEMMs are slow).
+    With max_verify = γmax > 0 it also times the target verifying k = 2..γmax+1 tokens in one forward
+    (`verify_ratio`, see `verify_ratios`).
     """
-    device = _device(target)
     dtype = next(target.parameters()).dtype
     if next(draft.parameters()).dtype != dtype:  # time the draft as it will serve: in the target's dtype
         draft = copy.deepcopy(draft).to(dtype)
     g = torch.Generator().manual_seed(seed)
     n_tokens = context_length + warmup + steps + max_verify + 1
-    tokens = torch.randint(0, target.config.vocab_size, (1, n_tokens), generator=g).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    heads = {}
-    for name, model, rows in (("target", target, None), ("draft", draft, vocab)):
-        head = model.get_output_embeddings()
-        w = head.weight if rows is None else head.weight[rows.to(device)]
-        heads[name] = (model, w, DynamicCache(config=model.config))
-        model.model(input_ids=tokens[:, :context_length], cache=heads[name][2], use_cache=True)
-
-    def step(name, tok):
-        model, w, cache = heads[name]
-        sync()
-        t0 = time.perf_counter()
-        hidden = model.model(input_ids=tok, cache=cache, use_cache=True).last_hidden_state
-        F.linear(hidden[0], w).float().argmax(-1)
-        sync()
-        return time.perf_counter() - t0
-
+    tokens = torch.randint(0, target.config.vocab_size, (1, n_tokens), generator=g).to(_device(target))
+    context = tokens[:, :context_length]
+    steppers = {"target": _Stepper(target, None, context), "draft": _Stepper(draft, vocab, context)}
     times = {"target": [], "draft": []}
     for i in range(warmup + steps):
-        tok = tokens[:, context_length + i:context_length + i + 1]
-        for name in heads:
-            t = step(name, tok)
+        token = tokens[:, context_length + i:context_length + i + 1]
+        for name, stepper in steppers.items():
+            seconds = stepper(token)
             if i >= warmup:
-                times[name].append(t)
+                times[name].append(seconds)
     target_s, draft_s = statistics.median(times["target"]), statistics.median(times["draft"])
     result = {"c": draft_s / target_s, "draft_forward_ms": 1e3 * draft_s, "target_forward_ms": 1e3 * target_s}
     if max_verify:
-        cache = heads["target"][2]
-        base = cache.get_seq_length()
-        start = context_length + warmup + steps
-        ratios = {}
-        for gamma in range(1, max_verify + 1):
-            one, many = [], []
-            for _ in range(max(3, steps // 4)):  # paired with 1-token steps, so load drift cancels out
-                one.append(step("target", tokens[:, start:start + 1]))
-                cache.crop(base - cache.get_seq_length())  # transformers 5: a negative count drops tokens
-                many.append(step("target", tokens[:, start:start + gamma + 1]))
-                cache.crop(base - cache.get_seq_length())
-            ratios[gamma] = statistics.median(many) / statistics.median(one)
-        # A least-squares line through the ratios (slope ≥ 0: verifying more tokens is never cheaper) so that
-        # one noisy timing does not pick γ.
-        xs, ys = list(ratios), list(ratios.values())
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9))
-        result["verify_ratio"] = {g: round(max(1.0, my + slope * (g - mx)), 3) for g in xs}
-        result["verify_ratio_measured"] = {g: round(r, 3) for g, r in ratios.items()}
+        result.update(verify_ratios(steppers["target"], tokens[:, context_length + warmup + steps:], max_verify,
+                                    max(3, steps // 4)))
     return result
+
+
+def verify_ratios(stepper: _Stepper, tokens: torch.Tensor, max_verify: int, repeats: int) -> dict:
+    """r_γ = the target's (γ+1)-token forward / its 1-token forward, γ = 1..max_verify (1 in the walltime
+    formula's idealisation; ≈1.05 at γ=4 for the embedded model in bf16 on a CPU with native bf16, ~1.7 in
+    fp32, whose few-row GEMMs are slow). Each long forward is paired with a 1-token one so load drift cancels;
+    a least-squares line (slope ≥ 0: verifying more is never cheaper) keeps one noisy timing from picking γ."""
+    base = stepper.cache.get_seq_length()
+    measured = {}
+    for gamma in range(1, max_verify + 1):
+        one, many = [], []
+        for _ in range(repeats):
+            one.append(stepper(tokens[:, :1]))
+            stepper.rewind(base)
+            many.append(stepper(tokens[:, :gamma + 1]))
+            stepper.rewind(base)
+        measured[gamma] = statistics.median(many) / statistics.median(one)
+    xs, ys = list(measured), list(measured.values())
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9))
+    return {"verify_ratio": {g: round(max(1.0, my + slope * (g - mx)), 3) for g in xs},
+            "verify_ratio_measured": {g: round(r, 3) for g, r in measured.items()}}
+
+
+def predicted_speedup(per_position: list[float], c: float, gamma: int,
+                      verify_ratio: dict[int, float] | None = None) -> float:
+    """(1 + Σ_{k≤γ} P_k) / (γc + r_γ). r_γ = 1 (the default) is Leviathan et al.'s walltime formula (Thm 3.8);
+    a measured `verify_ratio` (the target's (γ+1)-token forward over its 1-token forward) accounts for
+    verification not being free on CPUs."""
+    return accepted_length(per_position, gamma) / (gamma * c + (verify_ratio or {}).get(gamma, 1.0))
 
 
 def best_gamma(per_position: list[float], c: float, gammas: list[int],
                verify_ratio: dict[int, float] | None = None) -> tuple[int, dict[int, float]]:
-    """γ maximising the predicted speedup (1 + Σ_{k≤γ} P_k) / (γc + r_γ); returns (γ, {γ: speedup}).
-
-    r_γ = 1 (the default) is Leviathan et al.'s walltime formula; a measured `verify_ratio` (the target's
-    (γ+1)-token forward over its 1-token forward) accounts for verification not being free on CPUs.
-    """
-    verify_ratio = verify_ratio or {}
-    speedups = {int(g): accepted_length(per_position, int(g)) / (int(g) * c + verify_ratio.get(int(g), 1.0))
+    """γ maximising `predicted_speedup`; returns (γ, {γ: speedup})."""
+    speedups = {int(g): predicted_speedup(per_position, c, int(g), verify_ratio)
                 for g in gammas if int(g) <= len(per_position)}
     return max(speedups, key=speedups.get), speedups
-
-
-def predicted_speedup_iid(alpha: float, gamma: int, c: float) -> float:
-    """Leviathan et al. 2023, Thm 3.8 with i.i.d. acceptance α (for reference next to the measured one)."""
-    from pipeline.sampling import expected_walltime_improvement
-    return float(expected_walltime_improvement(min(alpha, 1 - 1e-9), gamma, c)) if not math.isnan(alpha) else 0.0

@@ -10,7 +10,7 @@ FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Mode
 Speculative Sampling"): the draft's head is restricted to the K target tokens most frequent in the
 collected completions (stop tokens always included). The exported weights keep the full vocabulary, so
 the draft stays an ordinary HF model; the id list travels in speculative.json and the project's decoder
-slices the head at load time. Training and evaluation here use the same sliced head (`SubsetHead`).
+slices the head at load time. Training and evaluation here use the same sliced head (pipeline/heads.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from typing import Iterable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, derive_draft, load_model, load_tokenizer, resolve_model
@@ -133,45 +132,3 @@ def vocab_subset(completions: Iterable[list[int]], k: int, vocab_size: int, alwa
         chosen.setdefault(token)
         token += 1
     return torch.tensor(sorted(list(chosen)[:max(k, len(set(always)))]), dtype=torch.long)
-
-
-def column_map(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    """target id -> column in the subset head (−1 outside); None for a full-vocabulary head."""
-    if vocab is None:
-        return None
-    col = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab.device)
-    col[vocab] = torch.arange(len(vocab), device=vocab.device)
-    return col
-
-
-class SubsetHead(nn.Module):
-    """An output head restricted to the rows in `vocab`, sharing the full head's weight Parameter.
-
-    Swapped in for `lm_head` during training and evaluation so the draft computes exactly the logits the
-    decoder will use; the state dict is unchanged (`weight`), so checkpoints are ordinary full-vocab models.
-    """
-
-    def __init__(self, head: nn.Linear, vocab: torch.Tensor):
-        super().__init__()
-        self.weight = head.weight
-        self.bias = head.bias
-        self.register_buffer("vocab", vocab.to(head.weight.device), persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias[self.vocab]
-        return nn.functional.linear(hidden, self.weight[self.vocab], bias)
-
-
-def use_subset_head(draft, vocab: torch.Tensor | None):
-    """Restrict the draft's head to `vocab` in place (None: no-op). Returns the original head."""
-    head = draft.get_output_embeddings()
-    if vocab is not None and not isinstance(head, SubsetHead):
-        draft.set_output_embeddings(SubsetHead(head, vocab))
-    return head
-
-
-def restore_full_head(draft, head: nn.Module) -> None:
-    if isinstance(draft.get_output_embeddings(), SubsetHead):
-        draft.set_output_embeddings(head)
-    if getattr(draft.config, "tie_word_embeddings", False):
-        draft.tie_weights()

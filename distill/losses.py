@@ -21,13 +21,16 @@ Two teacher forms:
   unreachable for any draft, and the renormalised p is an optimum of both TVD and FKL under that limit.
 - **top-k** (`SparseTeacher`, cached by the collect stage at T=1): k ids and log-probs per position,
   the tail (all other tokens) handled explicitly by `tail`:
-  * `bucket` (default): the tail is one extra "other" class holding the teacher's remaining mass,
-    compared against the draft's mass on every unlisted token. Every divergence stays finite and
-    proper, and the teacher's uncertainty is kept (renormalising would tell the draft the target is
-    more confident than it is). At T=1 this is exact on k+1 classes (a lower bound of the full-vocab
-    divergence, by data processing). At T≠1 the tail is assumed spread evenly over the unlisted
-    tokens (the only per-token tail value the cache allows); that overstates the tail mass for T>1
-    (Jensen), so use teacher=online when the loss temperature is not 1.
+  * `bucket` (default): the tail is one extra "other" class holding the teacher's remaining *reachable*
+    mass, compared against the draft's mass on every unlisted class. For a full-vocabulary draft that is
+    1 − Σ top-k; for a subset draft it is P(S) − Σ listed-in-S, where P(S), the target's mass on the
+    subset, is computed once per position by the distill stage (a frequency-ranked subset holds most of
+    the tail, so no even-spread guess can stand in for it). The result is exactly the online teacher's
+    subset-renormalised distribution projected onto the k+1 classes. The "other" mass is floored at
+    `TAIL_FLOOR` (fp16 log-probs can sum past 1), which keeps reverse KL finite and sane. At T=1 this is
+    exact on k+1 classes (a lower bound of the full divergence, by data processing). At T≠1 the tail is
+    assumed spread evenly over the unlisted classes (the only per-token value the cache allows); that
+    overstates the tail for T>1 (Jensen), so use teacher=online when the loss temperature is not 1.
   * `renormalize`: the teacher is its top-k renormalised, zero elsewhere; the draft is still
     penalised (TVD, JSD) for mass on unlisted tokens. Reverse KL is infinite under it (q > 0 where
     p = 0) and is refused.
@@ -106,52 +109,62 @@ def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float 
 
 
 # ---------------------------------------------------------------- teachers
+# The least mass the "other" class keeps when the listed log-probs (stored in fp16) sum to 1 or more: the truth is
+# then a tail below fp16's resolution, and a zero would make reverse KL charge the draft log(q/0) for any mass there.
+TAIL_FLOOR = 1e-6
+
+
 @dataclass
 class SparseTeacher:
     """Cached top-k teacher at the loss positions.
 
     ids: [N, k] columns in the draft's output space (-1 = a token the draft cannot predict, e.g. outside
     its vocabulary subset); logprobs: [N, k] target log-probs at T=1 over the full vocabulary;
-    n_unlisted: draft classes not listed (for the even-tail assumption at T≠1), [N] or an int;
-    n_tail: full-vocabulary tokens not in the top-k, V − k.
+    reachable_logmass: [N] log of the target's mass on the draft's classes (0 for a full-vocabulary draft);
+    n_unlisted: draft classes not listed, [N] (for the even-tail assumption at T≠1).
     """
     ids: torch.Tensor
     logprobs: torch.Tensor
-    n_unlisted: torch.Tensor | int
-    n_tail: int
+    reachable_logmass: torch.Tensor
+    n_unlisted: torch.Tensor
 
 
 def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int,
-                   column_of: torch.Tensor | None = None) -> SparseTeacher:
-    """Builds a SparseTeacher from cached target ids [N, k]; column_of maps a target id to its column in
-    the draft's vocabulary subset (-1 outside), None for a full-vocabulary draft."""
-    k = topk_ids.shape[-1]
+                   column_of: torch.Tensor | None = None,
+                   subset_logmass: torch.Tensor | None = None) -> SparseTeacher:
+    """Builds a SparseTeacher from cached target ids [N, k]. column_of maps a target id to its column in
+    the draft's vocabulary subset (-1 outside), None for a full-vocabulary draft; a subset draft needs
+    `subset_logmass` [N], the target's log-mass on the subset at each position."""
+    logprobs = topk_logprobs.float()
     if column_of is None:
         ids, n_classes = topk_ids.long(), vocab_size
+        reachable = torch.zeros_like(logprobs[..., 0])
     else:
+        if subset_logmass is None:
+            raise PipelineError("a vocabulary-subset draft with cached top-k labels needs the target's mass on the "
+                                "subset per position: the distill stage computes it (subset_logmass)")
         ids, n_classes = column_of[topk_ids.long()], int((column_of >= 0).sum())
+        reachable = subset_logmass.float().clamp(max=0.0)
     n_listed = (ids >= 0).sum(-1)
-    return SparseTeacher(ids, topk_logprobs.float(), n_classes - n_listed, vocab_size - k)
+    return SparseTeacher(ids, logprobs, reachable, n_classes - n_listed)
 
 
 def sparse_log_probs(teacher: SparseTeacher, temperature: float, tail: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher log-probs over the k listed classes + 1 "other" class, at the loss temperature: [N, k+1].
 
-    Listed tokens the draft cannot predict (id −1) are dropped, and what remains is renormalised: as for
-    the dense teacher, that mass is unreachable. Returns (log_p [N, k+1], valid [N, k]).
+    Listed tokens the draft cannot predict (id −1) are dropped and what remains is renormalised over the
+    draft's classes: as for the dense teacher, mass outside them is unreachable. Returns (log_p, valid [N, k]).
     """
     lp = teacher.logprobs
     valid = teacher.ids >= 0
     scaled = torch.where(valid, lp / temperature, torch.full_like(lp, -math.inf))
     if tail == "bucket":
-        listed_mass = lp.exp().sum(-1).clamp(max=1.0)
-        tail_mass = (1.0 - listed_mass).clamp_min(0.0)
-        # Even-tail assumption: each of the n_tail unlisted tokens holds tail/n_tail at T=1; at temperature
-        # T its weight is (tail/n_tail)^(1/T). Only the unlisted tokens the draft can predict count.
-        per_token = torch.log(tail_mass.clamp_min(1e-30) / teacher.n_tail)
-        n_unlisted = torch.as_tensor(teacher.n_unlisted, dtype=lp.dtype, device=lp.device).expand_as(per_token)
-        log_other = per_token / temperature + torch.log(n_unlisted.clamp_min(1))
-        log_other = torch.where((tail_mass > 0) & (n_unlisted > 0), log_other, torch.full_like(log_other, -math.inf))
+        listed_mass = torch.where(valid, lp.exp(), torch.zeros_like(lp)).sum(-1)
+        other_mass = (teacher.reachable_logmass.exp() - listed_mass).clamp_min(TAIL_FLOOR)
+        # Even-tail assumption at T≠1: each unlisted class holds other/n at T=1, so (other/n)^(1/T) at T.
+        n_unlisted = teacher.n_unlisted.to(lp.dtype)
+        log_other = torch.log(other_mass / n_unlisted.clamp_min(1)) / temperature + torch.log(n_unlisted.clamp_min(1))
+        log_other = torch.where(n_unlisted > 0, log_other, torch.full_like(log_other, -math.inf))
     else:
         log_other = torch.full_like(lp[..., 0], -math.inf)
     logits = torch.cat([scaled, log_other.unsqueeze(-1)], -1)

@@ -1,98 +1,87 @@
 """Distillation with the HF Trainer: `DistillConfig` (the knobs) + `DistillTrainer` (only `compute_loss`
 differs), in the style of TRL's GKDTrainer. Checkpointing, gradient accumulation, mixed precision and
-multi-process training (`accelerate launch`) come from Trainer/accelerate.
-
-A batch holds collected rows laid out so that every row's completion starts at the same position:
-    [pad … pad | prompt | completion[:-1] | pad … pad]
-(prompts left-padded, completions right-padded, explicit position ids), so the logits of the last Lc
-positions predict the Lc completion tokens of every row and neither model computes its head over prompts.
+multi-process training (`accelerate launch`) come from Trainer/accelerate. Batches use the aligned layout
+of distill/batch.py.
 """
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArguments
 
-from distill.draft import column_map
+from distill.batch import Truncation, completion_hidden, layout
 from distill.losses import check_loss, distillation_loss, sparse_teacher
+from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import logits_to_probs, sample
+
+LABEL_COLUMNS = ("topk_ids", "topk_logprobs", "subset_logmass")
 
 
 # ---------------------------------------------------------------- batching
 @dataclass
 class DistillCollator:
-    """Rows {prompt_ids, completion_ids[, topk_ids, topk_logprobs]} -> aligned tensors.
+    """Rows {prompt_ids, completion_ids[, topk_ids, topk_logprobs[, subset_logmass]]} -> aligned tensors.
 
-    Prompts keep their last `max_prompt_length` tokens, completions their first `max_completion_length`.
-    Returns input_ids/attention_mask/position_ids [B, P+Lc-1], labels [B, Lc] (−100 = padding) and, when
-    every row has them, topk_ids [B, Lc, k] / topk_logprobs [B, Lc, k].
+    Returns the layout of distill/batch.py and, when every row has them, topk_ids [B, Lc, k],
+    topk_logprobs [B, Lc, k] and subset_logmass [B, Lc].
     """
     pad_token_id: int
-    max_prompt_length: int = 512
-    max_completion_length: int = 256
+    truncation: Truncation
 
     def __call__(self, rows: list[dict]) -> dict:
-        prompts = [list(r["prompt_ids"])[-self.max_prompt_length:] for r in rows]
-        completions = [list(r["completion_ids"])[:self.max_completion_length] for r in rows]
-        batch = layout(prompts, completions, self.pad_token_id)
+        prompts, completions = zip(*(self.truncation(r) for r in rows))
+        batch = layout(list(prompts), list(completions), self.pad_token_id)
         if all(r.get("topk_ids") is not None for r in rows):
             lc = batch["labels"].shape[1]
             k = len(rows[0]["topk_ids"][0])
             ids = torch.zeros(len(rows), lc, k, dtype=torch.long)
             lps = torch.full((len(rows), lc, k), -1e4)
+            mass = torch.zeros(len(rows), lc)
             for i, r in enumerate(rows):
                 n = len(completions[i])
                 ids[i, :n] = torch.as_tensor(r["topk_ids"][:n], dtype=torch.long)
                 lps[i, :n] = torch.as_tensor(r["topk_logprobs"][:n], dtype=torch.float32)
+                if r.get("subset_logmass") is not None:
+                    mass[i, :n] = torch.as_tensor(r["subset_logmass"][:n], dtype=torch.float32)
             batch["topk_ids"], batch["topk_logprobs"] = ids, lps
+            if all(r.get("subset_logmass") is not None for r in rows):
+                batch["subset_logmass"] = mass
         return batch
 
 
-def layout(prompts: list[list[int]], completions: list[list[int]], pad: int) -> dict:
-    """The aligned batch layout (module docstring); rows need ≥1 prompt and ≥1 completion token."""
-    p_len = max(len(p) for p in prompts)
-    c_len = max(len(c) for c in completions)
-    width = p_len + c_len - 1
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    labels = torch.full((len(prompts), c_len), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        seq = p + c[:-1]
-        start = p_len - len(p)
-        input_ids[i, start:start + len(seq)] = torch.as_tensor(seq)
-        attention[i, start:start + len(seq)] = 1
-        labels[i, :len(c)] = torch.as_tensor(c)
-    position_ids = (attention.cumsum(1) - 1).clamp_min(0)
-    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
-            "labels": labels, "prompt_length": torch.tensor(p_len)}
-
-
-def completion_hidden(model, batch: dict) -> torch.Tensor:
-    """Final hidden states [B, Lc, H] at the positions that predict the completion tokens."""
-    lc = batch["labels"].shape[1]
-    out = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      position_ids=batch["position_ids"], use_cache=False)
-    return out.last_hidden_state[:, -lc:]
-
-
 # ---------------------------------------------------------------- config and trainer
+def _knob(help_text: str):
+    # No default value here: conf/distill/default.yaml (`objective:`) is the one place that sets it.
+    return field(default=None, metadata={"help": help_text})
+
+
 @dataclass
 class DistillConfig(TrainingArguments):
-    """TrainingArguments plus the distillation knobs (conf/distill/default.yaml documents each)."""
-    loss: str = field(default="tvd", metadata={"help": "fkl | rkl | jsd | tvd | ce"})
-    beta: float = field(default=0.5, metadata={"help": "JSD interpolation β (GKD eq. 1)"})
-    loss_temperature: float = field(default=1.0, metadata={"help": "softmax temperature inside the loss"})
-    teacher: str = field(default="topk", metadata={"help": "online (target forward) | topk (cached labels)"})
-    topk_tail: str = field(default="bucket", metadata={"help": "bucket | renormalize (see distill/losses.py)"})
-    lmbda: float = field(default=0.0, metadata={"help": "share of batches the draft continues itself (on-policy)"})
-    on_policy_temperature: float = field(default=1.0, metadata={"help": "draft sampling temperature on-policy"})
-    max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (the last ones)"})
-    max_completion_length: int = field(default=256, metadata={"help": "completion tokens trained on"})
-    max_train_minutes: float | None = field(default=None, metadata={"help": "stop training after this long"})
+    """TrainingArguments plus the distillation knobs, named as in conf/distill/default.yaml `objective:`."""
+    loss: str = _knob("fkl | rkl | jsd | tvd | ce")
+    beta: float = _knob("JSD interpolation β (GKD eq. 1)")
+    loss_temperature: float = _knob("softmax temperature inside the loss")
+    teacher: str = _knob("online (target forward) | topk (cached labels)")
+    topk: int = _knob("k of the cached labels when the stage computes them")
+    topk_tail: str = _knob("bucket | renormalize (see distill/losses.py)")
+    lmbda: float = _knob("share of batches the draft continues itself (on-policy)")
+    on_policy_temperature: float = _knob("draft sampling temperature on-policy")
+    freeze_shared: bool = _knob("freeze the embeddings and the head")
+    max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
+    max_completion_length: int = _knob("completion tokens trained on")
+
+    def __post_init__(self):
+        super().__post_init__()
+        unset = [f.name for f in fields(DistillConfig) if f.name in OBJECTIVE and getattr(self, f.name) is None]
+        if unset:
+            raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
+
+
+OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "on_policy_temperature",
+             "freeze_shared", "max_prompt_length", "max_completion_length")
 
 
 class DistillTrainer(Trainer):
@@ -108,7 +97,7 @@ class DistillTrainer(Trainer):
                  stop_ids: list[int] | None = None, processing_class=None, callbacks=None):
         check_loss(args.loss, args.beta, args.topk_tail, args.teacher)
         pad = processing_class.pad_token_id if processing_class is not None else 0
-        collator = DistillCollator(pad, args.max_prompt_length, args.max_completion_length)
+        collator = DistillCollator(pad, Truncation(args.max_prompt_length, args.max_completion_length))
         super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=collator,
                          processing_class=processing_class, callbacks=callbacks)
         self.teacher = teacher_model
@@ -127,12 +116,8 @@ class DistillTrainer(Trainer):
     @torch.no_grad()
     def teacher_logits(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
         """Target logits [N, C] over the draft's classes at the masked completion positions."""
-        hidden = completion_hidden(self.teacher, batch)[mask]
-        head = self.teacher.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if self.vocab is not None:  # the teacher renormalised over the subset (distill/losses.py)
-            weight, bias = weight[self.vocab], None if bias is None else bias[self.vocab]
-        return F.linear(hidden, weight, bias).float()
+        # Over the subset's rows only: the teacher renormalised over what the draft can propose (losses.py).
+        return head_logits(completion_hidden(self.teacher, batch)[mask], head_rows(self.teacher, self.vocab))
 
     def _columns(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.column_of is None else self.column_of[ids]
@@ -158,8 +143,9 @@ class DistillTrainer(Trainer):
         else:
             if "topk_ids" not in inputs:
                 raise RuntimeError("teacher=topk but the batch has no topk_ids (the stage fills them in)")
+            subset_logmass = inputs["subset_logmass"][mask] if "subset_logmass" in inputs else None
             teacher = sparse_teacher(inputs["topk_ids"][mask], inputs["topk_logprobs"][mask], self.vocab_size,
-                                     self.column_of)
+                                     self.column_of, subset_logmass)
             per_token = distillation_loss(args.loss, draft_logits, teacher=teacher, **kwargs)
         self.train_tokens += int(mask.sum())
         loss = per_token.mean()

@@ -108,9 +108,9 @@ class Tracker:
 def overrides(setup, out: Path, *extra: str) -> list[str]:
     return [f"paths.artifacts={out}", f"model.target.path={setup['target']}", f"paths.collect={setup['collect']}",
             "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "model.draft.derive.layers=[0]",
-            "model.draft.vocab_subset=0", "distill.max_steps=40", "distill.max_epochs=null", "distill.batch_size=4",
-            "distill.eval_steps=20", "distill.save_steps=20", "distill.learning_rate=3e-3", "distill.heldout_fraction=0.25",
-            "distill.cost.steps=4", "distill.max_train_minutes=null", "seed=0", *extra]
+            "model.draft.vocab_subset=0", "distill.trainer.max_steps=40", "distill.trainer.max_epochs=null", "distill.trainer.per_device_train_batch_size=4",
+            "distill.heldout.eval_steps=20", "distill.checkpoint.save_steps=20", "distill.trainer.learning_rate=3e-3", "distill.split.heldout_fraction=0.25",
+            "distill.calibration.cost.steps=4", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
 
 
 def compose(setup, out: Path, *extra: str):
@@ -200,18 +200,57 @@ def test_cached_topk_teacher_is_close_to_online_teacher(name):
 
 
 def test_losses_have_finite_gradients_with_a_vocab_subset():
-    from distill.draft import column_map
+    from pipeline.heads import column_map
 
     torch.manual_seed(0)
     subset = torch.arange(0, 64, 2)
     column_of = column_map(subset, 64)
     teacher_logits = torch.randn(8, 64) * 3
     top = teacher_logits.log_softmax(-1).topk(8)
+    mass = teacher_logits.log_softmax(-1)[:, subset].logsumexp(-1)
     for name in ("fkl", "rkl", "jsd", "tvd"):
         draft = torch.randn(8, len(subset), requires_grad=True)
-        loss = distillation_loss(name, draft, teacher=sparse_teacher(top.indices, top.values, 64, column_of)).sum()
+        loss = distillation_loss(name, draft, teacher=sparse_teacher(top.indices, top.values, 64, column_of, mass)).sum()
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(draft.grad).all(), name
+
+
+def test_reverse_kl_stays_finite_when_the_cached_top_k_mass_rounds_to_one():
+    # top-1 log-prob −1e-9 (fp16 stores it as −0.0) plus 31 small listed tokens: the listed mass sums past 1, so the
+    # "other" class has no teacher mass left. The draft puts ≈ 0.006 there. FKL/TVD/JSD charge ≈ that much; reverse KL
+    # must too (a floor, not log 0: with log p = −1e4 it was ≈ 60).
+    k, vocab = 32, 4096
+    logprobs = torch.cat([torch.tensor([[-1e-9]]), torch.full((1, k - 1), -12.0)], 1).half().float()
+    assert logprobs.exp().sum() >= 1.0
+    teacher = sparse_teacher(torch.arange(k)[None], logprobs, vocab)
+    draft_logits = torch.full((1, vocab), -30.0)
+    draft_logits[0, 0] = 0.0
+    draft_logits[0, k:] = math.log(0.006 / (vocab - k))  # q(other) ≈ 0.006, q(top-1) ≈ 0.994
+    losses = {name: distillation_loss(name, draft_logits, teacher=teacher).item() for name in ("fkl", "tvd", "jsd", "rkl")}
+    assert losses["tvd"] == pytest.approx(0.006, abs=1e-3)
+    assert 0 < losses["rkl"] < 0.1, losses
+
+
+@pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
+def test_cached_and_online_teachers_agree_for_a_vocab_subset_draft(name):
+    """A frequency-ranked subset holds most of the target's tail. With the draft's conditional distribution on the
+    unlisted subset tokens equal to the target's (so bucketing the tail loses nothing), the cached top-k teacher
+    with the subset's mass must give the online (subset-renormalised) teacher's loss. An even-spread tail over
+    all V − k tokens gives the subset's "other" class ≈ K/V of the tail and fails this."""
+    from pipeline.heads import column_map
+
+    torch.manual_seed(0)
+    vocab, k, rows = 512, 16, 32
+    teacher_logits = torch.randn(rows, vocab) * 2
+    subset = torch.cat([teacher_logits.mean(0).topk(96).indices, torch.tensor([0])]).unique()  # the frequent tokens
+    logp = teacher_logits.log_softmax(-1)
+    top = logp.topk(k)
+    draft_logits = teacher_logits.clone()
+    draft_logits.scatter_add_(-1, top.indices, torch.randn(rows, k))  # differs only on the listed tokens
+    online = distillation_loss(name, draft_logits[:, subset], teacher_logits=teacher_logits[:, subset])
+    teacher = sparse_teacher(top.indices, top.values, vocab, column_map(subset, vocab), logp[:, subset].logsumexp(-1))
+    cached = distillation_loss(name, draft_logits[:, subset], teacher=teacher)
+    assert torch.allclose(cached, online, atol=1e-4), (cached - online).abs().max()
 
 
 def test_unknown_loss_or_bad_beta_is_refused():
@@ -241,7 +280,7 @@ def test_vocab_subset_keeps_stop_tokens_and_the_most_frequent_tokens():
 def test_subset_head_is_full_vocab_on_save(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from distill.draft import restore_full_head, use_subset_head
+    from pipeline.heads import restore_full_head, use_subset_head
 
     model = tiny_llama(vocab_size=VOCAB, layers=1, tie=True)
     head = use_subset_head(model, torch.arange(10))
@@ -270,7 +309,9 @@ def test_calibration_recovers_a_known_temperature(scale):
     (s = 1/1.5 is "draft = target logits / 1.5", whose best τ is T/1.5)."""
     import copy
 
-    from distill.calibrate import Sampling, build_heldout, calibrate_temperature
+    from distill.batch import Truncation
+    from distill.calibrate import build_heldout, calibrate_temperature
+    from pipeline.sampling import Sampling
 
     target = peaked_target()
     with torch.no_grad():
@@ -282,7 +323,8 @@ def test_calibration_recovers_a_known_temperature(scale):
     rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
              "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
     T = 0.8
-    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), support=VOCAB, pad_token_id=1)
+    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), Truncation(512, 256), support=VOCAB,
+                            pad_token_id=1)
     result = calibrate_temperature(draft, heldout, [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0], refine=7)
     for domain in ("a", "b", "overall"):
         assert result["temperature"][domain] == pytest.approx(scale * T, rel=0.04)
@@ -334,7 +376,7 @@ def test_short_distillation_raises_heldout_acceptance(distilled):
 
 def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, tmp_path):
     # the path a CPU with native bf16 (or a GPU) takes by default: bf16 target, autocast over fp32 master weights
-    result, _ = run_stage(setup, tmp_path, "runtime.dtype=bfloat16", "distill.bf16=auto", "distill.max_steps=20")
+    result, _ = run_stage(setup, tmp_path, "runtime.dtype=bfloat16", "distill.trainer.bf16=auto", "distill.trainer.max_steps=20")
     assert result["acceptance_after"] - result["acceptance_before"] > 0.1, result
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -349,7 +391,7 @@ def test_distill_leaves_the_collected_data_untouched(distilled, setup):
 def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     _, _, out = distilled
     spec = json.loads((out / "draft" / "speculative.json").read_text())
-    for key in ("target", "serving_temperature", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
+    for key in ("version", "target", "sampling", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
         assert key in spec
     assert set(spec["draft_temperature"]) == set(spec["gamma"]) == {"chat", "code", "default"}
     assert spec["acceptance"]["after"]["overall"] > spec["acceptance"]["before"]["overall"]
@@ -376,8 +418,8 @@ def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(d
 
 
 def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
-    result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.teacher=online",
-                                "distill.lmbda=0.5", "distill.max_epochs=1", "distill.loss=fkl")
+    result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.objective.teacher=online",
+                                "distill.objective.lmbda=0.5", "distill.trainer.max_epochs=1", "distill.objective.loss=fkl")
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
     assert spec["training"]["steps"] == 5  # max_epochs=1 caps max_steps: ceil(18 train rows / batch 4)
     assert len(spec["vocab_subset"]) == 48 and 1 in spec["vocab_subset"] and 3 in spec["vocab_subset"]
@@ -412,7 +454,7 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
 
 @pytest.mark.parametrize("extra,match", [
     (("paths.collect=/nonexistent",), "no collected data"),
-    (("distill.loss=kl",), "unknown distillation loss"),
+    (("distill.objective.loss=kl",), "unknown distillation loss"),
     (("model.draft.derive.layers=[0,9]",), "out of range"),
 ])
 def test_bad_input_is_one_clear_error(setup, tmp_path, extra, match):
@@ -443,8 +485,8 @@ def test_two_processes_with_accelerate(setup, tmp_path):
         pytest.skip("accelerate CLI not installed")
     cmd = ["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "pipeline", "stage=distill",
-           *overrides(setup, tmp_path, "runtime.threads=1", "distill.max_steps=10", "distill.eval_steps=5",
-                      "distill.save_steps=5")]
+           *overrides(setup, tmp_path, "runtime.threads=1", "distill.trainer.max_steps=10", "distill.heldout.eval_steps=5",
+                      "distill.checkpoint.save_steps=5")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
@@ -463,15 +505,19 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     as HF `assistant_model`: greedy output equals the target's own."""
     from transformers import AutoModelForCausalLM
 
-    from distill.draft import build_draft, use_subset_head
-    from distill.export import full_vocab, save_draft
+    from distill.draft import build_draft
+    from distill.export import save_draft
+    from pipeline.heads import restore_full_head, use_subset_head
+    from pipeline.sampling import Sampling
+    from pipeline.spec import SpeculativeSpec
 
     target, tokenizer = real_target
     draft, draft_tok, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})
     head = use_subset_head(draft, torch.arange(4096))
     assert draft(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 4096
-    save_draft(full_vocab(draft, head), draft_tok, tmp_path / "draft", {"vocab_subset": list(range(4096))}, "# card",
-               target.generation_config)
+    restore_full_head(draft, head)
+    spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)))
+    save_draft(draft, draft_tok, tmp_path / "draft", spec, "# card", target.generation_config)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
                                          add_generation_prompt=True)
@@ -482,8 +528,8 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
 
 def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead
-    result, _ = run_stage(setup, tmp_path, "distill.learning_rate=3.0", "distill.max_steps=10", "distill.warmup=0",
-                          "distill.max_grad_norm=1e9")
+    result, _ = run_stage(setup, tmp_path, "distill.trainer.learning_rate=3.0", "distill.trainer.max_steps=10", "distill.trainer.warmup_steps=0",
+                          "distill.trainer.max_grad_norm=1e9")
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]

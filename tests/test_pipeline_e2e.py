@@ -34,7 +34,7 @@ def quick_run(tmp_path_factory, real_target_path):
     """A quick `stage=all` that first crashes in distill (bad loss name), then is rerun."""
     artifacts = tmp_path_factory.mktemp("e2e") / "artifacts"
     common = ["experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache()]
-    crashed = _pipeline(*common, "distill.loss=no_such_loss")
+    crashed = _pipeline(*common, "distill.objective.loss=no_such_loss")
     resumed = _pipeline(*common)
     return artifacts, crashed, resumed
 

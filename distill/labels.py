@@ -1,0 +1,69 @@
+"""Teacher labels for the cached-teacher path (distill.objective.teacher=topk).
+
+Collect stores the target's top-k ids and T=1 log-probs per completion token. What it cannot store is the
+target's mass on the draft's FR-Spec subset, which is chosen here from the collected data: without it the
+"other" class of a subset draft would have to guess how much of the tail the subset holds (a frequency-ranked
+subset holds most of it), and the cached teacher would disagree with the online one (distill/losses.py).
+One target pass over the train rows computes it, together with the top-k labels when collect stored none.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distill.batch import batches, completion_hidden
+from pipeline.heads import head_logits, head_rows
+
+
+@torch.no_grad()
+def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Tensor | None, batch_size: int,
+                   pad: int) -> dict[str, list]:
+    """Columns per row: topk_ids / topk_logprobs (when k > 0) and subset_logmass (when `vocab` is set)."""
+    device = next(target.parameters()).device
+    rows_of_head = head_rows(target)
+    vocab = None if vocab is None else vocab.to(device)
+    columns: dict[str, list] = {name: [] for name, wanted in
+                                (("topk_ids", k), ("topk_logprobs", k), ("subset_logmass", vocab is not None)) if wanted}
+    for batch, mask in batches(rows, batch_size, pad, device, truncation):
+        logp = head_logits(completion_hidden(target, batch), rows_of_head).log_softmax(-1)
+        lengths = mask.sum(1).tolist()
+        if k:
+            top = logp.topk(k, -1)
+            ids, values = top.indices.int(), top.values.half().float()  # the precision collect stores
+        if vocab is not None:
+            mass = logp.index_select(-1, vocab).logsumexp(-1)
+        for i, n in enumerate(lengths):
+            if k:
+                columns["topk_ids"].append(ids[i, :n].tolist())
+                columns["topk_logprobs"].append(values[i, :n].tolist())
+            if vocab is not None:
+                columns["subset_logmass"].append(mass[i, :n].tolist())
+    return columns
+
+
+def attach_teacher_labels(job, log) -> None:
+    """Adds the label columns the objective needs to job.train (and drops those it does not use), plus the
+    `length` column the Trainer groups batches by."""
+    objective = job.settings.objective
+    train = job.train
+    cached_teacher = objective.teacher == "topk" and objective.loss != "ce" and float(objective.lmbda) < 1
+    if not cached_teacher:
+        train = train.remove_columns([c for c in ("topk_ids", "topk_logprobs") if c in train.column_names])
+    else:
+        if float(objective.loss_temperature) != 1.0:
+            log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={objective.loss_temperature} "
+                "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
+        k = 0 if "topk_ids" in train.column_names else int(objective.topk)
+        if k or job.vocab is not None:
+            t0 = time.time()
+            rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(train["prompt_ids"], train["completion_ids"])]
+            columns = teacher_labels(job.target, rows, job.truncation, k, job.vocab,
+                                     int(job.settings.heldout.batch_size), job.tokenizer.pad_token_id)
+            for name, values in columns.items():
+                train = train.add_column(name, values)
+            log(f"target pass over {len(train)} train rows for {', '.join(columns)} in {time.time() - t0:.0f}s")
+    truncate = job.truncation
+    train = train.add_column("length", [sum(map(len, truncate(row))) for row in
+                                        train.select_columns(["prompt_ids", "completion_ids"])])
+    job.train = train

@@ -1,0 +1,120 @@
+"""One distillation run of the stage: TrainingArguments from conf, DistillTrainer, resume, token accounting."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from distill import calibrate as cal
+from distill.draft import freeze_shared
+from distill.trainer import AcceptanceCallback, DistillConfig, DistillTrainer, TimeBudgetCallback
+from pipeline.atomic import write_json
+from pipeline.heads import restore_full_head, use_subset_head
+
+
+@dataclass
+class TrainingResult:
+    steps: int
+    tokens: int  # completion tokens the loss saw, over the whole run (resumes included)
+    minutes: float
+    curve: list[dict]  # [{step, train_tokens, acceptance}] on the reporting part
+
+
+def mixed_bf16(choice, target) -> bool:
+    """bf16 autocast over fp32 master weights: `auto` follows the serving dtype (CUDA, or a CPU with native bf16)."""
+    return next(target.parameters()).dtype == torch.bfloat16 if choice == "auto" else bool(choice)
+
+
+def step_budget(trainer_settings: dict, n_rows: int, rows_per_step: int) -> int:
+    """max_steps, capped at max_epochs passes over the train rows when that is fewer."""
+    max_steps = int(trainer_settings["max_steps"]) if trainer_settings.get("max_steps") else -1
+    if trainer_settings.get("max_epochs"):
+        by_epochs = max(1, math.ceil(float(trainer_settings["max_epochs"]) * n_rows / rows_per_step))
+        max_steps = by_epochs if max_steps < 0 else min(max_steps, by_epochs)
+    return max_steps
+
+
+def training_arguments(job, out_dir: Path) -> DistillConfig:
+    """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows."""
+    settings = job.settings
+    trainer = OmegaConf.to_container(settings.trainer, resolve=True)
+    rows_per_step = (int(trainer["per_device_train_batch_size"]) * int(trainer["gradient_accumulation_steps"])
+                     * job.state.num_processes)
+    trainer["max_steps"] = step_budget(trainer, len(job.train), rows_per_step)
+    trainer.pop("max_epochs", None)
+    trainer["bf16"] = mixed_bf16(trainer.get("bf16", "auto"), job.target)
+    checkpoint = settings.checkpoint
+    return DistillConfig(
+        output_dir=str(out_dir), **trainer, **OmegaConf.to_container(settings.objective, resolve=True),
+        save_strategy="steps", save_steps=int(checkpoint.save_steps), save_total_limit=int(checkpoint.save_total_limit),
+        logging_steps=int(checkpoint.logging_steps), seed=int(job.cfg.seed), data_seed=int(job.cfg.seed),
+        report_to="none",  # the stage logs to MLflow itself (AcceptanceCallback)
+        remove_unused_columns=False, length_column_name="length",  # the collator reads the label columns
+        use_cpu=next(job.target.parameters()).device.type == "cpu", ddp_find_unused_parameters=False,
+        disable_tqdm=not job.is_main)
+
+
+def train_draft(job, log) -> TrainingResult:
+    """Runs DistillTrainer on job.train, resuming from the last checkpoint of this fingerprint."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out_dir = Path(job.cfg.paths.artifacts) / "distill_ckpt" / job.fingerprint
+    if not job.settings.checkpoint.resume and out_dir.exists() and job.is_main:
+        shutil.rmtree(out_dir)
+    job.state.wait_for_everyone()
+    last = get_last_checkpoint(str(out_dir)) if out_dir.exists() else None
+    objective = job.settings.objective
+    trainable = freeze_shared(job.draft) if objective.freeze_shared else sum(
+        p.numel() for p in job.draft.parameters() if p.requires_grad)
+    gamma = int(job.settings.heldout.gamma)
+
+    def evaluate(model):
+        alpha = cal.acceptance(model, job.reporting, [job.sampling.temperature], job.vocab)[0]
+        return cal.heldout_metrics(cal.summarize(alpha, job.reporting, gamma), gamma)
+
+    acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps),
+                                       is_main=job.is_main, printer=log)
+    full_head = use_subset_head(job.draft, job.vocab)
+    job.draft.train()
+    needs_target = objective.teacher == "online" or float(objective.lmbda) > 0
+    trainer = DistillTrainer(job.draft, training_arguments(job, out_dir), job.train,
+                             teacher_model=job.target if needs_target else None, vocab=job.vocab, stop_ids=job.stops,
+                             processing_class=job.tokenizer,
+                             callbacks=[acceptance_cb, TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"))])
+    acceptance_cb.trainer = trainer
+    log(f"training {trainable / 1e6:.1f}M parameters: loss={objective.loss}, teacher={objective.teacher}, "
+        f"lmbda={objective.lmbda}, {'resuming from ' + last if last else 'from scratch'} -> {out_dir}")
+    t0, cpu0 = time.time(), time.process_time()
+    result = trainer.train(resume_from_checkpoint=last)
+    minutes, cpu_minutes = (time.time() - t0) / 60, (time.process_time() - cpu0) / 60
+    restore_full_head(job.draft, full_head)
+    job.draft.eval()
+    steps = int(result.global_step)
+    tokens = _run_tokens(job, trainer, out_dir, steps, int(Path(last).name.split("-")[-1]) if last else 0)
+    job.tracker.log_metrics({"train_steps": steps, "train_tokens": tokens, "on_policy_batches": trainer.on_policy_batches})
+    if job.is_main:
+        log(f"trained {steps} steps, {tokens:,} completion tokens, {minutes:.1f} min "
+            f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; {cpu_minutes:.1f} CPU-minutes)")
+    curve = [{"step": step, "train_tokens": seen, "acceptance": metrics.get(f"heldout/acceptance/{cal.OVERALL}")}
+             for step, seen, metrics in acceptance_cb.history]
+    return TrainingResult(steps, tokens, minutes, curve)
+
+
+def _run_tokens(job, trainer, out_dir: Path, steps: int, resumed_from: int) -> int:
+    """Completion tokens of the whole run: this process group's count, scaled when the run resumed."""
+    local = torch.tensor(float(trainer.train_tokens), device=trainer.args.device)
+    tokens = int(trainer.accelerator.reduce(local, "sum").item()) if job.state.num_processes > 1 else int(local)
+    record = out_dir / "train_tokens.json"
+    if resumed_from >= steps and record.exists():  # nothing left to train: the earlier run's count
+        tokens = json.loads(record.read_text())["train_tokens"]
+    elif resumed_from:  # a resumed run counted only its own batches: scale to the whole run by steps
+        tokens = int(tokens * steps / (steps - resumed_from))
+    if job.is_main:
+        write_json(record, {"steps": steps, "train_tokens": tokens})
+    return tokens
