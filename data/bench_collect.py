@@ -16,7 +16,9 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -60,37 +62,59 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. collect.batch_size=32")
     args = parser.parse_args()
 
+    cfg, settings = load_settings(args.overrides, args.max_new_tokens)
+    target = load_target(cfg)
+    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","))
+    print(f"[bench] {target.path.name} on {target.device} ({str(target.dtype).removeprefix('torch.')}), "
+          f"{torch.get_num_threads()} threads; {len(prompts)} prompts, max_new_tokens={settings.max_new_tokens}, "
+          f"temperature={settings.sampling.temperature}, topk={settings.topk}")
+    rows = measure_batching(target, settings, prompts)
+    report_disk(rows, settings.topk)
+
+
+def load_settings(overrides: list[str], max_new_tokens: int):
+    """The composed config and its collect settings, one sample per prompt at the bench's length."""
     from hydra import compose, initialize_config_dir
 
-    from data.collect import HFBackend, Sampling, _settings, _stop_ids, collect_shard
-    from pipeline.chat import encode_chat, messages_for
-    from pipeline.models import load_model, load_tokenizer, resolve_device, resolve_model
+    from data.collect import CollectSettings
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=args.overrides)
+        cfg = compose("config", overrides=overrides)
     if cfg.runtime.get("threads"):
         torch.set_num_threads(int(cfg.runtime.threads))
-    sampling, topk = _settings(cfg.collect)
-    sampling = Sampling(sampling.temperature, sampling.top_p, sampling.top_k, args.max_new_tokens, 1)
+    settings = replace(CollectSettings.from_config(cfg.collect, cfg.seed), max_new_tokens=max_new_tokens,
+                       samples_per_prompt=1)
+    return cfg, settings
+
+
+def load_target(cfg) -> SimpleNamespace:
+    from data.collect import _stop_ids
+    from pipeline.models import load_model, load_tokenizer, resolve_device, resolve_model
+
     device, dtype = resolve_device(cfg.runtime)
     path = resolve_model(cfg.model.target, "target", cfg.paths)
     model, tokenizer = load_model(path, device, dtype), load_tokenizer(path)
-    stop_ids = _stop_ids(path, tokenizer)
-    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","))
-    print(f"[bench] {path.name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} "
-          f"threads; {len(prompts)} prompts, max_new_tokens={sampling.max_new_tokens}, "
-          f"temperature={sampling.temperature}, topk={topk}")
-    lengths = [len(encode_chat(tokenizer, messages_for(p, [], 0))[0]) for p in prompts]
+    return SimpleNamespace(path=path, device=device, dtype=dtype, model=model, tokenizer=tokenizer,
+                           stop_ids=_stop_ids(path, tokenizer))
+
+
+def measure_batching(target, settings, prompts: list[dict]) -> list[dict]:
+    """Tokens/s at batch 1 and at collect.batch_size on the same prompts; the rows of the last run."""
+    from data.collect import collect_shard
+    from data.collect_hf import HFBackend
+    from pipeline.chat import encode_chat, messages_for
+
+    lengths = [len(encode_chat(target.tokenizer, messages_for(p, [], 0))[0]) for p in prompts]
     print(f"[bench] prompt tokens: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, "
           f"max {max(lengths)}")
-
     results = {}
-    for batch_size in dict.fromkeys([1, int(cfg.collect.batch_size)]):
-        backend = HFBackend(model, tokenizer.pad_token_id, stop_ids, sampling, topk, batch_size)
-        collect_shard(backend, tokenizer, prompts[:1], sampling, seed=0)  # warm-up
-        t = time.perf_counter()
-        rows = collect_shard(backend, tokenizer, prompts, sampling, seed=0)
-        seconds = time.perf_counter() - t
+    for batch_size in dict.fromkeys([1, settings.batch_size]):
+        backend = HFBackend(target.model, target.tokenizer.pad_token_id, target.stop_ids,
+                            replace(settings, batch_size=batch_size))
+        collect_shard(backend, target.tokenizer, prompts[:1], 1, seed=0)  # warm-up
+        start = time.perf_counter()
+        rows = collect_shard(backend, target.tokenizer, prompts, 1, seed=0)
+        seconds = time.perf_counter() - start
         tokens = sum(len(r["completion_ids"]) for r in rows)
         results[batch_size] = (tokens, seconds, rows)
         sizes = [len(b) for b in backend._batches(lengths)]
@@ -98,7 +122,10 @@ def main() -> None:
               f"{tokens / seconds:8.1f} tokens/s" + (f"  (length-sorted batches of {sizes})" if batch_size > 1 else ""))
     (t1, s1, _), (tb, sb, rows) = results[1], results[max(results)]
     print(f"[bench] speed-up from batching: {(tb / sb) / (t1 / s1):.2f}x")
+    return rows
 
+
+def report_disk(rows: list[dict], topk: int) -> None:
     tokens = sum(len(r["completion_ids"]) for r in rows)
     base = disk_bytes(rows, 0)
     print(f"[bench] disk without labels: {base / tokens:6.1f} bytes per completion token (prompt_ids included)")

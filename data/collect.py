@@ -21,7 +21,17 @@ Output contract (distill reads exactly this):
     topk_ids       [[int32]]  (collect.topk > 0) row j: top-k ids of the distribution that
                               produced completion_ids[j], most likely first
     topk_logprobs  [[float16]] their log-probs (log_softmax of the raw logits, temperature 1)
-  {paths.collect}/manifest.json written last: its presence marks a complete dataset.
+  {paths.collect}/manifest.json written last: its presence marks a complete dataset. Keys:
+    format_version, fingerprint
+    target                pipeline.models.model_identity (path, architecture, sizes, ...) + name, weights_sha256
+    tokenizer_sha256, chat_template_sha256, chat_template, stop_token_ids
+    sampling              exactly pipeline.sampling.Sampling.to_dict(): {temperature, top_k, top_p};
+                          read it back with Sampling.from_dict
+    max_new_tokens, samples_per_prompt, seed, topk
+    backend, dtype, num_processes, shard_size, shards
+    domains               per domain: prompts, completions, tokens, mean_length, eos_share
+    rows, total_tokens, generate_s, tokens_per_s, wall_s
+    disk_bytes, disk_bytes_per_million_tokens, columns
 
 Resume and scale-out: prompts are cut into shards (collect.shard_size prompts per domain) under
 {paths.collect}/shards/<fingerprint>/; each finished shard is written atomically and skipped on a
@@ -44,8 +54,9 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
@@ -53,19 +64,86 @@ from omegaconf import DictConfig
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling, derive_seed
 
 FORMAT_VERSION = 1
+BACKENDS = ("hf", "vllm")
+_FIX = "fix the override or conf/collect/default.yaml"
 
+
+# ----------------------------------------------------------------------------- settings
 
 @dataclass(frozen=True)
-class Sampling:
-    """The serving sampling settings the target generates with (temperature 0 = greedy)."""
-    temperature: float
-    top_p: float
-    top_k: int                 # 0 = off
-    max_new_tokens: int
-    samples_per_prompt: int
+class CollectSettings:
+    """What the collect stage generates and how: the target's serving `sampling`, the generation length
+    and count, the white-box label width (`topk`, 0 = none) and the run layout. Validates itself.
 
+    The stage builds it from `collect.*` (`from_config`); the defaults only serve direct construction
+    (tests, data/bench_collect.py) and are the neutral values, not conf/collect/default.yaml's."""
+    sampling: Sampling
+    max_new_tokens: int
+    samples_per_prompt: int = 1
+    topk: int = 0
+    batch_size: int = 1
+    shard_size: int = 1
+    backend: str = "hf"
+    seed: int = 0
+    keep_shards: bool = True
+
+    def __post_init__(self):
+        checks = [
+            (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
+            (self.samples_per_prompt < 1,
+             f"collect.samples_per_prompt={self.samples_per_prompt} must be ≥ 1: {_FIX}"),
+            (self.topk < 0, f"collect.topk={self.topk} must be ≥ 0 (0 = no white-box labels): {_FIX}"),
+            (self.batch_size < 1, f"collect.batch_size={self.batch_size} must be ≥ 1: {_FIX}"),
+            (self.shard_size < 1, f"collect.shard_size={self.shard_size} must be ≥ 1: {_FIX}"),
+            (self.sampling.greedy and self.samples_per_prompt > 1,
+             "collect.temperature=0 (greedy) makes every sample identical: use samples_per_prompt=1 "
+             "or a temperature > 0"),
+            (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf or vllm")]
+        for bad, message in checks:
+            if bad:
+                raise PipelineError(message)
+
+    @classmethod
+    def from_config(cls, collect_cfg: DictConfig, default_seed: int) -> "CollectSettings":
+        """The settings in `cfg.collect`, checked before anything is loaded or written."""
+        def read(key, kind):
+            return _config_number(collect_cfg, key, kind)
+
+        temperature, top_k, top_p = read("temperature", float), read("top_k", int), read("top_p", float)
+        try:
+            sampling = Sampling(temperature, top_k, top_p)
+        except PipelineError as e:  # the core names the field; the user needs the collect.* key
+            raise PipelineError(f"collect.{e} ({_FIX})") from None
+        seed = int(default_seed) if collect_cfg.get("seed") is None else read("seed", int)
+        return cls(sampling, read("max_new_tokens", int), read("samples_per_prompt", int), read("topk", int),
+                   read("batch_size", int), read("shard_size", int), str(collect_cfg.get("backend")), seed,
+                   bool(collect_cfg.get("keep_shards", True)))
+
+    def generation_key(self) -> dict:
+        """The settings that decide the rows, for the shard fingerprint. batch_size stays out so that a
+        resume may change it (e.g. after an out-of-memory); keep_shards only decides the cleanup."""
+        return {"sampling": self.sampling.to_dict(), "max_new_tokens": self.max_new_tokens,
+                "samples_per_prompt": self.samples_per_prompt, "topk": self.topk, "shard_size": self.shard_size,
+                "backend": self.backend, "seed": self.seed}
+
+
+def _config_number(collect_cfg: DictConfig, key: str, kind: type):
+    """collect.<key> as an int or float, or a one-line error naming the key."""
+    value = collect_cfg.get(key)
+    fractional = kind is int and isinstance(value, float) and not value.is_integer()
+    try:
+        if isinstance(value, bool) or fractional:
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        noun = "an integer" if kind is int else "a number"
+        raise PipelineError(f"collect.{key}={value!r} must be {noun}: {_FIX}") from None
+
+
+# ----------------------------------------------------------------------------- rows
 
 @dataclass
 class Completion:
@@ -78,125 +156,50 @@ class Completion:
 def features(topk: int):
     from datasets import Features, List, Value
 
-    cols = {"id": Value("string"), "prompt_id": Value("string"), "domain": Value("string"),
-            "turn": Value("int32"), "sample": Value("int32"),
-            "prompt_ids": List(Value("int32")), "completion_ids": List(Value("int32")),
-            "text": Value("string"), "finish_reason": Value("string")}
+    columns = {"id": Value("string"), "prompt_id": Value("string"), "domain": Value("string"),
+               "turn": Value("int32"), "sample": Value("int32"),
+               "prompt_ids": List(Value("int32")), "completion_ids": List(Value("int32")),
+               "text": Value("string"), "finish_reason": Value("string")}
     if topk:
-        cols["topk_ids"] = List(List(Value("int32")))
-        cols["topk_logprobs"] = List(List(Value("float16")))
-    return Features(cols)
+        columns["topk_ids"] = List(List(Value("int32")))
+        columns["topk_logprobs"] = List(List(Value("float16")))
+    return Features(columns)
 
 
-# ----------------------------------------------------------------------------- settings & inputs
-
-def _settings(c: DictConfig) -> tuple[Sampling, int]:
-    """Validate collect.* before anything is loaded or written."""
-    try:
-        s = Sampling(float(c.temperature), float(c.top_p), int(c.top_k), int(c.max_new_tokens),
-                     int(c.samples_per_prompt))
-        topk, batch, shard = int(c.topk), int(c.batch_size), int(c.shard_size)
-    except (TypeError, ValueError) as e:
-        raise PipelineError(f"collect settings must be numbers ({e}): fix conf/collect or the override") from None
-    fix = "fix the override or conf/collect/default.yaml"
-    checks = [(s.max_new_tokens <= 0, f"collect.max_new_tokens={s.max_new_tokens} must be ≥ 1: {fix}"),
-              (s.samples_per_prompt < 1, f"collect.samples_per_prompt={s.samples_per_prompt} must be ≥ 1: {fix}"),
-              (s.temperature < 0, f"collect.temperature={s.temperature} must be ≥ 0 (0 = greedy): {fix}"),
-              (not 0 < s.top_p <= 1, f"collect.top_p={s.top_p} must be in (0, 1]: {fix}"),
-              (s.top_k < 0, f"collect.top_k={s.top_k} must be ≥ 0 (0 = off): {fix}"),
-              (topk < 0, f"collect.topk={topk} must be ≥ 0 (0 = no white-box labels): {fix}"),
-              (batch < 1, f"collect.batch_size={batch} must be ≥ 1: {fix}"),
-              (shard < 1, f"collect.shard_size={shard} must be ≥ 1: {fix}"),
-              (s.temperature == 0 and s.samples_per_prompt > 1,
-               "collect.temperature=0 (greedy) makes every sample identical: use samples_per_prompt=1 "
-               "or a temperature > 0"),
-              (c.backend not in ("hf", "vllm"), f"unknown collect.backend={c.backend!r}: use hf or vllm")]
-    for bad, message in checks:
-        if bad:
-            raise PipelineError(message)
-    return s, topk
-
-
-def _load_prompts(cfg: DictConfig) -> dict[str, list[dict]]:
-    """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
-    from pipeline.prompts import load_split
-
-    domains = cfg.collect.domains
-    if isinstance(domains, str):
-        domains = [domains]
-    domains = list(domains) if domains is not None else None
-    if domains is not None and not domains:
-        raise PipelineError("collect.domains is empty: list domains to collect or set collect.domains=null for all")
-    rows = load_split(cfg.paths.prompts, "train", domains)
-    by_domain: dict[str, list[dict]] = {d: [] for d in (domains or [])}
-    for row in rows:
-        by_domain.setdefault(row["domain"], []).append(row)
-    cap = cfg.collect.get("max_prompts_per_domain")  # load_split already refused unknown/empty domains
-    return {domain: prompts[:int(cap)] if cap else prompts for domain, prompts in by_domain.items()}
-
-
-def _sha256_text(text: str | None) -> str | None:
-    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
-
-
-def _target_identity(path: Path, tokenizer) -> dict:
-    """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
-    from pipeline.models import model_identity
-    from pipeline.packaged import sha256_of
-
-    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
-    tok_file = path / "tokenizer.json"
-    return {"model": model_identity(path),
-            "weights_sha256": {p.name: sha256_of(p) for p in weights},
-            "tokenizer_sha256": sha256_of(tok_file) if tok_file.exists() else None,
-            "chat_template_sha256": _sha256_text(tokenizer.chat_template),
-            "chat_template": tokenizer.chat_template}
-
-
-def _fingerprint(identity: dict, sampling: Sampling, seed: int, topk: int, backend: str, dtype: str,
-                 shard_size: int, prompts: dict[str, list[dict]]) -> str:
-    target = {k: v for k, v in identity.items() if k != "model"}
-    target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
-    payload = {"format": FORMAT_VERSION, "target": target, "sampling": asdict(sampling), "seed": seed,
-               "topk": topk, "backend": backend, "dtype": dtype, "shard_size": shard_size,
-               "prompts": prompts}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def derive_seed(*parts) -> int:
-    """A stable 63-bit seed from (seed, domain, shard, turn, ...): independent of process and order."""
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "big") >> 1
-
-
-# ----------------------------------------------------------------------------- shards
-
-def collect_shard(backend, tokenizer, prompts: list[dict], sampling: Sampling, seed: int,
+def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: int, seed: int,
                   progress=None) -> list[dict]:
     """Rows for one shard: every turn of every prompt, samples_per_prompt completions each.
 
     Turn t+1 of a prompt is conditioned on sample 0's answer to turn t. Each turn is one
     `backend.generate` call seeded from (shard seed, turn).
     """
-    answers: dict[str, list[str]] = {p["id"]: [] for p in prompts}
+    answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
     rows = []
-    for turn in range(max(len(p["turns"]) for p in prompts)):
-        active = [p for p in prompts if len(p["turns"]) > turn]
-        contexts = [encode_chat(tokenizer, messages_for(p, answers[p["id"]], turn))[0].tolist() for p in active]
-        items = [(p, ctx, s) for p, ctx in zip(active, contexts) for s in range(sampling.samples_per_prompt)]
-        completions = backend.generate([ctx for _, ctx, _ in items], derive_seed(seed, turn), progress)
-        for (p, ctx, s), c in zip(items, completions):
-            text = tokenizer.decode(c.ids, skip_special_tokens=True)
-            if s == 0:
-                answers[p["id"]].append(text)
-            row = {"id": f"{p['id']}/t{turn}/s{s}", "prompt_id": p["id"], "domain": p["domain"],
-                   "turn": turn, "sample": s, "prompt_ids": ctx, "completion_ids": c.ids, "text": text,
-                   "finish_reason": c.finish_reason}
-            if c.topk_ids is not None:
-                row["topk_ids"], row["topk_logprobs"] = c.topk_ids, c.topk_logprobs
+    for turn in range(max(len(prompt["turns"]) for prompt in prompts)):
+        active = [prompt for prompt in prompts if len(prompt["turns"]) > turn]
+        contexts = [encode_chat(tokenizer, messages_for(prompt, answers[prompt["id"]], turn))[0].tolist()
+                    for prompt in active]
+        requests = [(prompt, context, sample) for prompt, context in zip(active, contexts)
+                    for sample in range(samples_per_prompt)]
+        completions = backend.generate([context for _, context, _ in requests], derive_seed(seed, turn), progress)
+        for (prompt, context, sample), completion in zip(requests, completions):
+            row = _row(tokenizer, prompt, turn, sample, context, completion)
+            if sample == 0:
+                answers[prompt["id"]].append(row["text"])
             rows.append(row)
-    position = {p["id"]: i for i, p in enumerate(prompts)}
-    rows.sort(key=lambda r: (position[r["prompt_id"]], r["turn"], r["sample"]))
+    position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
+    rows.sort(key=lambda row: (position[row["prompt_id"]], row["turn"], row["sample"]))
     return rows
+
+
+def _row(tokenizer, prompt: dict, turn: int, sample: int, context: list[int], completion: Completion) -> dict:
+    row = {"id": f"{prompt['id']}/t{turn}/s{sample}", "prompt_id": prompt["id"], "domain": prompt["domain"],
+           "turn": turn, "sample": sample, "prompt_ids": context, "completion_ids": completion.ids,
+           "text": tokenizer.decode(completion.ids, skip_special_tokens=True),
+           "finish_reason": completion.finish_reason}
+    if completion.topk_ids is not None:
+        row["topk_ids"], row["topk_logprobs"] = completion.topk_ids, completion.topk_logprobs
+    return row
 
 
 @contextlib.contextmanager
@@ -221,14 +224,133 @@ def _save_shard(final: Path, rows: list[dict], topk: int, meta: dict) -> None:
         write_json(tmp / "meta.json", meta)
 
 
-def _plan(prompts: dict[str, list[dict]], shard_size: int) -> list[tuple[str, int, list[dict]]]:
-    return [(domain, i // shard_size, rows[i:i + shard_size])
-            for domain, rows in prompts.items() for i in range(0, len(rows), shard_size)]
+# ----------------------------------------------------------------------------- the job
+
+@dataclass(frozen=True)
+class Shard:
+    """Up to shard_size prompts of one domain: the unit of resume and of process splitting."""
+    position: int          # in the whole plan: picks the process (position % N) and the MLflow step
+    domain: str
+    index: int             # within its domain: names the shard and seeds its RNG
+    prompts: list[dict]
+
+    @property
+    def name(self) -> str:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in self.domain)
+        return f"{safe}-{hashlib.sha256(self.domain.encode()).hexdigest()[:6]}-{self.index:05d}"
 
 
-def _shard_name(domain: str, index: int) -> str:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in domain)
-    return f"{safe}-{hashlib.sha256(domain.encode()).hexdigest()[:6]}-{index:05d}"
+@dataclass
+class CollectJob:
+    """One collect run: what to generate, with which target, where the shards go, which process this is."""
+    cfg: DictConfig
+    settings: CollectSettings
+    prompts: dict[str, list[dict]]   # per domain, in collect order
+    target_path: Path
+    tokenizer: Any
+    identity: dict                   # the target's hashes and stop_token_ids (see _target_identity)
+    device: Any                      # torch.device
+    dtype: Any                       # torch.dtype
+    fingerprint: str
+    plan: list[Shard]
+    state: Any                       # accelerate.PartialState: process index and count
+    started: float                   # time.time() at the start of the run
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.paths.collect)
+
+    @property
+    def shard_dir(self) -> Path:
+        return self.out_dir / "shards" / self.fingerprint
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def finished(self, shard: Shard) -> bool:
+        return (self.shard_dir / shard.name / "meta.json").exists()
+
+    def my_unfinished_shards(self) -> list[Shard]:
+        return [shard for shard in self.plan if shard.position % self.state.num_processes == self.state.process_index
+                and not self.finished(shard)]
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def run(cfg: DictConfig, tracker) -> dict:
+    """settings -> prompts -> target and fingerprint -> missing shards -> merge + manifest -> summary."""
+    started = time.time()
+    settings = CollectSettings.from_config(cfg.collect, cfg.seed)
+    prompts = _load_prompts(cfg)
+    job = _open_job(cfg, settings, prompts, started)
+    _announce(job)
+    _generate_missing_shards(job, tracker)
+    job.state.wait_for_everyone()
+    if not job.state.is_main_process:
+        return {}
+    dataset, shard_metas = _merge_shards(job)
+    manifest = _write_dataset_and_manifest(job, dataset, shard_metas)
+    _remove_shards_unless_kept(job)
+    return _report(job, tracker, manifest)
+
+
+def _load_prompts(cfg: DictConfig) -> dict[str, list[dict]]:
+    """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
+    from pipeline.prompts import load_split
+
+    domains = cfg.collect.domains
+    if isinstance(domains, str):
+        domains = [domains]
+    domains = list(domains) if domains is not None else None
+    if domains is not None and not domains:
+        raise PipelineError("collect.domains is empty: list domains to collect or set collect.domains=null for all")
+    rows = load_split(cfg.paths.prompts, "train", domains)
+    by_domain: dict[str, list[dict]] = {domain: [] for domain in (domains or [])}
+    for row in rows:
+        by_domain.setdefault(row["domain"], []).append(row)
+    cap = cfg.collect.get("max_prompts_per_domain")  # load_split already refused unknown/empty domains
+    return {domain: prompts[:int(cap)] if cap else prompts for domain, prompts in by_domain.items()}
+
+
+def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, list[dict]],
+              started: float) -> CollectJob:
+    """Join the process group, identify the target and fingerprint the run; loads no weights."""
+    from accelerate import PartialState
+
+    from pipeline.models import load_tokenizer, resolve_device, resolve_model
+
+    device, dtype = resolve_device(cfg.get("runtime"))
+    # Under `accelerate launch` (torch.distributed env vars) this joins the process group; CPU
+    # processes need cpu=True to get the gloo backend. A plain run is one process.
+    state = PartialState(cpu=device.type == "cpu")
+    if settings.backend == "vllm" and state.num_processes > 1:
+        raise PipelineError("collect.backend=vllm batches and spreads over GPUs itself: run it in one process "
+                            "(set collect.vllm.tensor_parallel_size) or use collect.backend=hf under accelerate")
+    target_path = resolve_model(cfg.model.target, "target", cfg.paths)
+    tokenizer = load_tokenizer(target_path)
+    identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
+    fingerprint = _fingerprint(identity, settings, str(dtype).removeprefix("torch."), prompts)
+    return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
+                      _plan(prompts, settings.shard_size), state, started)
+
+
+def _sha256_text(text: str | None) -> str | None:
+    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
+
+
+def _target_identity(path: Path, tokenizer) -> dict:
+    """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
+    from pipeline.models import model_identity
+    from pipeline.packaged import sha256_of
+
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    tokenizer_file = path / "tokenizer.json"
+    return {"model": model_identity(path),
+            "weights_sha256": {p.name: sha256_of(p) for p in weights},
+            "tokenizer_sha256": sha256_of(tokenizer_file) if tokenizer_file.exists() else None,
+            "chat_template_sha256": _sha256_text(tokenizer.chat_template),
+            "chat_template": tokenizer.chat_template}
 
 
 def _stop_ids(path: Path, tokenizer) -> list[int]:
@@ -238,187 +360,202 @@ def _stop_ids(path: Path, tokenizer) -> list[int]:
 
     from transformers import GenerationConfig
 
-    gen = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
-    return stop_token_ids(tokenizer, SimpleNamespace(generation_config=gen))
+    generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
+    return stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))
 
 
-def _make_backend(cfg: DictConfig, path: Path, pad_id: int, stop_ids, sampling, topk, state):
-    from pipeline.models import load_model, resolve_device
+def _fingerprint(identity: dict, settings: CollectSettings, dtype: str, prompts: dict[str, list[dict]]) -> str:
+    """Names the shard directory: any change to what decides the rows starts a fresh one."""
+    target = {k: v for k, v in identity.items() if k != "model"}
+    target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
+    payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(),
+               "dtype": dtype, "prompts": prompts}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
-    device, dtype = resolve_device(cfg.get("runtime"))
-    if cfg.collect.backend == "vllm":
+
+def _plan(prompts: dict[str, list[dict]], shard_size: int) -> list[Shard]:
+    chunks = [(domain, start // shard_size, rows[start:start + shard_size])
+              for domain, rows in prompts.items() for start in range(0, len(rows), shard_size)]
+    return [Shard(position, domain, index, shard_prompts)
+            for position, (domain, index, shard_prompts) in enumerate(chunks)]
+
+
+def _announce(job: CollectJob) -> None:
+    if not job.state.is_main_process:
+        return
+    done = sum(map(job.finished, job.plan))
+    print(f"[collect] {sum(map(len, job.prompts.values()))} prompts in {len(job.prompts)} domain(s), "
+          f"{len(job.plan)} shards ({done} already done) under {job.shard_dir}; "
+          f"{job.state.num_processes} process(es)")
+    stale = sorted(p.name for p in job.shard_dir.parent.glob("*") if p.name != job.fingerprint)
+    if stale:
+        print(f"[collect] ignoring shards of other targets/settings (delete to free disk): {stale}")
+
+
+# ----------------------------------------------------------------------------- generation
+
+def _generate_missing_shards(job: CollectJob, tracker) -> None:
+    """This process's unfinished shards, one progress bar per domain; loads the target only when needed."""
+    mine = job.my_unfinished_shards()
+    if not mine:
+        return
+    backend = _make_backend(job)
+    for domain in job.prompts:
+        todo = [shard for shard in mine if shard.domain == domain]
+        if todo:
+            _generate_domain(job, backend, domain, todo, tracker)
+
+
+def _make_backend(job: CollectJob):
+    from pipeline.models import load_model
+
+    settings = job.settings
+    stop_ids = job.identity["stop_token_ids"]
+    if settings.backend == "vllm":
         from data.collect_vllm import VLLMBackend
 
-        return VLLMBackend(path, sampling, topk, stop_ids, dtype, cfg.collect.get("vllm") or {})
-    if device.type == "cuda" and state.num_processes > 1:
-        device = state.device  # one GPU per accelerate process
-    model = load_model(path, device, dtype)
-    if topk > model.config.vocab_size:
-        raise PipelineError(f"collect.topk={topk} exceeds the target's vocabulary "
+        return VLLMBackend(job.target_path, settings, stop_ids, job.dtype, job.cfg.collect.get("vllm") or {})
+    device = job.device
+    if device.type == "cuda" and job.state.num_processes > 1:
+        device = job.state.device  # one GPU per accelerate process
+    model = load_model(job.target_path, device, job.dtype)
+    if settings.topk > model.config.vocab_size:
+        raise PipelineError(f"collect.topk={settings.topk} exceeds the target's vocabulary "
                             f"({model.config.vocab_size}): lower collect.topk")
     from data.collect_hf import HFBackend
 
-    return HFBackend(model, pad_id, stop_ids, sampling, topk, int(cfg.collect.batch_size))
+    return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
 
 
-# ----------------------------------------------------------------------------- the stage
-
-def run(cfg: DictConfig, tracker) -> dict:
-    from accelerate import PartialState
+def _generate_domain(job: CollectJob, backend, domain: str, shards: list[Shard], tracker) -> None:
     from tqdm.auto import tqdm
 
-    from pipeline.models import load_tokenizer, resolve_device, resolve_model
-
-    t0 = time.time()
-    c = cfg.collect
-    sampling, topk = _settings(c)
-    seed = int(c.seed if c.get("seed") is not None else cfg.seed)
-    prompts = _load_prompts(cfg)
-    device, dtype = resolve_device(cfg.get("runtime"))
-    dtype = str(dtype).removeprefix("torch.")
-    # Under `accelerate launch` (torch.distributed env vars) this joins the process group; CPU
-    # processes need cpu=True to get the gloo backend. A plain run is one process.
-    state = PartialState(cpu=device.type == "cpu")
-    if c.backend == "vllm" and state.num_processes > 1:
-        raise PipelineError("collect.backend=vllm batches and spreads over GPUs itself: run it in one process "
-                            "(set collect.vllm.tensor_parallel_size) or use collect.backend=hf under accelerate")
-    path = resolve_model(cfg.model.target, "target", cfg.paths)
-    tokenizer = load_tokenizer(path)
-    stop_ids = _stop_ids(path, tokenizer)
-    identity = _target_identity(path, tokenizer) | {"stop_token_ids": stop_ids}
-    fingerprint = _fingerprint(identity, sampling, seed, topk, c.backend, dtype, int(c.shard_size), prompts)
-    out_dir = Path(cfg.paths.collect)
-    shard_dir = out_dir / "shards" / fingerprint
-    plan = _plan(prompts, int(c.shard_size))
-
-    def finished(domain, index):
-        return (shard_dir / _shard_name(domain, index) / "meta.json").exists()
-
-    mine = [(i, s) for i, s in enumerate(plan)
-            if i % state.num_processes == state.process_index and not finished(s[0], s[1])]
-    if state.is_main_process:
-        done = sum(finished(d, i) for d, i, _ in plan)
-        print(f"[collect] {sum(map(len, prompts.values()))} prompts in {len(prompts)} domain(s), {len(plan)} "
-              f"shards ({done} already done) under {shard_dir}; {state.num_processes} process(es)")
-        stale = sorted(p.name for p in shard_dir.parent.glob("*") if p.name != fingerprint)
-        if stale:
-            print(f"[collect] ignoring shards of other targets/settings (delete to free disk): {stale}")
-
-    if mine:
-        backend = _make_backend(cfg, path, tokenizer.pad_token_id, stop_ids, sampling, topk, state)
-        for domain in prompts:
-            todo = [(i, s) for i, s in mine if s[0] == domain]
-            if not todo:
-                continue
-            total = sum(len(p["turns"]) for _, s in todo for p in s[2]) * sampling.samples_per_prompt
-            with tqdm(total=total, desc=f"collect {domain}", unit="compl", dynamic_ncols=True,
-                      disable=not state.is_local_main_process) as bar:
-                for i, (_, index, shard_prompts) in todo:
-                    t = time.perf_counter()
-                    rows = collect_shard(backend, tokenizer, shard_prompts, sampling,
-                                         derive_seed(seed, domain, index), bar.update)
-                    seconds = time.perf_counter() - t
-                    tokens = sum(len(r["completion_ids"]) for r in rows)
-                    _save_shard(shard_dir / _shard_name(domain, index), rows, topk,
-                                {"domain": domain, "index": index, "rows": len(rows), "tokens": tokens,
-                                 "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
-                                 "process_index": state.process_index})
-                    bar.set_postfix(tok_s=f"{tokens / seconds:.1f}")
-                    tracker.log_metrics({"collect/shard_tokens_per_s": tokens / seconds}, step=i)
-
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        return {}
-    return _finish(cfg, tracker, plan, shard_dir, fingerprint, identity, sampling, seed, topk, dtype,
-                   state.num_processes, t0)
+    turns = sum(len(prompt["turns"]) for shard in shards for prompt in shard.prompts)
+    with tqdm(total=turns * job.settings.samples_per_prompt, desc=f"collect {domain}", unit="compl",
+              dynamic_ncols=True, disable=not job.state.is_local_main_process) as bar:
+        for shard in shards:
+            tokens_per_s = _generate_shard(job, backend, shard, bar.update)
+            bar.set_postfix(tok_s=f"{tokens_per_s:.1f}")
+            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
 
 
-def _finish(cfg, tracker, plan, shard_dir, fingerprint, identity, sampling, seed, topk, dtype,
-            num_processes, t0) -> dict:
-    """Merge the shards into the final dataset + manifest, both replaced atomically."""
+def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
+    """Generate one shard and write it atomically; returns its generation speed in tokens/s."""
+    start = time.perf_counter()
+    rows = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
+                         derive_seed(job.settings.seed, shard.domain, shard.index), progress)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(row["completion_ids"]) for row in rows)
+    meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,
+            "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
+            "process_index": job.state.process_index}
+    _save_shard(job.shard_dir / shard.name, rows, job.settings.topk, meta)
+    return tokens / seconds
+
+
+# ----------------------------------------------------------------------------- merge, manifest, summary
+
+def _merge_shards(job: CollectJob):
+    """All shards of the plan concatenated in plan order, plus their meta.json records."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts, metas = [], []
-    for domain, index, _ in plan:
-        d = shard_dir / _shard_name(domain, index)
-        if not (d / "meta.json").exists():
-            raise PipelineError(f"shard {d} is missing after generation: rerun stage=collect to finish it")
-        parts.append(load_from_disk(str(d / "data")))
-        metas.append(json.loads((d / "meta.json").read_text()))
-    dataset = concatenate_datasets(parts)
-    out_dir = Path(cfg.paths.collect)
-    manifest_path = out_dir / "manifest.json"
-    with atomic_dir(out_dir / "dataset") as tmp, _quiet_datasets():
+    for shard in job.plan:
+        shard_path = job.shard_dir / shard.name
+        if not job.finished(shard):
+            raise PipelineError(f"shard {shard_path} is missing after generation: rerun stage=collect to finish it")
+        parts.append(load_from_disk(str(shard_path / "data")))
+        metas.append(json.loads((shard_path / "meta.json").read_text()))
+    return concatenate_datasets(parts), metas
+
+
+def _write_dataset_and_manifest(job: CollectJob, dataset, shard_metas: list[dict]) -> dict:
+    """Replace the dataset, then write the manifest that marks it complete; both atomically."""
+    manifest_path = job.out_dir / "manifest.json"
+    with atomic_dir(job.out_dir / "dataset") as tmp, _quiet_datasets():
         dataset.save_to_disk(str(tmp))
         # The old manifest must not outlive the dataset it describes: the new one is written last.
         manifest_path.unlink(missing_ok=True)
-    disk_bytes = sum(f.stat().st_size for f in (out_dir / "dataset").rglob("*") if f.is_file())
+    disk_bytes = sum(f.stat().st_size for f in (job.out_dir / "dataset").rglob("*") if f.is_file())
+    manifest = _manifest(job, dataset, shard_metas, disk_bytes)
+    write_json(manifest_path, manifest)
+    return manifest
 
+
+def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int) -> dict:
+    identity, settings = job.identity, job.settings
     summary = summarize(dataset)
-    tokens = sum(s["tokens"] for s in summary.values())
-    generate_s = sum(m["generate_s"] for m in metas)  # all shards, whichever run or process made them
-    c = cfg.collect
-    manifest = {
+    tokens = sum(domain["tokens"] for domain in summary.values())
+    generate_s = sum(meta["generate_s"] for meta in shard_metas)  # whichever run or process made each shard
+    return {
         "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "target": identity["model"] | {"name": cfg.model.target.get("name"),
+        "fingerprint": job.fingerprint,
+        "target": identity["model"] | {"name": job.cfg.model.target.get("name"),
                                        "weights_sha256": identity["weights_sha256"]},
-        "tokenizer_sha256": identity["tokenizer_sha256"],
-        "chat_template_sha256": identity["chat_template_sha256"],
-        "chat_template": identity["chat_template"],
-        "stop_token_ids": identity["stop_token_ids"],
-        "sampling": asdict(sampling),
-        "seed": seed,
-        "topk": topk,
-        "backend": c.backend, "dtype": dtype, "num_processes": num_processes,
-        "shard_size": int(c.shard_size), "shards": len(plan),
+        **{key: identity[key] for key in ("tokenizer_sha256", "chat_template_sha256", "chat_template",
+                                          "stop_token_ids")},
+        "sampling": settings.sampling.to_dict(),
+        "max_new_tokens": settings.max_new_tokens,
+        "samples_per_prompt": settings.samples_per_prompt,
+        "seed": settings.seed,
+        "topk": settings.topk,
+        "backend": settings.backend, "dtype": job.dtype_name, "num_processes": job.state.num_processes,
+        "shard_size": settings.shard_size, "shards": len(job.plan),
         "domains": summary,
         "rows": len(dataset),
         "total_tokens": tokens,
         "generate_s": round(generate_s, 3),
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
-        "wall_s": round(time.time() - t0, 3),
+        "wall_s": round(time.time() - job.started, 3),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),
     }
-    write_json(manifest_path, manifest)
-    if not c.get("keep_shards", True):
-        shutil.rmtree(shard_dir, ignore_errors=True)
 
-    print(format_summary(summary))
-    print(f"[collect] {len(dataset)} completions, {tokens} tokens, {manifest['tokens_per_s']} tokens/s "
-          f"(generation), {disk_bytes / 1e6:.1f} MB -> {out_dir / 'dataset'}")
-    metrics = {"collect/rows": len(dataset), "collect/tokens": tokens, "collect/disk_bytes": disk_bytes}
+
+def _remove_shards_unless_kept(job: CollectJob) -> None:
+    if not job.settings.keep_shards:
+        shutil.rmtree(job.shard_dir, ignore_errors=True)
+
+
+def _report(job: CollectJob, tracker, manifest: dict) -> dict:
+    """Print the per-domain table, log the metrics and the manifest to MLflow; the stage's result."""
+    dataset_dir, manifest_path = job.out_dir / "dataset", job.out_dir / "manifest.json"
+    rows, tokens, disk_bytes = manifest["rows"], manifest["total_tokens"], manifest["disk_bytes"]
+    print(format_summary(manifest["domains"]))
+    print(f"[collect] {rows} completions, {tokens} tokens, {manifest['tokens_per_s']} tokens/s "
+          f"(generation), {disk_bytes / 1e6:.1f} MB -> {dataset_dir}")
+    metrics = {"collect/rows": rows, "collect/tokens": tokens, "collect/disk_bytes": disk_bytes}
     if manifest["tokens_per_s"]:
         metrics["collect/tokens_per_s"] = manifest["tokens_per_s"]
-    for domain, s in summary.items():
-        metrics.update({f"collect/{domain}/{k}": v for k, v in s.items()})
+    for domain, counts in manifest["domains"].items():
+        metrics.update({f"collect/{domain}/{key}": value for key, value in counts.items()})
     tracker.log_metrics(metrics)
     tracker.log_artifact(str(manifest_path))
-    return {"rows": len(dataset), "tokens": tokens, "tokens_per_s": manifest["tokens_per_s"],
-            "dataset": str(out_dir / "dataset"), "manifest": str(manifest_path)}
+    return {"rows": rows, "tokens": tokens, "tokens_per_s": manifest["tokens_per_s"],
+            "dataset": str(dataset_dir), "manifest": str(manifest_path)}
 
 
 def summarize(dataset) -> dict[str, dict]:
     """Per-domain counts: prompts, completions, tokens, mean length, share ended by EOS."""
-    cols = dataset.select_columns(["prompt_id", "domain", "completion_ids", "finish_reason"])
-    per: dict[str, dict] = {}
-    for row in cols:
-        d = per.setdefault(row["domain"], {"prompts": set(), "completions": 0, "tokens": 0, "eos": 0})
-        d["prompts"].add(row["prompt_id"])
-        d["completions"] += 1
-        d["tokens"] += len(row["completion_ids"])
-        d["eos"] += row["finish_reason"] == "eos"
-    return {domain: {"prompts": len(d["prompts"]), "completions": d["completions"], "tokens": d["tokens"],
-                     "mean_length": round(d["tokens"] / d["completions"], 2),
-                     "eos_share": round(d["eos"] / d["completions"], 4)} for domain, d in per.items()}
+    columns = dataset.select_columns(["prompt_id", "domain", "completion_ids", "finish_reason"])
+    per_domain: dict[str, dict] = {}
+    for row in columns:
+        counts = per_domain.setdefault(row["domain"], {"prompts": set(), "completions": 0, "tokens": 0, "eos": 0})
+        counts["prompts"].add(row["prompt_id"])
+        counts["completions"] += 1
+        counts["tokens"] += len(row["completion_ids"])
+        counts["eos"] += row["finish_reason"] == "eos"
+    return {domain: {"prompts": len(counts["prompts"]), "completions": counts["completions"],
+                     "tokens": counts["tokens"], "mean_length": round(counts["tokens"] / counts["completions"], 2),
+                     "eos_share": round(counts["eos"] / counts["completions"], 4)}
+            for domain, counts in per_domain.items()}
 
 
 def format_summary(summary: dict[str, dict]) -> str:
     header = f"{'domain':<16}{'prompts':>9}{'completions':>13}{'tokens':>10}{'mean_len':>10}{'eos_share':>11}"
     lines = [header, "-" * len(header)]
-    for domain, s in summary.items():
-        lines.append(f"{domain:<16}{s['prompts']:>9}{s['completions']:>13}{s['tokens']:>10}"
-                     f"{s['mean_length']:>10.1f}{s['eos_share']:>11.2f}")
+    for domain, counts in summary.items():
+        lines.append(f"{domain:<16}{counts['prompts']:>9}{counts['completions']:>13}{counts['tokens']:>10}"
+                     f"{counts['mean_length']:>10.1f}{counts['eos_share']:>11.2f}")
     return "\n".join(lines)

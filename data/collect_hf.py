@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from data.collect import Completion, Sampling
+from data.collect import CollectSettings, Completion
 from pipeline.errors import PipelineError
 
 
@@ -15,25 +15,26 @@ def _is_oom(e: BaseException) -> bool:
 class HFBackend:
     """Batched `generate` with left padding; halves the batch on CUDA out-of-memory and retries."""
 
-    def __init__(self, model, pad_id: int, stop_ids: list[int], sampling: Sampling, topk: int, batch_size: int):
+    def __init__(self, model, pad_id: int, stop_ids: list[int], settings: CollectSettings):
         from transformers import GenerationConfig
 
         self.model, self.pad_id, self.stop_ids = model, pad_id, set(stop_ids)
-        self.sampling, self.topk, self.batch_size = sampling, topk, batch_size
+        # batch_size is this backend's own copy: an out-of-memory retry halves it for the rest of the run.
+        self.topk, self.batch_size = settings.topk, settings.batch_size
         self.device = next(model.parameters()).device
         # The stage's settings are the only sampling settings: the checkpoint's generation_config
         # defaults (e.g. a repetition_penalty) would otherwise fill every field left unset here.
         model.generation_config = GenerationConfig(eos_token_id=list(stop_ids), pad_token_id=pad_id,
                                                    bos_token_id=model.config.bos_token_id)
-        greedy = sampling.temperature == 0
+        sampling = settings.sampling
         self.gen_config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-            **({} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                  "top_k": sampling.top_k}),  # top_k=0 explicitly: HF's default is 50
+            max_new_tokens=settings.max_new_tokens, do_sample=not sampling.greedy,
+            **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                           "top_k": sampling.top_k}),  # top_k=0 explicitly: HF's default is 50
             eos_token_id=list(stop_ids), pad_token_id=pad_id,
             # raw logits are generate's pre-processing logits (transformers 5.x `_sample`:
             # stored before logits_processor), i.e. the target's distribution at temperature 1.
-            output_logits=topk > 0, return_dict_in_generate=True)
+            output_logits=self.topk > 0, return_dict_in_generate=True)
 
     def generate(self, contexts: list[list[int]], seed: int, progress=None) -> list[Completion]:
         while True:

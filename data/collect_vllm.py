@@ -18,49 +18,50 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.collect import Completion, Sampling, derive_seed
+from data.collect import CollectSettings, Completion
 from pipeline.errors import PipelineError
+from pipeline.sampling import derive_seed
 
 
 class VLLMBackend:
-    def __init__(self, path, sampling: Sampling, topk: int, stop_ids: list[int], dtype, options: dict):
+    def __init__(self, path, settings: CollectSettings, stop_ids: list[int], dtype, options: dict):
         try:
             from vllm import LLM
         except ImportError:
             raise PipelineError("collect.backend=vllm needs `pip install vllm` (a CUDA machine): install it "
                                 "or use collect.backend=hf") from None
-        self.sampling, self.topk, self.stop_ids = sampling, topk, set(stop_ids)
+        self.settings, self.topk, self.stop_ids = settings, settings.topk, set(stop_ids)
         self.llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."),
                        gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.85)),
                        tensor_parallel_size=int(options.get("tensor_parallel_size", 1)),
                        max_model_len=options.get("max_model_len"),
-                       max_logprobs=max(topk, 1), logprobs_mode="raw_logprobs")
+                       max_logprobs=max(self.topk, 1), logprobs_mode="raw_logprobs")
 
     def generate(self, contexts: list[list[int]], seed: int, progress=None) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt
 
-        s = self.sampling
-        params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-                                 max_tokens=s.max_new_tokens, seed=derive_seed(seed, i) % 2**31,
+        sampling = self.settings.sampling
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+                                 max_tokens=self.settings.max_new_tokens, seed=derive_seed(seed, i) % 2**31,
                                  logprobs=self.topk or None, stop_token_ids=sorted(self.stop_ids),
                                  detokenize=False)
                   for i in range(len(contexts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False)
-        completions = []
-        for out in outputs:
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            # vLLM keeps an EOS / stop-token id in token_ids (it only strips stop *strings* from text).
-            reason = "eos" if o.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else "length"
-            top_ids = top_lp = None
-            if self.topk:
-                if len(o.logprobs) != len(ids):
-                    raise PipelineError(f"vLLM returned {len(o.logprobs)} log-prob rows for {len(ids)} tokens: "
-                                        "use collect.backend=hf for white-box labels with this vLLM version")
-                ranked = [sorted(pos.items(), key=lambda kv: kv[1].rank)[:self.topk] for pos in o.logprobs]
-                top_ids = np.array([[t for t, _ in r] for r in ranked], dtype=np.int32)
-                top_lp = np.array([[lp.logprob for _, lp in r] for r in ranked], dtype=np.float16)
-            completions.append(Completion(ids, reason, top_ids, top_lp))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=context) for context in contexts], params,
+                                    use_tqdm=False)
         if progress:
             progress(len(contexts))
-        return completions
+        return [self._completion(request.outputs[0]) for request in outputs]
+
+    def _completion(self, output) -> Completion:
+        ids = list(output.token_ids)
+        # vLLM keeps an EOS / stop-token id in token_ids (it only strips stop *strings* from text).
+        reason = "eos" if output.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else "length"
+        if not self.topk:
+            return Completion(ids, reason)
+        if len(output.logprobs) != len(ids):
+            raise PipelineError(f"vLLM returned {len(output.logprobs)} log-prob rows for {len(ids)} tokens: "
+                                "use collect.backend=hf for white-box labels with this vLLM version")
+        ranked = [sorted(position.items(), key=lambda item: item[1].rank)[:self.topk] for position in output.logprobs]
+        top_ids = np.array([[token for token, _ in best] for best in ranked], dtype=np.int32)
+        top_logprobs = np.array([[logprob.logprob for _, logprob in best] for best in ranked], dtype=np.float16)
+        return Completion(ids, reason, top_ids, top_logprobs)

@@ -131,8 +131,8 @@ def test_collect_writes_the_output_contract(tmp_path, tiny_target):
         assert r["prompt_ids"] == encode_chat(tokenizer, messages_for(p, answers, r["turn"]))[0].tolist()
     assert {r["finish_reason"] for r in rows} == {"eos", "length"}  # the tiny model does both
 
-    assert manifest["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "max_new_tokens": 10,
-                                    "samples_per_prompt": 2}
+    assert manifest["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    assert manifest["max_new_tokens"] == 10 and manifest["samples_per_prompt"] == 2
     assert manifest["seed"] == 0 and manifest["topk"] == 4 and manifest["stop_token_ids"] == [1]
     assert set(manifest["target"]["weights_sha256"]) == {"model.safetensors"}
     assert len(manifest["tokenizer_sha256"]) == len(manifest["chat_template_sha256"]) == 64
@@ -140,6 +140,18 @@ def test_collect_writes_the_output_contract(tmp_path, tiny_target):
     assert manifest["total_tokens"] == sum(len(r["completion_ids"]) for r in rows)
     assert manifest["tokens_per_s"] > 0 and manifest["disk_bytes"] > 0
     assert not leftovers(tmp_path / "collect")
+
+
+def test_manifest_sampling_round_trips_through_the_core_sampling(tmp_path, tiny_target):
+    from pipeline.sampling import Sampling
+
+    write_prompts(tmp_path)
+    collect(tmp_path, tiny_target, ["collect.temperature=0.8", "collect.top_k=5", "collect.top_p=0.9",
+                                    "collect.domains=[code]", "collect.samples_per_prompt=1", "collect.topk=0"])
+    manifest = json.loads((tmp_path / "collect" / "manifest.json").read_text())
+    sampling = Sampling.from_dict(manifest["sampling"])
+    assert sampling == Sampling(temperature=0.8, top_k=5, top_p=0.9)
+    assert sampling.to_dict() == manifest["sampling"]
 
 
 def test_same_seed_gives_identical_rows_and_another_seed_does_not(tmp_path, tiny_target):
@@ -275,17 +287,23 @@ def test_two_accelerate_processes_produce_the_rows_of_one_cli_process(tmp_path, 
 
 # ----------------------------------------------------------------------------- batching
 
+def hf_settings(temperature: float, batch_size: int):
+    """Backend settings of the tests below: 8 new tokens, top-4 labels."""
+    from data.collect import CollectSettings
+    from pipeline.sampling import Sampling
+
+    return CollectSettings(Sampling(temperature), max_new_tokens=8, topk=4, batch_size=batch_size)
+
+
 def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_target, monkeypatch):
-    from data.collect import Sampling
     from data.collect_hf import HFBackend
     from pipeline.models import load_model
 
     model = load_model(tiny_target)
-    sampling = Sampling(0.7, 1.0, 0, 8, 1)
     contexts = [[3, 6, 7, 1, 4], [3, 6, 1, 4], [3, 8, 9, 10, 11, 1, 4], [3, 12, 1, 4], [3, 13, 14, 1, 4]]
-    reference = HFBackend(model, 1, [1], sampling, 4, batch_size=2).generate(contexts, seed=7)
+    reference = HFBackend(model, 1, [1], hf_settings(0.7, batch_size=2)).generate(contexts, seed=7)
 
-    backend = HFBackend(model, 1, [1], sampling, 4, batch_size=8)
+    backend = HFBackend(model, 1, [1], hf_settings(0.7, batch_size=8))
     real = backend._generate_batch
 
     def small_gpu(batch):
@@ -318,15 +336,13 @@ def test_batches_are_length_sorted_and_never_more_than_double_the_prefill():
 
 def test_batched_generation_equals_unbatched_greedy(tiny_target):
     """Left padding must not change what the target generates (greedy, fp32)."""
-    from data.collect import Sampling
     from data.collect_hf import HFBackend
     from pipeline.models import load_model
 
     model = load_model(tiny_target)
-    greedy = Sampling(0.0, 1.0, 0, 8, 1)
     contexts = [[3, 6, 7, 1, 4], [3, 8, 9, 10, 11, 12, 13, 1, 4], [3, 14, 1, 4]]
-    batched = HFBackend(model, 1, [1], greedy, 4, batch_size=3).generate(contexts, seed=0)
-    single = HFBackend(model, 1, [1], greedy, 4, batch_size=1).generate(contexts, seed=0)
+    batched = HFBackend(model, 1, [1], hf_settings(0.0, batch_size=3)).generate(contexts, seed=0)
+    single = HFBackend(model, 1, [1], hf_settings(0.0, batch_size=1)).generate(contexts, seed=0)
     assert [c.ids for c in batched] == [c.ids for c in single]
 
 
@@ -340,6 +356,13 @@ def test_batched_generation_equals_unbatched_greedy(tiny_target):
     (["collect.samples_per_prompt=0"], "samples_per_prompt"),
     (["collect.backend=tgi"], "collect.backend"),
     (["collect.temperature=0", "collect.samples_per_prompt=2"], "identical"),
+    (["collect.temperature=-0.5"], r"collect\.temperature"),
+    (["collect.top_p=1.5"], r"collect\.top_p"),
+    (["collect.top_k=-1"], r"collect\.top_k"),
+    (["collect.top_k=0.5"], r"collect\.top_k"),
+    (["collect.topk=abc"], r"collect\.topk"),
+    (["collect.temperature=abc"], r"^collect\.temperature='abc' must be a number"),
+    (["collect.batch_size=0"], r"collect\.batch_size"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, tiny_target, extra, message):
     write_prompts(tmp_path)
