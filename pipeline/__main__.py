@@ -3,6 +3,10 @@
 Thin on purpose: compose the config, open the MLflow run, call the stage's `run(cfg, tracker)`.
 Bad input raises PipelineError, printed as one line with a non-zero exit (traceback only
 with `hydra.verbose=true`).
+
+`stage=params [overrides]` writes the composed config to params.yaml; `params_file=params.yaml stage=<name>`
+runs a stage from such a file instead of composing one. That is how DVC runs the pipeline (dvc.yaml): the
+file DVC tracks is the config that ran, for any preset.
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import sys
 import time
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
+from pipeline.params import from_params_file, write_params
 from pipeline.tracking import start_run
 
 STAGES = {  # stage name -> module with `run(cfg, tracker) -> dict`
@@ -73,8 +78,13 @@ def main(cfg: DictConfig) -> dict:
 
 def _main(cfg: DictConfig) -> dict:
     stage = cfg.stage
+    if stage == "params":
+        print(f"[pipeline] wrote {write_params(cfg, _task_overrides())}: run stages from it with params_file=<that file> (dvc.yaml does)")
+        return {}
     if stage != "all" and stage not in STAGES:
-        raise PipelineError(f"unknown stage {stage!r}: use stage=prepare|collect|distill|eval|all")
+        raise PipelineError(f"unknown stage {stage!r}: use stage=prepare|collect|distill|eval|all|params")
+    if cfg.get("params_file"):
+        cfg = from_params_file(cfg, _task_overrides())
     _configure(cfg)
     if stage != "all":
         return run_stage(stage, cfg)
@@ -83,6 +93,12 @@ def _main(cfg: DictConfig) -> dict:
         for name in ORDER:
             results[name] = run_stage(name, cfg, nested=True)
     return results
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task)
 
 
 def _precheck_overrides(argv: list[str]) -> None:
