@@ -1,128 +1,122 @@
 """Benchmark the project's decoders against HF `generate` on one machine, in one run.
 
-    python -m eval.bench --target artifacts/models/<target> [--draft <dir>] [--gamma 4] [--max-new-tokens 64]
+    python -m eval.bench --target artifacts/models/<target> [--draft <dir>] [--prompts <jsonl>] [--gamma 4]
 
 Prints, greedy and on the same prompts with interleaved repeats after a warm-up: own autoregressive vs HF
 `generate` tokens/s; own speculative vs HF assisted generation at the same fixed γ; mean accepted length;
 c = mean draft forward / mean target forward time; and where the speculative loop's time goes.
-Prints ratios, asserts nothing about wall-clock. Without --draft, the draft is the target's first
---draft-layers layers sharing its embeddings, final norm and head.
+Prints ratios, asserts nothing about wall-clock. Prompts are the first user turns of a prompt JSONL (the
+prepare stage's held-out split by default, or Spec-Bench's question.jsonl), spread over the file. Without
+--draft, the draft is the target's first --draft-layers layers sharing its embeddings, final norm and head.
 """
 import argparse
 import json
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
+from eval.baselines import assistant_configs, hf_generate
 from eval.speculative import autoregressive_generate, speculative_generate
-from pipeline.models import derive_draft
+from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.errors import PipelineError
+from pipeline.models import derive_draft, load_model, load_tokenizer
+from pipeline.prompts import load_prompts
+from pipeline.timing import synced_clock
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "spec-bench" / "question.jsonl"
-FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
-                    "Give three tips for learning to cook.", "What causes the seasons on Earth?"]
-
-
-def load_prompts(path: Path | None, n: int) -> list[str]:
-    if path is not None and path.exists():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        # Spread over the file: Spec-Bench groups its 13 categories in blocks.
-        step = max(1, len(rows) // n)
-        return [rows[i]["turns"][0] for i in range(0, len(rows), step)][:n]
-    return FALLBACK_PROMPTS[:n]
+DEFAULT_PROMPTS = Path("artifacts/prompts/eval.jsonl")  # written by `python -m pipeline stage=prepare`
 
 
-def encode(tokenizer, prompt: str, device) -> torch.Tensor:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+def first_turns(path: Path, n: int) -> list[str]:
+    """The first user turn of n prompts spread over the file (Spec-Bench groups its categories in blocks)."""
+    if not path.is_file():
+        raise PipelineError(f"no prompt file at {path}: run `python -m pipeline stage=prepare` or pass --prompts "
+                            "<jsonl>")
+    rows = load_prompts(path)
+    step = max(1, len(rows) // n)
+    return [row["turns"][0] for row in rows[::step]][:n]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def hf_generate(target, ids, max_new_tokens, eos, assistant=None):
-    with torch.inference_mode():
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos,
-                              pad_token_id=eos[0], assistant_model=assistant)
-    return out[0, ids.shape[1]:].cpu()
-
-
-def set_fixed_gamma(draft, gamma: int) -> None:
-    """HF assisted generation reads these from the assistant's generation_config (candidate_generator.py):
-    a constant schedule, and threshold 0 disables the confidence early stop, so γ is fixed like ours."""
-    draft.generation_config.num_assistant_tokens = gamma
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-
-
-def run(args) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(args.threads) if args.threads else None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+def load_pair(args, device: torch.device, dtype: torch.dtype):
+    """(target, draft, tokenizer)."""
+    target = load_model(args.target, device, dtype)
+    tokenizer = load_tokenizer(args.target)
     if args.draft:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
-    else:
-        draft = derive_draft(target, list(range(args.draft_layers)))
-    set_fixed_gamma(draft, args.gamma)
-    eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    prompts = [encode(tokenizer, p, device) for p in load_prompts(args.prompts, args.n_prompts)]
-    n = args.max_new_tokens
+        return target, load_model(args.draft, device, dtype), tokenizer
+    return target, derive_draft(target, list(range(args.draft_layers))), tokenizer
 
-    methods = {
-        "own_ar": lambda ids: autoregressive_generate(target, ids, n, temperature=0, eos_token_id=eos),
-        "hf_generate": lambda ids: hf_generate(target, ids, n, eos),
-        "own_speculative": lambda ids: speculative_generate(target, draft, ids, n, gamma=args.gamma,
-                                                            temperature=0, eos_token_id=eos),
-        "hf_assisted": lambda ids: hf_generate(target, ids, n, eos, assistant=draft),
+
+def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
+    """{name: fn(input_ids) -> (token ids, DecodeStats | None)}, all greedy."""
+    fixed_gamma = assistant_configs(draft, gamma)[1]
+
+    def own(out):
+        return out.tokens.tolist(), out.stats
+
+    return {
+        "own_ar": lambda ids: own(autoregressive_generate(target, ids, n, temperature=0, eos_token_id=stop)),
+        "hf_generate": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop), None),
+        "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, n, gamma=gamma, temperature=0,
+                                                                eos_token_id=stop)),
+        "hf_assisted": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop, draft, fixed_gamma), None),
     }
-    for fn in methods.values():  # warm-up: allocator, kernels and lazy imports out of the timed runs
-        fn(prompts[0][:, :8])
-    times = {m: 0.0 for m in methods}
-    tokens = {m: 0 for m in methods}
-    outputs, spec_stats, ar_stats = {}, [], []
-    for repeat in range(args.repeats):
+
+
+def time_methods(methods: dict, prompts: list[torch.Tensor], repeats: int, clock) -> dict:
+    """Seconds, tokens, first outputs and DecodeStats per method over interleaved repeats."""
+    runs = {name: {"time": 0.0, "tokens": 0, "outputs": {}, "stats": []} for name in methods}
+    for repeat in range(repeats):
         for i, ids in enumerate(prompts):
             # Interleaved, order alternating, so drift in machine load hits all methods alike.
             order = list(methods) if (repeat + i) % 2 == 0 else list(reversed(methods))
             for name in order:
-                fn = methods[name]
-                _sync(device)
-                t0 = time.perf_counter()
-                result = fn(ids)
-                _sync(device)
-                times[name] += time.perf_counter() - t0
-                ids_out = result if isinstance(result, torch.Tensor) else result.tokens
-                tokens[name] += len(ids_out)
-                outputs.setdefault((name, i), ids_out.tolist())
-                if name == "own_speculative":
-                    spec_stats.append(result.stats)
-                elif name == "own_ar":
-                    ar_stats.append(result.stats)
-    tok_s = {m: tokens[m] / times[m] for m in methods}
-    greedy_match = {m: statistics.mean(outputs[(m, i)] == outputs[("own_ar", i)] for i in range(len(prompts)))
-                    for m in methods}
+                start = clock()
+                tokens, stats = methods[name](ids)
+                run = runs[name]
+                run["time"] += clock() - start
+                run["tokens"] += len(tokens)
+                run["outputs"].setdefault(i, tokens)
+                if stats is not None:
+                    run["stats"].append(stats)
+    return runs
 
-    draft_times = [t for s in spec_stats for t in s.draft_times]
-    verify_times = [t for s in spec_stats for t in s.target_times]
-    ar_times = [t for s in ar_stats for t in s.target_times]
-    parts = {"draft forwards": sum(draft_times), "target verify": sum(verify_times),
+
+def loop_profile(spec_stats: list) -> dict:
+    """Share of the speculative loop's time per part."""
+    parts = {"draft forwards": sum(t for s in spec_stats for t in s.draft_times),
+             "target verify": sum(t for s in spec_stats for t in s.target_times),
              "sampling/accept": sum(s.sampling_time for s in spec_stats),
              "cache ops": sum(s.cache_time for s in spec_stats),
              "prefill": sum(s.prefill_time for s in spec_stats)}
     total = sum(s.total_time for s in spec_stats)
     parts["other python"] = total - sum(parts.values())
+    return {part: seconds / total for part, seconds in parts.items()}
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    texts = first_turns(args.prompts, args.n_prompts)
+    target, draft, tokenizer = load_pair(args, device, dtype)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device) for text in texts]
+    methods = make_methods(target, draft, args.gamma, args.max_new_tokens, stop_token_ids(tokenizer, target))
+    for fn in methods.values():  # warm-up: allocator, kernels and lazy imports out of the timed runs
+        fn(prompts[0][:, :8])
+    runs = time_methods(methods, prompts, args.repeats, synced_clock(device))
+
+    tok_s = {name: r["tokens"] / r["time"] for name, r in runs.items()}
+    reference = runs["own_ar"]["outputs"]
+    greedy_match = {name: statistics.mean(r["outputs"][i] == reference[i] for i in range(len(prompts)))
+                    for name, r in runs.items()}
+    spec_stats, ar_stats = runs["own_speculative"]["stats"], runs["own_ar"]["stats"]
+    draft_s = statistics.mean(t for s in spec_stats for t in s.draft_times)
+    verify_s = statistics.mean(t for s in spec_stats for t in s.target_times)
+    ar_step_s = statistics.mean(t for s in ar_stats for t in s.target_times)
     return {
-        "device": str(device), "dtype": args.dtype, "gamma": args.gamma, "max_new_tokens": n,
+        "device": str(device), "dtype": args.dtype, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
         "n_prompts": len(prompts), "repeats": args.repeats, "tokens_per_s": tok_s, "greedy_match": greedy_match,
         "ar_vs_hf_generate": tok_s["own_ar"] / tok_s["hf_generate"],
         "speculative_vs_hf_assisted": tok_s["own_speculative"] / tok_s["hf_assisted"],
@@ -131,9 +125,8 @@ def run(args) -> dict:
         "acceptance_rate": sum(s.n_accepted for s in spec_stats) / max(1, sum(s.n_drafted for s in spec_stats)),
         # Same names as eval/metrics.py: c against a single-token target step (Leviathan et al. 2023,
         # Thm 3.8), c_verify against the γ+1-token verify pass the speculative loop actually runs.
-        "c": statistics.mean(draft_times) / statistics.mean(ar_times),
-        "c_verify": statistics.mean(draft_times) / statistics.mean(verify_times),
-        "loop_profile_share": {k: v / total for k, v in parts.items()},
+        "c": draft_s / ar_step_s, "c_verify": draft_s / verify_s,
+        "loop_profile_share": loop_profile(spec_stats),
     }
 
 
@@ -160,7 +153,8 @@ def main(argv=None):
     parser.add_argument("--target", required=True, help="HF model directory of the target")
     parser.add_argument("--draft", help="HF model directory of the draft (default: target's first layers)")
     parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--prompts", type=Path, default=SPEC_BENCH, help="JSONL with a 'turns' list per row")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                        help=f"prompt JSONL, our schema or Spec-Bench's (default: {DEFAULT_PROMPTS})")
     parser.add_argument("--n-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4)
@@ -170,7 +164,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     args = parser.parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except PipelineError as e:
+        sys.exit(f"[bench] error: {e}")
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
@@ -178,3 +175,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+

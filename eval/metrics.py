@@ -1,4 +1,5 @@
-"""Aggregating timed generations into the eval metrics (vLLM / Spec-Bench conventions, DESIGN.md "Metrics").
+"""Aggregating timed generations into the eval metrics (vLLM / Spec-Bench conventions;
+docs/architecture.md has the metrics.json schema).
 
 A *record* is one timed request: one user turn of one prompt, decoded by one method. It is a dict
     {"method", "domain", "prompt_id", "turn", "tokens": [ids], "time_s": wall seconds incl. prefill,
@@ -90,7 +91,8 @@ def greedy_match(records: list[dict], reference: list[dict]) -> float:
 
 def summarize(records: list[dict], greedy: bool) -> dict:
     """Metrics of one group of requests (a domain, or all of them): one entry per method present,
-    plus the headline `speedup` / `greedy_match` of the tuned draft, as DESIGN.md's eval schema has them."""
+    plus the headline `speedup` / `greedy_match` of the tuned draft, as the metrics.json schema
+    (docs/architecture.md) has them."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -141,7 +143,7 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
 
 
 def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float) -> dict:
-    """metrics.json's core (DESIGN.md eval schema, every method beside `speculative`); plans[draft][domain]
+    """metrics.json's core (the schema in docs/architecture.md, every method beside `speculative`); plans[draft][domain]
     holds the γ and draft temperature that draft ran with (domain "default" for `overall`)."""
     greedy = temperature == 0
     domains = {d: summarize([r for r in records if r["domain"] == d], greedy)
@@ -151,7 +153,7 @@ def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: f
         for d, dm in domains.items():
             dm[name].update(plan[d])
         overall[name].update(plan["default"])
-    # DESIGN.md's schema keeps the tuned draft's headline numbers at the top of `overall`.
+    # The schema keeps the tuned draft's headline numbers at the top of `overall`.
     overall.update({k: overall[SPECULATIVE][k] for k in ("acceptance_rate", "mean_accepted_length")})
     metrics = {"gamma": plans[SPECULATIVE]["default"]["gamma"], "temperature": temperature,
                "methods": list(dict.fromkeys(r["method"] for r in records)), "domains": domains, "overall": overall}

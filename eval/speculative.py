@@ -11,16 +11,20 @@ and no forward is spent that HF would not spend. The time of each model's first 
 prefill_time, not in the per-forward lists, so that c compares decoding steps only. After a step the
 target cache lacks only the newest token; the draft cache lacks 1 token, or 2 after a fully accepted
 block (the draft never fed its own last proposal), fed together in its next forward.
+
+Timing: the parts of the loop are marked with a `pipeline.timing.Stopwatch` (CUDA events on GPU) and the
+marks are turned into seconds once, after the call, so profiling adds no host synchronisation to the loop;
+only `total_time` is bracketed with a synchronising clock.
 """
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-from pipeline.sampling import logits_to_probs, sample, validate_sampling, verify_draft
 from pipeline.errors import PipelineError
+from pipeline.heads import head_logits, head_rows
+from pipeline.sampling import Sampling, sample, verify_draft
+from pipeline.timing import Stopwatch, synced_clock
 
 
 @dataclass
@@ -60,19 +64,47 @@ class GenerationOutput:
     stats: DecodeStats
 
 
-def _now(device: torch.device) -> float:
-    # CUDA kernels run asynchronously: without a sync the clock would measure only the launch.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class Profile:
+    """Stopwatch marks of one generate call, grouped by loop part and resolved into DecodeStats at the end."""
+
+    PARTS = ("draft", "target", "sampling", "cache")
+
+    def __init__(self, device: torch.device | str):
+        self.watch = Stopwatch(device)
+        self.spans: dict[str, list] = {part: [] for part in self.PARTS}
+
+    def mark(self):
+        return self.watch.mark()
+
+    def span(self, part: str, start, end) -> None:
+        self.spans[part].append((start, end))
+
+    def resolve(self, stats: DecodeStats) -> None:
+        """Seconds of every span into `stats`; each model's first forward read the prompt and counts as prefill."""
+        seconds = {part: [self.watch.elapsed(a, b) for a, b in spans] for part, spans in self.spans.items()}
+        stats.draft_times, stats.target_times = seconds["draft"], seconds["target"]
+        stats.sampling_time, stats.cache_time = sum(seconds["sampling"]), sum(seconds["cache"])
+        for times in (stats.target_times, stats.draft_times):
+            if times:
+                stats.prefill_time += times.pop(0)
 
 
-def output_head(model, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of the LM head, restricted to the rows in `vocab` (sliced once per generate call)."""
-    head = model.get_output_embeddings()
-    if vocab is None:
-        return head.weight, head.bias
-    return head.weight[vocab], None if head.bias is None else head.bias[vocab]
+@dataclass(frozen=True)
+class Pair:
+    """What one speculative_generate call decodes with."""
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    target_head: tuple  # (weight, bias) from pipeline.heads.head_rows
+    draft_head: tuple  # restricted to draft_vocab when there is one
+    p: Sampling  # the target's distribution
+    q: Sampling  # the draft's: p's filters at the draft temperature
+    draft_vocab: torch.Tensor | None = None  # target ids of the draft head's rows (FR-Spec)
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # Then p and q are one-hot, acceptance is "argmax matches" and the residual is p: argmaxes suffice.
+        return self.p.greedy and self.q.greedy
 
 
 def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
@@ -82,7 +114,7 @@ def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: in
     biggest matmul of a small model, and a vocabulary subset (FR-Spec) needs only some of its rows.
     """
     hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
-    return F.linear(hidden[0, -n_logits:], *head).float()
+    return head_logits(hidden[0, -n_logits:], head)
 
 
 def crop(cache: DynamicCache, length: int) -> None:
@@ -92,89 +124,70 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings of one generate call; q differs from p only by draft_temperature."""
-    temperature: float
-    draft_temperature: float
-    top_k: int = 0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
+def _draft_block(pair: Pair, seq, draft_cache, gamma: int, profile: Profile):
+    """γ draft tokens [γ] and, when sampling, the distributions q [γ, V_draft] they were drawn from."""
+    drafts, qs = [], []
+    tokens = seq[:, draft_cache.get_seq_length():]  # committed tokens the draft has not seen yet
+    for _ in range(gamma):
+        t0 = profile.mark()
+        logits = forward(pair.draft, tokens, draft_cache, pair.draft_head)
+        t1 = profile.mark()
+        if pair.greedy:
+            index = logits.argmax(-1)
+        else:
+            qs.append(pair.q.probs(logits))  # exactly the distribution the token is sampled from
+            index = sample(qs[-1], pair.generator)
+        tokens = (index if pair.draft_vocab is None else pair.draft_vocab[index]).view(1, 1)
+        drafts.append(tokens[0])
+        profile.span("draft", t0, t1)
+        profile.span("sampling", t1, profile.mark())
+    return (torch.cat(drafts) if gamma else seq.new_empty(0)), qs
 
-    @property
-    def greedy(self) -> bool:
-        # Then p and q are one-hot, acceptance is "argmax matches" and the residual is p: argmaxes suffice.
-        return self.temperature == 0 and self.draft_temperature == 0
 
-    def p(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+def _verify(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n accepted, next token) from the target's logits [γ+1, V] at the draft positions and the bonus one."""
+    gamma = drafts.shape[0]
+    if pair.greedy:
+        best = logits.argmax(-1)  # [γ+1]
+        n_accepted = (best[:-1] == drafts).long().cumprod(0).sum()
+        return n_accepted, best.index_select(0, n_accepted.view(1))[0]
+    p = pair.p.probs(logits)  # [γ+1, V]
+    q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
+    if pair.draft_vocab is not None and gamma:  # q is 0 outside the subset; the residual covers those exactly
+        q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, pair.draft_vocab, q)
+    return verify_draft(p, q, drafts, pair.generator)
 
-    def q(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits, self.draft_temperature, self.top_k, self.top_p)
 
-
-def speculative_step(target, draft, seq, target_cache, draft_cache, gamma, heads, sampling, draft_vocab,
-                     stats) -> tuple[torch.Tensor, list[int]]:
+def speculative_step(pair: Pair, seq: torch.Tensor, target_cache: DynamicCache, draft_cache: DynamicCache,
+                     gamma: int, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
     """Drafts γ tokens, verifies them in one target pass, rolls both caches back to the committed prefix.
 
     seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
     """
-    device, committed = seq.device, seq.shape[1]
-    drafts, qs = [], []
-    tokens = seq[:, draft_cache.get_seq_length():]  # committed tokens the draft has not seen yet
-    for _ in range(gamma):
-        t0 = _now(device)
-        logits = forward(draft, tokens, draft_cache, heads[1])
-        t1 = _now(device)
-        if sampling.greedy:
-            index = logits.argmax(-1)
-        else:
-            qs.append(sampling.q(logits))  # [1, V_draft]: exactly the distribution the token is sampled from
-            index = sample(qs[-1], sampling.generator)
-        tokens = (index if draft_vocab is None else draft_vocab[index]).view(1, 1)
-        drafts.append(tokens[0])
-        stats.draft_times.append(t1 - t0)
-        stats.sampling_time += _now(device) - t1
-
-    drafts = torch.cat(drafts) if gamma else seq.new_empty(0)
-    t0 = _now(device)
+    committed = seq.shape[1]
+    drafts, qs = _draft_block(pair, seq, draft_cache, gamma, profile)
+    t0 = profile.mark()
     # Committed tokens the target has not seen (the newest one; the whole prompt at first) + the drafts.
     tokens = torch.cat([seq[:, target_cache.get_seq_length():], drafts.view(1, -1)], 1)
-    logits = forward(target, tokens, target_cache, heads[0], gamma + 1)
-    t1 = _now(device)
-    if sampling.greedy:
-        best = logits.argmax(-1)  # [γ+1]
-        n_accepted = (best[:-1] == drafts).long().cumprod(0).sum()
-        next_token = best.index_select(0, n_accepted.view(1))[0]
-    else:
-        p = sampling.p(logits)  # [γ+1, V]
-        q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
-        if draft_vocab is not None and gamma:  # q is 0 outside the subset; the residual covers those exactly
-            q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, draft_vocab, q)
-        n_accepted, next_token = verify_draft(p, q, drafts, sampling.generator)
+    logits = forward(pair.target, tokens, target_cache, pair.target_head, gamma + 1)
+    t1 = profile.mark()
+    n_accepted, next_token = _verify(pair, logits, drafts, qs)
     # The one host sync of the step: we need n to crop the caches and the ids to check EOS.
     result = torch.cat([n_accepted.view(1), drafts, next_token.view(1)]).tolist()
-    t2 = _now(device)
+    t2 = profile.mark()
     n = result[0]
     new_tokens = result[1:1 + n] + result[-1:]
 
     seq = torch.cat([seq, drafts[:n].view(1, -1), next_token.view(1, 1)], 1)
     crop(target_cache, committed + n)  # drop rejected drafts; keep all committed tokens but the newest
     crop(draft_cache, min(draft_cache.get_seq_length(), committed + n))  # drop rejected drafts
-    stats.cache_time += _now(device) - t2
-    stats.target_times.append(t1 - t0)
-    stats.sampling_time += t2 - t1
+    profile.span("cache", t2, profile.mark())
+    profile.span("target", t0, t1)
+    profile.span("sampling", t1, t2)
     stats.accepted.append(n)
     stats.drafted.append(gamma)
     stats.target_passes += 1
     return seq, new_tokens
-
-
-def _split_prefill(stats: DecodeStats) -> None:
-    """Each model's first forward read the whole prompt: report it as prefill, not as a decoding step."""
-    for times in (stats.target_times, stats.draft_times):
-        if times:
-            stats.prefill_time += times.pop(0)
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -196,10 +209,19 @@ def _prompt(input_ids, device: torch.device) -> torch.Tensor:
     return prompt
 
 
-def _validate(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def _target_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> Sampling:
     if max_new_tokens is None or max_new_tokens < 1:
         raise PipelineError(f"max_new_tokens must be >= 1, got {max_new_tokens}: ask for at least one token")
-    validate_sampling(temperature, top_k, top_p)
+    return Sampling(temperature, top_k, top_p)  # validates itself with a one-line error
+
+
+def uses_sliding_window(config) -> bool:
+    """Whether a model attends through a sliding window: its KV cache then keeps only the window, and a cache
+    that forgot tokens cannot be cropped back to the committed prefix. Qwen2 configs carry `sliding_window`
+    with `use_sliding_window: false`; those attend fully."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
 def _validate_pair(target, draft, gamma: int, draft_temperature, draft_vocab) -> None:
@@ -207,6 +229,10 @@ def _validate_pair(target, draft, gamma: int, draft_temperature, draft_vocab) ->
         raise PipelineError(f"gamma (draft tokens per step) must be >= 1, got {gamma}: use e.g. gamma=4")
     if draft_temperature is not None and draft_temperature < 0:
         raise PipelineError(f"draft_temperature must be >= 0 or None, got {draft_temperature}: pass e.g. None")
+    for role, model in (("target", target), ("draft", draft)):
+        if uses_sliding_window(model.config):
+            raise PipelineError(f"the {role} ({type(model).__name__}) uses sliding-window attention, whose KV cache "
+                                "cannot be rolled back after a rejected draft: use a full-attention model")
     target_vocab, draft_size = (m.get_output_embeddings().weight.shape[0] for m in (target, draft))
     if target_vocab != draft_size or target.config.vocab_size != draft.config.vocab_size:
         raise PipelineError(f"draft vocabulary ({draft_size}) differs from the target's ({target_vocab}): "
@@ -231,17 +257,16 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
     1-D LongTensor of target ids the draft may propose; its head is restricted to those rows.
     generator, if given, must live on the models' device (it drives draft sampling and acceptance).
     """
-    _validate(max_new_tokens, temperature, top_k, top_p)
+    p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
     _validate_pair(target, draft, gamma, draft_temperature, draft_vocab)
     device = _device(target)
-    start = _now(device)
-    stats = DecodeStats()
+    clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
+    start = clock()
     eos = _eos_set(eos_token_id)
-    draft_temperature = temperature if draft_temperature is None else draft_temperature
-    sampling = Sampling(temperature, draft_temperature, top_k, top_p, generator)
     if draft_vocab is not None:
         draft_vocab = draft_vocab.to(device)
-    heads = (output_head(target), output_head(draft, draft_vocab))
+    q = p if draft_temperature is None else p.with_temperature(draft_temperature)
+    pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
 
     seq = _prompt(input_ids, device)
     target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
@@ -249,15 +274,14 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
     while len(out) < max_new_tokens:
         # A step yields at most γ+1 tokens; drafting past max_new_tokens would be wasted work.
         step_gamma = min(gamma, max_new_tokens - len(out) - 1)
-        seq, new_tokens = speculative_step(target, draft, seq, target_cache, draft_cache, step_gamma, heads,
-                                           sampling, draft_vocab, stats)
+        seq, new_tokens = speculative_step(pair, seq, target_cache, draft_cache, step_gamma, stats, profile)
         hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         out += new_tokens if hit is None else new_tokens[:hit + 1]
         if hit is not None:
             break
     stats.n_generated = len(out)
-    _split_prefill(stats)
-    stats.total_time = _now(device) - start
+    stats.total_time = clock() - start
+    profile.resolve(stats)
     return GenerationOutput(torch.tensor(out, dtype=torch.long), stats)
 
 
@@ -265,30 +289,30 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
 def autoregressive_generate(target, input_ids, max_new_tokens=128, temperature=0.7, top_k=0, top_p=1.0,
                             eos_token_id=None, generator=None) -> GenerationOutput:
     """Plain decoding through the same forward helper and cache type as speculative_generate."""
-    _validate(max_new_tokens, temperature, top_k, top_p)
+    p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
     device = _device(target)
-    start = _now(device)
-    stats = DecodeStats()
+    clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
+    start = clock()
     eos = _eos_set(eos_token_id)
-    head = output_head(target)
+    head = head_rows(target)
     token = _prompt(input_ids, device)  # the first forward feeds the whole prompt
     cache = DynamicCache(config=target.config)
     out = []
     for _ in range(max_new_tokens):
-        t0 = _now(device)
+        t0 = profile.mark()
         logits = forward(target, token, cache, head)
-        t1 = _now(device)
-        if temperature == 0:  # skip building a one-hot distribution just to take its argmax
+        t1 = profile.mark()
+        if p.greedy:  # skip building a one-hot distribution just to take its argmax
             token = logits.argmax(-1, keepdim=True)
         else:
-            token = sample(logits_to_probs(logits, temperature, top_k, top_p), generator).view(1, 1)
+            token = sample(p.probs(logits), generator).view(1, 1)
         out.append(token)
-        stats.target_times.append(t1 - t0)
-        stats.sampling_time += _now(device) - t1
+        profile.span("target", t0, t1)
+        profile.span("sampling", t1, profile.mark())
         if eos and token.item() in eos:  # the only per-step host sync, and only when there is an EOS to check
             break
     stats.target_passes = stats.n_generated = len(out)
     tokens = torch.cat(out).view(-1).cpu()
-    _split_prefill(stats)
-    stats.total_time = _now(device) - start
+    stats.total_time = clock() - start
+    profile.resolve(stats)
     return GenerationOutput(tokens, stats)

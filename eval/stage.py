@@ -9,11 +9,11 @@ after a warm-up, so machine drift hits all methods alike. Methods (names as in m
   speculative        own speculative decoding with the tuned draft (eval.draft, default ${paths.draft})
   speculative_init   the same with the undistilled draft (${paths.draft_init}), when it exists
   hf_generate, hf_assisted, hf_assisted_fixed   HF peers (eval/baselines.py), with eval.baselines=true
-Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
+Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename
+(docs/architecture.md describes the artifacts).
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,43 +30,45 @@ from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
                              model_identity, resolve_device, resolve_model)
+from pipeline.sampling import Sampling, derive_seed
+from pipeline.spec import SpeculativeSpec
+from pipeline.timing import synced_clock
 
 
 # ---------------------------------------------------------------- settings and inputs
 
-def settings_from(cfg: DictConfig) -> dict:
-    """The eval knobs, checked before any model is loaded: bad input fails fast and writes nothing."""
-    s = OmegaConf.to_container(cfg.eval, resolve=True)
+def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
+    """The eval knobs and the serving distribution, checked before any model is loaded: bad input fails fast
+    and writes nothing."""
+    settings = OmegaConf.to_container(cfg.eval, resolve=True)
 
     def bad(key: str, problem: str, fix: str):
-        raise PipelineError(f"eval.{key}={s[key]!r} {problem}: {fix}")
+        raise PipelineError(f"eval.{key}={settings[key]!r} {problem}: {fix}")
 
-    if s["gamma"] is not None and (not isinstance(s["gamma"], int) or s["gamma"] < 1):
+    try:
+        sampling = Sampling(settings["temperature"], settings["top_k"], settings["top_p"])
+    except PipelineError as e:  # the core names the field; prefix it with where it is set
+        raise PipelineError(f"eval.{e}") from None
+    if settings["gamma"] is not None and (not isinstance(settings["gamma"], int) or settings["gamma"] < 1):
         bad("gamma", "is not a draft length >= 1", "use e.g. eval.gamma=4, or null for the calibrated γ")
-    if not isinstance(s["default_gamma"], int) or s["default_gamma"] < 1:
+    if not isinstance(settings["default_gamma"], int) or settings["default_gamma"] < 1:
         bad("default_gamma", "is not a draft length >= 1", "use e.g. eval.default_gamma=4")
-    s["gammas"] = list(s["gammas"] or [])
-    if any(not isinstance(g, int) or g < 1 for g in s["gammas"]):
+    settings["gammas"] = list(settings["gammas"] or [])
+    if any(not isinstance(g, int) or g < 1 for g in settings["gammas"]):
         bad("gammas", "holds a γ < 1", "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
-    if s["temperature"] is None or s["temperature"] < 0:
-        bad("temperature", "is negative", "use 0 for greedy decoding or a positive temperature")
-    if s["draft_temperature"] is not None and s["draft_temperature"] < 0:
+    if settings["draft_temperature"] is not None and settings["draft_temperature"] < 0:
         bad("draft_temperature", "is negative", "use a positive value, or null for the calibrated/target temperature")
-    if s["top_p"] is None or not 0 < s["top_p"] <= 1:
-        bad("top_p", "is outside (0, 1]", "use a nucleus mass in (0, 1]; 1 switches top-p off")
-    if not isinstance(s["top_k"], int) or s["top_k"] < 0:
-        bad("top_k", "is not an integer >= 0", "use 0 to switch top-k off, or a positive k")
     for key in ("max_new_tokens", "sweep_prompts_per_domain", "warmup_tokens"):
-        if not isinstance(s[key], int) or s[key] < 1:
+        if not isinstance(settings[key], int) or settings[key] < 1:
             bad(key, "is not an integer >= 1", f"set eval.{key} to a positive integer")
-    for key in ("max_prompts_per_domain", "fidelity_prompts_per_domain"):
-        if s[key] is not None and (not isinstance(s[key], int) or s[key] < 0 + (key == "max_prompts_per_domain")):
+    for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
+        if settings[key] is not None and (not isinstance(settings[key], int) or settings[key] < least):
             bad(key, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
-    if s.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
+    if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
         bad("baselines_draft", "is not a draft eval loads", "use speculative (the tuned export) or speculative_init")
-    if isinstance(s["domains"], str):
-        s["domains"] = [s["domains"]]
-    return s
+    if isinstance(settings["domains"], str):
+        settings["domains"] = [settings["domains"]]
+    return settings, sampling
 
 
 def output_dir(cfg: DictConfig) -> Path:
@@ -84,317 +86,378 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.paths.eval)
 
 
-def load_eval_prompts(cfg: DictConfig, s: dict) -> tuple[dict[str, list[dict]], str]:
+def load_eval_prompts(cfg: DictConfig, settings: dict) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
     from pipeline.prompts import load_prompts, load_split
 
-    if s["prompts_file"]:
-        source = str(s["prompts_file"])
+    wanted = settings["domains"]
+    if settings["prompts_file"]:
+        source = str(settings["prompts_file"])
         rows = load_prompts(source)  # our schema or Spec-Bench's; raises on an empty or malformed file
-        if s["domains"]:
+        if wanted:
             available = sorted({p["domain"] for p in rows})
-            missing = [d for d in s["domains"] if d not in available]
+            missing = [domain for domain in wanted if domain not in available]
             if missing:
                 raise PipelineError(f"eval.domains {missing} have no prompts in {source} (available: {available}): "
                                     "fix eval.domains or the file")
-            rows = [p for p in rows if p["domain"] in s["domains"]]
+            rows = [p for p in rows if p["domain"] in wanted]
     else:
         source = f"{cfg.paths.prompts}/eval.jsonl (held-out split of the prepare stage)"
-        rows = load_split(cfg.paths.prompts, "eval", s["domains"])
+        rows = load_split(cfg.paths.prompts, "eval", wanted)
     by_domain: dict[str, list[dict]] = {}
-    for p in rows:
-        by_domain.setdefault(p["domain"], []).append(p)
-    n = s["max_prompts_per_domain"]
-    return {d: ps[:n] if n else ps for d, ps in by_domain.items()}, source
+    for prompt in rows:
+        by_domain.setdefault(prompt["domain"], []).append(prompt)
+    limit = settings["max_prompts_per_domain"]
+    return {domain: prompts[:limit] if limit else prompts for domain, prompts in by_domain.items()}, source
 
 
-# ---------------------------------------------------------------- drafts
+# ---------------------------------------------------------------- models and drafts
 
 @dataclass
 class Draft:
     model: torch.nn.Module
     identity: dict
-    calibration: dict = field(default_factory=dict)  # speculative.json of the export (may be empty)
+    spec: SpeculativeSpec | None = None  # the export's speculative.json; None for a plain HF directory
     vocab: torch.Tensor | None = None  # FR-Spec head subset (target ids)
+
+
+@dataclass
+class Evaluation:
+    """Everything the benchmark decodes with, loaded once."""
+    settings: dict
+    sampling: Sampling  # the serving distribution every method samples from
+    device: torch.device
+    dtype: torch.dtype
+    target: torch.nn.Module
+    tokenizer: object
+    target_path: Path
+    target_identity: dict
+    drafts: dict[str, Draft]  # "speculative" (evaluated), "speculative_init" (undistilled, when there is one)
+    stop: list[int]  # token ids that end a turn
+    plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_temperature"}}}
 
 
 def _n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _read_calibration(path: Path) -> dict:
-    """speculative.json of a draft export, or {} (a plain HF directory has none)."""
-    file = path / "speculative.json"
-    if not file.exists():
-        return {}
+def _check_vocabulary(path: Path, role: str, model, target, tokenizer) -> None:
     try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"{file} is not valid JSON ({e.msg}): re-export the draft or delete the file") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _draft_from_dir(path: Path, target, tokenizer, device, dtype, s: dict, role: str,
-                    target_sha: str | None = None) -> Draft:
-    model = load_model(path, device, dtype)
-    try:
-        draft_tok = load_tokenizer(path)
+        draft_tokenizer = load_tokenizer(path)
     except Exception:  # a weights-only directory: fall back to comparing the output heads
-        draft_tok = None
         print(f"[eval] note: {path} has no tokenizer; checking only that its vocabulary size matches the target's")
-    if draft_tok is not None:
-        check_compatible(tokenizer, draft_tok, target, model)
-    elif model.config.vocab_size != target.config.vocab_size:
-        raise PipelineError(f"{role} {path} predicts over {model.config.vocab_size:,} tokens, the target over "
-                            f"{target.config.vocab_size:,}: use a draft that shares the target's tokenizer")
-    calibration = _read_calibration(path)
-    ident = {**model_identity(path), "source": str(path), "n_params": _n_params(model)}
-    trained_for = calibration.get("target")
-    trained_for = trained_for.get("source_sha256") if isinstance(trained_for, dict) else None
-    if trained_for and target_sha and trained_for != target_sha:
-        print(f"[eval] note: {path} was distilled for another target (sha256 {trained_for[:12]}…, "
+        if model.config.vocab_size != target.config.vocab_size:
+            raise PipelineError(f"{role} {path} predicts over {model.config.vocab_size:,} tokens, the target over "
+                                f"{target.config.vocab_size:,}: use a draft that shares the target's tokenizer")
+        return
+    check_compatible(tokenizer, draft_tokenizer, target, model)
+
+
+def _draft_from_dir(path: Path, role: str, target, tokenizer, device, dtype, settings: dict,
+                    target_sha: str | None) -> Draft:
+    model = load_model(path, device, dtype)
+    _check_vocabulary(path, role, model, target, tokenizer)
+    spec = SpeculativeSpec.read(path)
+    identity = {**model_identity(path), "source": str(path), "n_params": _n_params(model)}
+    if spec is None:
+        return Draft(model, identity)
+    tuned_for = spec.target.get("source_sha256")
+    if tuned_for and target_sha and tuned_for != target_sha:
+        print(f"[eval] note: {path} was distilled for another target (sha256 {tuned_for[:12]}…, "
               f"this target {target_sha[:12]}…); its calibration may not fit")
-    vocab = calibration.get("vocab_subset")
-    vocab = torch.tensor(vocab, dtype=torch.long, device=device) if vocab and s["use_vocab_subset"] else None
-    return Draft(model, ident, calibration, vocab)
+    vocab = None
+    if spec.vocab_subset and settings["use_vocab_subset"]:
+        vocab = torch.tensor(spec.vocab_subset, dtype=torch.long, device=device)
+    return Draft(model, identity, spec, vocab)
 
 
 def _derived(cfg: DictConfig, target) -> Draft:
     layers = list(cfg.model.draft.derive.layers or [])
     model = derive_draft(target, layers)
-    ident = {"source": f"derived from target layers {layers} (not distilled)", "architecture": type(model).__name__,
-             "num_hidden_layers": len(layers), "hidden_size": model.config.hidden_size,
-             "vocab_size": model.config.vocab_size, "n_params": _n_params(model)}
-    return Draft(model, ident)
+    identity = {"source": f"derived from target layers {layers} (not distilled)",
+                "architecture": type(model).__name__, "num_hidden_layers": len(layers),
+                "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+                "n_params": _n_params(model)}
+    return Draft(model, identity)
 
 
-def load_drafts(cfg: DictConfig, s: dict, target, tokenizer, device, dtype, target_sha=None) -> dict[str, Draft]:
-    """{"speculative": the draft under evaluation, "speculative_init": the undistilled draft (when there is one)}."""
-    def from_dir(path: Path, role: str) -> Draft:
-        return _draft_from_dir(path, target, tokenizer, device, dtype, s, role, target_sha)
-
-    choice, default, path = s["draft"], Path(cfg.paths.draft), None
+def _draft_source(cfg: DictConfig, settings: dict) -> tuple[Path | None, str]:
+    """(model directory, role) of the draft under evaluation; no directory means a draft derived from the target."""
+    choice, export = settings["draft"], Path(cfg.paths.draft)
     if choice == "derive":
-        draft = _derived(cfg, target)
-    elif choice:
-        path = Path(choice)
-        if not (path / "config.json").exists():
+        return None, "eval.draft"
+    if choice:
+        if not (Path(choice) / "config.json").exists():
             raise PipelineError(f"eval.draft={choice} is not a model directory (no config.json): point it at a "
                                 "Hugging Face model directory, or use eval.draft=derive")
-        draft = from_dir(path, "eval.draft")
-    elif (default / "config.json").exists():
-        path = default
-        draft = from_dir(path, "draft")
-    elif cfg.model.draft.get("init") == "pretrained":
+        return Path(choice), "eval.draft"
+    if (export / "config.json").exists():
+        return export, "draft"
+    if cfg.model.draft.get("init") == "pretrained":
         path = resolve_model(cfg.model.draft, "draft", cfg.paths)
-        print(f"[eval] note: no exported draft at {default}; evaluating the preset's pretrained draft {path}")
-        draft = from_dir(path, "draft")
-    else:
-        print(f"[eval] note: no exported draft at {default}; evaluating a draft derived from target layers "
-              f"{list(cfg.model.draft.derive.layers or [])} (run stage=distill, or set eval.draft=<dir>)")
-        draft = _derived(cfg, target)
-    drafts = {"speculative": draft}
-
-    init_choice = s["draft_init"]
-    if init_choice != "none":
-        init_path = Path(init_choice or cfg.paths.draft_init)
-        if init_choice and not (init_path / "config.json").exists():
-            raise PipelineError(f"eval.draft_init={init_choice} is not a model directory (no config.json): "
-                                "point it at the undistilled draft, or use eval.draft_init=none")
-        same = path is not None and init_path.resolve() == Path(path).resolve()
-        if (init_path / "config.json").exists() and not same:
-            drafts["speculative_init"] = from_dir(init_path, "draft_init")
-    return drafts
+        print(f"[eval] note: no exported draft at {export}; evaluating the preset's pretrained draft {path}")
+        return path, "draft"
+    print(f"[eval] note: no exported draft at {export}; evaluating a draft derived from target layers "
+          f"{list(cfg.model.draft.derive.layers or [])} (run stage=distill, or set eval.draft=<dir>)")
+    return None, "draft"
 
 
-def _per_domain(value, domain: str):
-    """A speculative.json entry that is either one number or {domain: number, "default": number}."""
-    if isinstance(value, dict):
-        return value.get(domain, value.get("default"))
-    return value if isinstance(value, (int, float)) else None
+def _init_source(cfg: DictConfig, settings: dict, evaluated: Path | None) -> Path | None:
+    """The undistilled draft's directory, when there is one other than the evaluated draft."""
+    choice = settings["draft_init"]
+    if choice == "none":
+        return None
+    path = Path(choice or cfg.paths.draft_init)
+    if choice and not (path / "config.json").exists():
+        raise PipelineError(f"eval.draft_init={choice} is not a model directory (no config.json): "
+                            "point it at the undistilled draft, or use eval.draft_init=none")
+    same = evaluated is not None and path.resolve() == evaluated.resolve()
+    return path if (path / "config.json").exists() and not same else None
 
 
-def draft_plan(draft: Draft, domain: str, s: dict) -> dict:
-    """γ and draft temperature for one draft on one domain: the user's override, else the draft's calibration
+def load_models(cfg: DictConfig, settings: dict, sampling: Sampling) -> Evaluation:
+    """The target, its tokenizer and stop ids, the evaluated draft and (when there is one) the undistilled draft."""
+    device, dtype = resolve_device(cfg.get("runtime"))
+    target, tokenizer, target_path = load_role(cfg, "target")
+    target_identity = {**model_identity(target_path), "source": str(target_path), "n_params": _n_params(target)}
+
+    def from_dir(path: Path, role: str) -> Draft:
+        return _draft_from_dir(path, role, target, tokenizer, device, dtype, settings,
+                               target_identity.get("source_sha256"))
+
+    path, role = _draft_source(cfg, settings)
+    drafts = {"speculative": _derived(cfg, target) if path is None else from_dir(path, role)}
+    init_path = _init_source(cfg, settings, path)
+    if init_path is not None:
+        drafts["speculative_init"] = from_dir(init_path, "draft_init")
+    return Evaluation(settings=settings, sampling=sampling, device=device, dtype=dtype, target=target,
+                      tokenizer=tokenizer, target_path=target_path, target_identity=target_identity, drafts=drafts,
+                      stop=stop_token_ids(tokenizer, target))
+
+
+# ---------------------------------------------------------------- plans
+
+def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) -> dict:
+    """γ and draft temperature τ for one draft on one domain: the user's override, else the draft's calibration
     (eval.use_calibration), else eval.default_gamma and the target's temperature."""
-    calib = draft.calibration if s["use_calibration"] else {}
-    gamma = s["gamma"] or _per_domain(calib.get("gamma"), domain) or s["default_gamma"]
-    tau = s["draft_temperature"]
-    # A calibrated τ only means something for sampling at the temperature it was calibrated against; at T=0
-    # the target is greedy and the draft should propose its argmax (q one-hot), so τ is not used at all.
-    calibrated_for = calib.get("serving_temperature", calib.get("temperature"))
-    if tau is None and s["temperature"] > 0 and (calibrated_for is None or calibrated_for == s["temperature"]):
-        tau = _per_domain(calib.get("draft_temperature"), domain)
-    return {"gamma": int(gamma), "draft_temperature": None if tau is None or s["temperature"] == 0 else float(tau)}
+    spec = draft.spec if settings["use_calibration"] else None
+    gamma = settings["gamma"] or (spec and spec.for_domain("gamma", domain)) or settings["default_gamma"]
+    tau = settings["draft_temperature"]
+    # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
+    # the draft proposes its argmax (q one-hot), so no τ is used at all.
+    if tau is None and spec is not None and spec.sampling == sampling:
+        tau = spec.for_domain("draft_temperature", domain)
+    return {"gamma": int(gamma), "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
+
+
+def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
+    settings, sampling = evaluation.settings, evaluation.sampling
+    spec = evaluation.drafts["speculative"].spec
+    if (settings["use_calibration"] and not sampling.greedy and settings["draft_temperature"] is None
+            and spec is not None and spec.sampling != sampling):
+        print(f"[eval] note: the draft's τ was calibrated for {spec.sampling}, not {sampling}; the draft samples "
+              "at the eval temperature (set eval.draft_temperature to choose one)")
+    return {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
+            for name, draft in evaluation.drafts.items()}
 
 
 # ---------------------------------------------------------------- timed decoding
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # CUDA runs asynchronously: the clock must wait for the kernels
-        torch.cuda.synchronize(device)
+def _hf_methods(evaluation: Evaluation) -> dict:
+    """HF generate, and HF assisted generation with HF's defaults and with our decoder's γ on each domain."""
+    settings, sampling = evaluation.settings, evaluation.sampling
+    assistant_name = settings.get("baselines_draft") or "speculative"
+    if assistant_name not in evaluation.drafts:
+        raise PipelineError(f"eval.baselines_draft={assistant_name} is not loaded here (drafts: "
+                            f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
+                            "undistilled draft exists")
+    assistant = evaluation.drafts[assistant_name].model
+    configs = {domain: assistant_configs(assistant, plan["gamma"])
+               for domain, plan in evaluation.plans["speculative"].items()}
+
+    def hf(draft=None, fixed_gamma=False):
+        def generate(ids, domain, n, seed):
+            torch.manual_seed(seed)  # HF samples from the global RNG
+            config = configs[domain][int(fixed_gamma)] if draft is not None else None
+            return hf_generate(evaluation.target, ids, n, sampling.temperature, sampling.top_k, sampling.top_p,
+                               evaluation.stop, draft, config), None
+        return generate
+
+    return {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, fixed_gamma=True)}
 
 
-def make_methods(target, drafts: dict[str, Draft], plans: dict, stop: list[int], s: dict, device) -> dict:
+def make_methods(evaluation: Evaluation) -> dict:
     """{method name: fn(input_ids, domain, max_new_tokens, seed) -> (token ids, DecodeStats | None)}."""
-    T, top_k, top_p = s["temperature"], s["top_k"], s["top_p"]
+    target, sampling, stop = evaluation.target, evaluation.sampling, evaluation.stop
 
     def generator(seed: int):
-        return torch.Generator(device=device).manual_seed(seed)
+        return torch.Generator(device=evaluation.device).manual_seed(seed)
 
-    def ours_ar(ids, domain, n, seed):
-        out = autoregressive_generate(target, ids, n, temperature=T, top_k=top_k, top_p=top_p,
-                                      eos_token_id=stop, generator=generator(seed))
+    def autoregressive(ids, domain, n, seed):
+        out = autoregressive_generate(target, ids, n, temperature=sampling.temperature, top_k=sampling.top_k,
+                                      top_p=sampling.top_p, eos_token_id=stop, generator=generator(seed))
         return out.tokens.tolist(), out.stats
 
-    def ours_spec(name):
-        def fn(ids, domain, n, seed, gamma=None):
-            plan = plans[name][domain]
-            out = speculative_generate(target, drafts[name].model, ids, n, gamma=gamma or plan["gamma"],
-                                       temperature=T, top_k=top_k, top_p=top_p,
+    def speculative(name):
+        draft = evaluation.drafts[name]
+
+        def generate(ids, domain, n, seed, gamma=None):
+            plan = evaluation.plans[name][domain]
+            out = speculative_generate(target, draft.model, ids, n, gamma=gamma or plan["gamma"],
+                                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        draft_temperature=plan["draft_temperature"], eos_token_id=stop,
-                                       generator=generator(seed), draft_vocab=drafts[name].vocab)
+                                       generator=generator(seed), draft_vocab=draft.vocab)
             return out.tokens.tolist(), out.stats
-        return fn
+        return generate
 
-    methods = {"autoregressive": ours_ar}
-    methods.update({name: ours_spec(name) for name in drafts})
-    if s["baselines"]:
-        which = s.get("baselines_draft") or "speculative"
-        if which not in drafts:
-            raise PipelineError(f"eval.baselines_draft={which} is not loaded here (drafts: {', '.join(drafts)}): use "
-                                "speculative, or speculative_init when an undistilled draft exists")
-        draft = drafts[which].model
-        # The fixed-γ run uses the γ our decoder runs with on each domain (calibrated or overridden).
-        configs = {d: assistant_configs(draft, plan["gamma"]) for d, plan in plans["speculative"].items()}
-
-        def hf(assistant=None, which=0):
-            def fn(ids, domain, n, seed):
-                torch.manual_seed(seed)  # HF samples from the global RNG
-                config = configs[domain][which] if assistant is not None else None
-                return hf_generate(target, ids, n, T, top_k, top_p, stop, assistant, config), None
-            return fn
-
-        methods.update({"hf_generate": hf(), "hf_assisted": hf(draft, 0), "hf_assisted_fixed": hf(draft, 1)})
+    methods = {"autoregressive": autoregressive, **{name: speculative(name) for name in evaluation.drafts}}
+    if evaluation.settings["baselines"]:
+        methods.update(_hf_methods(evaluation))
     return methods
 
 
-def timed(fn, ids, domain, n, seed, device, **kw) -> tuple[list[int], object, float]:
-    _sync(device)
-    t0 = time.perf_counter()
+def timed(fn, ids, domain, n, seed, clock, **kw) -> tuple[list[int], object, float]:
+    start = clock()
     tokens, stats = fn(ids, domain, n, seed, **kw)
-    _sync(device)
-    return tokens, stats, time.perf_counter() - t0
+    return tokens, stats, clock() - start
 
 
-def benchmark(prompts, methods, tokenizer, device, s: dict, seed: int) -> tuple[list[dict], list[dict]]:
+def rotated(names: list, k: int) -> list:
+    """Who runs first changes with every request, so drift and cache warmth favour no method."""
+    return names[k % len(names):] + names[:k % len(names)]
+
+
+def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -> tuple[list[dict], list[dict]]:
     """Decodes every request with every method; returns (records, contexts) — contexts are the encoded
     requests, reused by the γ sweep and the fidelity check so every run sees the same inputs."""
     from tqdm.auto import tqdm
 
-    n = s["max_new_tokens"]
-    names = list(methods)
+    tokenizer, device, settings = evaluation.tokenizer, evaluation.device, evaluation.settings
+    clock, names = synced_clock(device), list(methods)
     first = next(iter(prompts.values()))[0]
-    warm = encode_chat(tokenizer, messages_for(first, [], 0)).to(device)
+    warmup_ids = encode_chat(tokenizer, messages_for(first, [], 0)).to(device)
     for name in names:  # warm-up: allocator, lazy imports and kernel selection stay out of the timed runs
-        methods[name](warm, first["domain"], s["warmup_tokens"], seed)
+        methods[name](warmup_ids, first["domain"], settings["warmup_tokens"], seed)
 
     records, contexts = [], []
-    total = sum(len(p["turns"]) for ps in prompts.values() for p in ps)
-    bar = tqdm(total=total, desc="eval", unit="req", dynamic_ncols=True)
-    k = 0
-    for domain, plist in prompts.items():
-        for prompt in plist:
+    bar = tqdm(total=sum(len(p["turns"]) for ps in prompts.values() for p in ps), desc="eval", unit="req",
+               dynamic_ncols=True)
+    for domain, domain_prompts in prompts.items():
+        for prompt in domain_prompts:
             answers: list[str] = []
             for turn in range(len(prompt["turns"])):
                 ids = encode_chat(tokenizer, messages_for(prompt, answers, turn)).to(device)
+                request = len(contexts)
                 contexts.append({"domain": domain, "prompt_id": prompt["id"], "turn": turn, "ids": ids})
-                rec_seed = seed * 1_000_003 + k  # same seed for every method of a request
-                for name in names[k % len(names):] + names[:k % len(names)]:  # rotate who runs first
-                    tokens, stats, t = timed(methods[name], ids, domain, n, rec_seed, device)
+                request_seed = derive_seed(seed, "eval", request)  # the same for every method of a request
+                for name in rotated(names, request):
+                    tokens, stats, seconds = timed(methods[name], ids, domain, settings["max_new_tokens"],
+                                                   request_seed, clock)
                     records.append({"method": name, "domain": domain, "prompt_id": prompt["id"], "turn": turn,
-                                    "tokens": tokens, "time_s": t, "stats": stats})
+                                    "tokens": tokens, "time_s": seconds, "stats": stats})
                 # The next turn continues from the target's own answer, identical for every method.
-                ar_tokens = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
-                answers.append(tokenizer.decode(ar_tokens, skip_special_tokens=True).strip())
-                k += 1
+                own_answer = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
+                answers.append(tokenizer.decode(own_answer, skip_special_tokens=True).strip())
                 bar.set_postfix_str(domain)
                 bar.update()
     bar.close()
     return records, contexts
 
 
-def gamma_sweep(contexts, methods, device, s: dict, seed: int) -> dict:
+def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
     """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain,
     each γ interleaved with an autoregressive run of the same request."""
     from tqdm.auto import tqdm
 
-    subset = first_prompts(contexts, s["sweep_prompts_per_domain"])
-    runs: dict = {"ar": [], **{g: [] for g in s["gammas"]}}
-    for k, c in enumerate(tqdm(subset, desc="γ sweep", unit="req", dynamic_ncols=True)):
-        order = list(runs)
-        for key in order[k % len(order):] + order[:k % len(order)]:
+    settings, clock = evaluation.settings, synced_clock(evaluation.device)
+    requests = first_prompts(contexts, settings["sweep_prompts_per_domain"])
+    runs: dict = {"ar": [], **{gamma: [] for gamma in settings["gammas"]}}
+    for k, request in enumerate(tqdm(requests, desc="γ sweep", unit="req", dynamic_ncols=True)):
+        request_seed = derive_seed(seed, "eval-gamma-sweep", k)  # other seeds than the main run's
+        for key in rotated(list(runs), k):
             fn, kw = (methods["autoregressive"], {}) if key == "ar" else (methods["speculative"], {"gamma": key})
-            seed_k = seed * 1_000_003 - k - 1  # other seeds than the main run's
-            tokens, stats, t = timed(fn, c["ids"], c["domain"], s["max_new_tokens"], seed_k, device, **kw)
-            runs[key].append({"tokens": tokens, "time_s": t, "stats": stats})
-    return {"gammas": s["gammas"], "n_prompts_per_domain": s["sweep_prompts_per_domain"], "n_requests": len(subset),
-            "by_gamma": {str(g): M.sweep_point(runs[g], runs["ar"]) for g in s["gammas"]}}
+            tokens, stats, seconds = timed(fn, request["ids"], request["domain"], settings["max_new_tokens"],
+                                           request_seed, clock, **kw)
+            runs[key].append({"tokens": tokens, "time_s": seconds, "stats": stats})
+    return {"gammas": settings["gammas"], "n_prompts_per_domain": settings["sweep_prompts_per_domain"],
+            "n_requests": len(requests),
+            "by_gamma": {str(gamma): M.sweep_point(runs[gamma], runs["ar"]) for gamma in settings["gammas"]}}
+
+
+# ---------------------------------------------------------------- metrics
+
+def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
+    settings, drafts = evaluation.settings, evaluation.drafts
+    core = M.build(records, evaluation.plans, evaluation.sampling.temperature)
+    init = drafts.get("speculative_init")
+    return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings["top_k"],
+            "top_p": settings["top_p"], "max_new_tokens": settings["max_new_tokens"],
+            "target": str(evaluation.target_path), "draft": drafts["speculative"].identity["source"],
+            "draft_init": init.identity["source"] if init else None, **core}
+
+
+def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluation: Evaluation) -> dict | None:
+    """Greedy speculative vs autoregressive output: a separate greedy run when sampling, the benchmark's own
+    outputs when greedy; mismatches of the tuned draft in reduced precision are rerun in fp32."""
+    settings, target, stop = evaluation.settings, evaluation.target, evaluation.stop
+    tuned, plans = evaluation.drafts[M.SPECULATIVE], evaluation.plans[M.SPECULATIVE]
+    if not evaluation.sampling.greedy and settings["fidelity_prompts_per_domain"]:
+        result = fidelity_check(contexts, target, tuned, plans, stop, settings)
+    elif "fidelity" in metrics:
+        result = metrics["fidelity"] | {"mismatches": diagnose(records, contexts, target),
+                                        "near_tie_ulps": NEAR_TIE_ULPS}
+    else:
+        return None
+    tuned_mismatches = [m for m in result["mismatches"] if m.get("method", M.SPECULATIVE) == M.SPECULATIVE]
+    if settings.get("fp32_recheck") and evaluation.dtype != torch.float32 and tuned_mismatches:
+        result["fp32"] = fp32_recheck(contexts, target, tuned, plans, stop, settings, tuned_mismatches)
+    return result
+
+
+def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
+    """Where and with what the numbers were measured."""
+    settings = evaluation.settings
+    tuned, init = evaluation.drafts["speculative"], evaluation.drafts.get("speculative_init")
+    calibrated = settings["use_calibration"] and tuned.spec is not None and tuned.spec.gamma
+    return {
+        "machine": machine(), "device": str(evaluation.device), "dtype": str(evaluation.dtype).removeprefix("torch."),
+        "target": evaluation.target_identity,
+        "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
+        "draft_init": init.identity if init else None,
+        "calibrated": bool(calibrated and settings["gamma"] is None),
+        "prompt_source": source, "settings": settings,
+        "prompts": {domain: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
+                    for domain, ps in prompts.items()},
+    }
 
 
 # ---------------------------------------------------------------- the stage
 
 def run(cfg: DictConfig, tracker) -> dict:
-    s = settings_from(cfg)
+    settings, sampling = settings_from(cfg)
     out_dir = output_dir(cfg)
-    prompts, source = load_eval_prompts(cfg, s)
-    device, dtype = resolve_device(cfg.get("runtime"))
-    target, tokenizer, target_path = load_role(cfg, "target")
-    target_ident = {**model_identity(target_path), "source": str(target_path), "n_params": _n_params(target)}
-    drafts = load_drafts(cfg, s, target, tokenizer, device, dtype, target_ident.get("source_sha256"))
-    stop = stop_token_ids(tokenizer, target)
-    plans = {name: {d: draft_plan(draft, d, s) for d in [*prompts, "default"]} for name, draft in drafts.items()}
-    served = drafts["speculative"].calibration.get("serving_temperature")
-    if s["use_calibration"] and s["temperature"] > 0 and served is not None and served != s["temperature"]:
-        print(f"[eval] note: the draft's τ was calibrated for T={served}, not T={s['temperature']}; "
-              "the draft samples at the eval temperature (set eval.draft_temperature to choose one)")
-    methods = make_methods(target, drafts, plans, stop, s, device)
+    prompts, source = load_eval_prompts(cfg, settings)
+    evaluation = load_models(cfg, settings, sampling)
+    evaluation.plans = make_plans(evaluation, list(prompts))
+    methods = make_methods(evaluation)
     print(f"[eval] {sum(map(len, prompts.values()))} prompts in {len(prompts)} domains from {source}; "
-          f"methods: {', '.join(methods)}; T={s['temperature']}, max_new_tokens={s['max_new_tokens']}")
+          f"methods: {', '.join(methods)}; T={sampling.temperature}, max_new_tokens={settings['max_new_tokens']}")
 
-    t0 = time.time()
-    records, contexts = benchmark(prompts, methods, tokenizer, device, s, cfg.seed)
-    core = M.build(records, plans, s["temperature"])
-    metrics = {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": s["top_k"],
-               "top_p": s["top_p"], "max_new_tokens": s["max_new_tokens"], "target": str(target_path),
-               "draft": drafts["speculative"].identity["source"],
-               "draft_init": drafts["speculative_init"].identity["source"] if "speculative_init" in drafts else None,
-               **core}
-    if s["gammas"]:
-        metrics["gamma_sweep"] = gamma_sweep(contexts, methods, device, s, cfg.seed)
-    if s["temperature"] > 0 and s["fidelity_prompts_per_domain"]:
-        metrics["fidelity"] = fidelity_check(contexts, target, drafts["speculative"], plans["speculative"], stop, s)
-    elif "fidelity" in metrics:
-        metrics["fidelity"] |= {"mismatches": diagnose(records, contexts, target), "near_tie_ulps": NEAR_TIE_ULPS}
-    spec = M.SPECULATIVE
-    found = [m for m in metrics.get("fidelity", {}).get("mismatches", []) if m.get("method", spec) == spec]
-    if s.get("fp32_recheck") and dtype != torch.float32 and found:
-        metrics["fidelity"]["fp32"] = fp32_recheck(contexts, target, drafts[spec], plans[spec], stop, s, found)
-    metrics["wall_s"] = time.time() - t0
-    tuned = drafts["speculative"]
-    metrics["setup"] = {
-        "machine": machine(), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "target": target_ident,
-        "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
-        "draft_init": drafts["speculative_init"].identity if "speculative_init" in drafts else None,
-        "calibrated": bool(s["use_calibration"] and tuned.calibration and s["gamma"] is None),
-        "prompt_source": source, "settings": s,
-        "prompts": {d: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
-                    for d, ps in prompts.items()},
-    }
+    started = time.time()
+    records, contexts = benchmark(prompts, methods, evaluation, cfg.seed)
+    metrics = core_metrics(records, evaluation)
+    if settings["gammas"]:
+        metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
+    checked = fidelity(metrics, records, contexts, evaluation)
+    if checked is not None:
+        metrics["fidelity"] = checked
+    metrics["wall_s"] = time.time() - started
+    metrics["setup"] = setup_section(evaluation, prompts, source)
+
     plots = write_outputs(out_dir, metrics, records)
     print(text_table(*domain_rows(metrics)))
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots")
     log_to_tracker(tracker, metrics, out_dir)
+    overall = metrics["overall"]
     return {"metrics": str(out_dir / "metrics.json"),
-            "overall": {k: metrics["overall"][k] for k in ("acceptance_rate", "mean_accepted_length", "speedup")}}
+            "overall": {key: overall[key] for key in ("acceptance_rate", "mean_accepted_length", "speedup")}}

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+from pipeline.spec import SpeculativeSpec
 from tests.conftest import REPO, tiny_llama
 
 VOCAB = 64
@@ -40,11 +42,11 @@ def tiny_tokenizer(words: list[str] | None = None):
     return fast
 
 
-def save(model, tokenizer, path: Path, speculative: dict | None = None) -> Path:
+def save(model, tokenizer, path: Path, spec: SpeculativeSpec | None = None) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if speculative is not None:
-        (path / "speculative.json").write_text(json.dumps(speculative))
+    if spec is not None:
+        spec.write(path)
     return path
 
 
@@ -62,13 +64,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     tok = tiny_tokenizer()
     target = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=4, seed=0, tie=False)
-    calibration = {"gamma": {"chat": 2, "default": 3}, "draft_temperature": {"code": 1.3, "default": 1.1},
-                   "vocab_subset": list(range(48)), "acceptance": {}, "target": {"path": "tiny"}}
+    # Calibrated for serving at T=0.8, top-k 20: the sampled test below evaluates with exactly that.
+    calibration = SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.8, 20), draft={"init": "derive"},
+                                  vocab_subset=list(range(48)), gamma={"chat": 2, "default": 3},
+                                  draft_temperature={"code": 1.3, "default": 1.1})
+    undistilled = SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.8, 20), draft={"init": "derive"},
+                                  distilled=False, selected="init")
     bad_words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     bad_words[10], bad_words[11] = bad_words[11], bad_words[10]
     return {"target": save(target, tok, root / "target"),
             "draft": save(derive_draft(target, [0]), tok, root / "draft", calibration),
-            "draft_init": save(derive_draft(target, [0, 1]), tok, root / "draft_init", {}),
+            "draft_init": save(derive_draft(target, [0, 1]), tok, root / "draft_init", undistilled),
             "bad_draft": save(derive_draft(target, [0]), tiny_tokenizer(bad_words), root / "bad_draft")}
 
 
@@ -302,3 +308,34 @@ def test_hf_assisted_can_run_with_the_undistilled_draft(tmp_path, models):
     assert metrics["overall"]["hf_assisted"]["greedy_match"] == 1.0
     with pytest.raises(PipelineError, match="baselines_draft"):
         run_stage(tmp_path, models, "eval.baselines_draft=other")
+
+
+def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, models):
+    import shutil
+
+    draft = shutil.copytree(models["draft"], tmp_path / "old_draft")
+    old = json.loads((draft / "speculative.json").read_text()) | {"version": 1, "temperature": 0.8}
+    (draft / "speculative.json").write_text(json.dumps(old))
+    with pytest.raises(PipelineError, match="format version 1") as info:
+        run_stage(tmp_path, models, f"eval.draft={draft}", "eval.baselines=false", "eval.gammas=[]")
+    assert "\n" not in str(info.value) and "stage=distill" in str(info.value)
+    assert not (tmp_path / "artifacts" / "eval").exists()
+
+
+def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibrated_for():
+    from eval.stage import Draft, draft_plan
+
+    spec = SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={}, gamma={"code": 5, "default": 3},
+                           draft_temperature={"code": 1.3, "default": 1.1})
+    draft = Draft(None, {}, spec)
+    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None}
+    assert draft_plan(draft, "code", settings, Sampling(0.8, 20)) == {"gamma": 5, "draft_temperature": 1.3}
+    assert draft_plan(draft, "poetry", settings, Sampling(0.8, 20)) == {"gamma": 3, "draft_temperature": 1.1}
+    # Another serving distribution: the calibrated γ still applies, the calibrated τ does not.
+    assert draft_plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
+    assert draft_plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
+    overridden = settings | {"gamma": 2, "draft_temperature": 0.5}
+    assert draft_plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
+    uncalibrated = settings | {"use_calibration": False}
+    assert draft_plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
+    assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4

@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
+from eval.speculative import (DecodeStats, Pair, Profile, autoregressive_generate, forward, speculative_generate,
+                              speculative_step, uses_sliding_window)
 from pipeline import sampling
-from pipeline.sampling import expected_acceptance, logits_to_probs
-from eval.speculative import (autoregressive_generate, forward, output_head, speculative_generate,
-                              speculative_step, DecodeStats, Sampling)
 from pipeline.errors import PipelineError
+from pipeline.heads import head_rows
+from pipeline.sampling import Sampling, expected_acceptance, logits_to_probs
 
 torch.set_num_threads(1)
 VOCAB = 16
@@ -160,14 +162,15 @@ def test_distribution_test_rejects_resampling_from_target_instead_of_residual(ta
 
 # ---- cache rollback ----
 
-def run_one_step(target, draft, prompt, gamma, sampling):
+def run_one_step(target, draft, prompt, gamma, temperature, generator):
     seq = prompt.view(1, -1)
     caches = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    heads = output_head(target), output_head(draft)
+    p = Sampling(temperature)
+    pair = Pair(target, draft, head_rows(target), head_rows(draft), p, p, generator=generator)
     stats = DecodeStats()
     with torch.inference_mode():
-        seq, new = speculative_step(target, draft, seq, *caches, gamma, heads, sampling, None, stats)
-    return seq, caches, heads, new, stats.accepted[0]
+        seq, new = speculative_step(pair, seq, *caches, gamma, stats, Profile("cpu"))
+    return seq, caches, (pair.target_head, pair.draft_head), new, stats.accepted[0]
 
 
 def assert_cache_continues_like_a_fresh_forward(model, seq, cache, head):
@@ -182,10 +185,10 @@ def assert_cache_continues_like_a_fresh_forward(model, seq, cache, head):
     ("far", 0.0, False), ("close", 0.0, None), ("same", 0.0, True), ("far", 1.0, None), ("close", 1.0, None)])
 def test_caches_hold_exactly_the_accepted_prefix(target, drafts, draft_name, temperature, expect_all):
     gamma = 4
-    sampling = Sampling(temperature, temperature, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
     for prompt in random_prompts(6, seed=21):
         seq, (target_cache, draft_cache), heads, new, n = run_one_step(target, drafts[draft_name], prompt, gamma,
-                                                                       sampling)
+                                                                       temperature, generator)
         assert seq.shape[1] == len(prompt) + n + 1 and seq[0, len(prompt):].tolist() == new
         if expect_all is not None:
             assert (n == gamma) == expect_all
@@ -261,6 +264,19 @@ def test_stats_are_consistent(target, close_draft, eos_token_id):
         assert s.total_time >= s.prefill_time + sum(s.draft_times) + sum(s.target_times)
 
 
+def test_stats_carry_per_forward_times_on_cpu(target, close_draft):
+    """Stopwatch marks resolve after the call into one time per forward (first ones as prefill), in seconds."""
+    out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), 16, gamma=3, temperature=0)
+    s = out.stats
+    assert len(s.target_times) == s.target_passes - 1 and len(s.draft_times) == s.n_drafted - 1
+    assert all(0 < t < 60 for t in s.draft_times + s.target_times) and s.prefill_time > 0
+    assert s.sampling_time > 0 and s.cache_time > 0 and s.total_time < 60
+    parts = s.prefill_time + sum(s.draft_times) + sum(s.target_times) + s.sampling_time + s.cache_time
+    assert parts <= s.total_time
+    ar = autoregressive_generate(target, torch.tensor([1, 2, 3]), 8, temperature=0).stats
+    assert len(ar.target_times) == 7 and all(t > 0 for t in ar.target_times) and ar.prefill_time > 0
+
+
 def test_autoregressive_stats_count_one_token_per_pass(target):
     out = autoregressive_generate(target, torch.tensor([[1, 2, 3]]), 12, temperature=0.8,
                                   generator=torch.Generator().manual_seed(0))
@@ -302,6 +318,38 @@ def test_draft_on_another_device_is_refused(target, close_draft):
     draft = copy.deepcopy(close_draft).to("meta")  # a device other than the target's, without needing a GPU
     with pytest.raises(PipelineError, match="device"):
         speculative_generate(target, draft, torch.tensor([1, 2]))
+
+
+def small_config(config_class, **kwargs):
+    return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kwargs)
+
+
+def test_sliding_window_models_are_refused(target):
+    """A sliding-window KV cache forgets tokens, so it cannot be cropped back after a rejected draft."""
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(small_config(MistralConfig, sliding_window=8)).eval()
+    for pair in ((target, mistral), (mistral, target)):
+        with pytest.raises(PipelineError, match="sliding-window") as info:
+            speculative_generate(*pair, torch.tensor([1, 2]), 4, temperature=0)
+        assert "\n" not in str(info.value)
+    qwen_windowed = small_config(Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert uses_sliding_window(qwen_windowed)
+
+
+def test_full_attention_configs_with_a_sliding_window_field_are_accepted():
+    # Qwen2 checkpoints ship `sliding_window` with `use_sliding_window: false`: they attend fully.
+    qwen = small_config(Qwen2Config, use_sliding_window=False, initializer_range=0.2)
+    qwen.sliding_window = 4096
+    assert not uses_sliding_window(qwen)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen).eval()
+    prompt = torch.tensor([1, 2, 3])
+    expected = autoregressive_generate(model, prompt, 8, temperature=0).tokens
+    assert speculative_generate(model, model, prompt, 8, gamma=3, temperature=0).tokens.tolist() == expected.tolist()
+    assert not uses_sliding_window(small_config(LlamaConfig))
+    assert uses_sliding_window(small_config(MistralConfig, sliding_window=8))
+    assert not uses_sliding_window(small_config(MistralConfig, sliding_window=None))
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=2.0)])
