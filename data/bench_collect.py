@@ -6,14 +6,13 @@
 Runs the collect stage's own HF backend on the configured target (default: the embedded
 SmolLM2-135M-Instruct) with the configured sampling settings and top-k labels, then measures the
 disk cost of the rows with and without the top-k columns (bytes per million completion tokens).
-Prompts: first turns of Spec-Bench's MT-Bench questions (../shared/spec-bench/question.jsonl) when
-present, else the prepared train prompts. On a shared CPU pass runtime.threads=1: oversubscribed
+Prompts: first turns of the prepared train prompts, or of any prompt file (`--prompts-file`, e.g.
+Spec-Bench's question.jsonl, whose MT-Bench categories are then used). On a shared CPU pass runtime.threads=1: oversubscribed
 OpenMP threads make batch 1 several times slower and the comparison meaningless.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import replace
@@ -28,16 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
-def bench_prompts(cfg, n: int, domains: list[str]) -> list[dict]:
-    """First turns of `n` prompts of the given Spec-Bench categories (or prepared train domains),
-    spread evenly over them."""
-    spec_bench = REPO.parent / "shared" / "spec-bench" / "question.jsonl"
-    if spec_bench.exists():
-        rows = [json.loads(line) for line in spec_bench.read_text().splitlines() if line.strip()]
-        rows = [{"id": str(r["question_id"]), "domain": r["category"], "turns": r["turns"][:1]} for r in rows]
-    else:
-        from pipeline.prompts import load_split
-        rows = [dict(r, turns=r["turns"][:1]) for r in load_split(cfg.paths.prompts, "train")]
+def bench_prompts(cfg, n: int, domains: list[str], prompts_file: str | None = None) -> list[dict]:
+    """First turns of `n` prompts of the given domains (all when none match), spread evenly over them."""
+    from pipeline.prompts import load_prompts, load_split
+
+    source = load_prompts(prompts_file) if prompts_file else load_split(cfg.paths.prompts, "train")
+    rows = [dict(r, turns=r["turns"][:1]) for r in source]
     rows = [r for r in rows if r["domain"] in domains] or rows
     return rows[::max(1, len(rows) // n)][:n]
 
@@ -57,14 +52,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per measurement (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts-file", help="a prompt JSONL (our schema or Spec-Bench's question.jsonl); "
+                        "default: the prepared train prompts")
     parser.add_argument("--domains", default=",".join(MT_BENCH),
-                        help="Spec-Bench categories to draw prompts from (default: the MT-Bench ones)")
+                        help="domains to draw prompts from, all when none match (default: Spec-Bench's MT-Bench ones)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. collect.batch_size=32")
     args = parser.parse_args()
 
     cfg, settings = load_settings(args.overrides, args.max_new_tokens)
     target = load_target(cfg)
-    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","))
+    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","), args.prompts_file)
     print(f"[bench] {target.path.name} on {target.device} ({str(target.dtype).removeprefix('torch.')}), "
           f"{torch.get_num_threads()} threads; {len(prompts)} prompts, max_new_tokens={settings.max_new_tokens}, "
           f"temperature={settings.sampling.temperature}, topk={settings.topk}")

@@ -16,7 +16,7 @@ import sys
 import time
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.errors import PipelineError
 from pipeline.params import from_params_file, write_params

@@ -11,7 +11,7 @@ def synced_clock(device: torch.device | str):
     unsynced clock measures launches, not work). On CPU it is plain perf_counter.
 
     Use it to bracket whole runs; inside a decode loop a sync per forward would itself slow CUDA down
-    (see eval/speculative.py, which times its parts only when asked to).
+    (the decoder marks its parts with `Stopwatch` instead).
     """
     device = torch.device(device)
     if device.type != "cuda":
