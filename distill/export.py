@@ -26,6 +26,10 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
     return out_dir
 
 
+def _describe(policy) -> str:
+    return "–" if policy is None else policy.describe()
+
+
 def _fmt(x, digits=3):
     return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
@@ -57,17 +61,37 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              "exported weights were chosen on the calibration part, every number here is from the reporting part) "
              f"and predicted mean accepted length at γ={length.get('gamma')}, before and after distillation:", "",
              "| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
-             "| draft τ | best γ | predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
+             "| draft τ | best fixed γ | draft length | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     for domain in domains + ["overall"]:
         lines.append(f"| {domain} | {_fmt(acceptance['before'].get(domain))} | {_fmt(acceptance['after'].get(domain))} | "
                      f"{_fmt(acceptance['after_calibrated'].get(domain))} | {_fmt(length['before'].get(domain), 2)} | "
                      f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.for_domain('draft_temperature', domain), 2)} | "
-                     f"{spec.for_domain('gamma', domain)} | {_fmt(spec.predicted_speedup.get(domain), 2)} |")
+                     f"{spec.for_domain('gamma', domain)} | {_describe(spec.draft_length_for(domain))} | "
+                     f"{_fmt(spec.predicted_speedup.get(domain), 2)} |")
     verify = cost.get("verify_ratio")
-    lines += ["", "Predicted speedup = (1 + Σ_k≤γ P_k) / (γc + r_γ) from the measured per-position acceptance P_k, "
-              "c, and r_γ = the target's (γ+1)-token verify forward over its 1-token forward"
+    lines += ["", "Predicted speedup = (1 + A) / (c·D + r_D) for the domain's draft-length policy, with D and A the "
+              "expected drafted and accepted tokens per target pass simulated on held-out rows, c the draft/target "
+              "step cost and r_D the target's (D+1)-token verify forward over its 1-token forward"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
               "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]
+    return "\n".join(lines)
+
+
+def format_table(spec: SpeculativeSpec) -> str:
+    """Per-domain before/after table (reporting part) with the calibration chosen on the calibration part."""
+    acceptance, length = spec.acceptance, spec.mean_accepted_length
+    g = length["gamma"]
+    lines = [f"\n{'domain':<16}{'acc before':>11}{'acc after':>11}{'calibrated':>11}{f'len@γ{g} bef':>12}"
+             f"{f'len@γ{g} aft':>12}{'τ':>7}{'γ':>4}{'pred. speedup':>15}  draft length"]
+    for domain in [d for d in acceptance["after"] if d != "overall"] + ["overall"]:
+        lines.append(f"{domain:<16}{acceptance['before'][domain]:>11.3f}{acceptance['after'][domain]:>11.3f}"
+                     f"{acceptance['after_calibrated'][domain]:>11.3f}{length['before'][domain]:>12.2f}"
+                     f"{length['after'][domain]:>12.2f}{spec.for_domain('draft_temperature', domain):>7.2f}"
+                     f"{spec.for_domain('gamma', domain):>4}{spec.predicted_speedup[domain]:>14.2f}×  "
+                     f"{spec.draft_length_for(domain).describe()}")
+    cost = spec.cost
+    lines.append(f"c = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target {cost['target_forward_ms']:.1f} "
+                 f"ms, {cost['device']} {cost['dtype']}); numbers on the reporting part of the held-out prompts\n")
     return "\n".join(lines)

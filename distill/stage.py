@@ -21,9 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from distill import calibrate as cal
 from distill.batch import Truncation
 from distill.draft import build_draft, vocab_subset
-from distill.export import model_card, save_draft
+from distill.export import format_table, model_card, save_draft
 from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
+from distill.split import split_by_prompt, split_heldout
+from distill.policy import candidates, choose, keep_at, simulate, verify_cost
 from distill.training import TrainingResult, train_draft
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
@@ -190,50 +192,6 @@ def load_inputs(cfg: DictConfig, tracker) -> DistillJob:
 
 
 # ---------------------------------------------------------------- split
-def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, max_heldout: int | None,
-                    seed: int) -> tuple[list[int], list[int]]:
-    """Row indices (train, held-out): per domain, the prompts with the smallest hash(seed, prompt_id) are
-    held out (at least one where the domain has two or more prompts), so all turns and samples of a prompt
-    stay on one side and the split does not depend on row order."""
-    held = set()
-    for pids in _prompts_by_domain(prompt_ids, domains).values():
-        order = sorted(pids, key=lambda p: _hash(seed, p))
-        n = 0 if len(order) < 2 else max(1, round(fraction * len(order)))
-        held.update(order[:min(n, int(max_heldout))] if max_heldout else order[:n])
-    train = [i for i, p in enumerate(prompt_ids) if p not in held]
-    heldout = [i for i, p in enumerate(prompt_ids) if p in held]
-    return train, heldout
-
-
-def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed: int) -> tuple[list[int], list[int], bool]:
-    """Held-out row indices -> (calibration, reporting, disjoint). Per domain a `share` of the prompts (by
-    another hash) calibrates and the rest reports; a domain with one held-out prompt uses it for both."""
-    calibration, reporting, disjoint = set(), set(), True
-    for pids in _prompts_by_domain(prompt_ids, domains).values():
-        order = sorted(pids, key=lambda p: _hash(f"{seed}/calibration", p))
-        if len(order) < 2:
-            disjoint = False
-            calibration.update(order)
-            reporting.update(order)
-            continue
-        n = min(len(order) - 1, max(1, round(share * len(order))))
-        calibration.update(order[:n])
-        reporting.update(order[n:])
-    return ([i for i, p in enumerate(prompt_ids) if p in calibration],
-            [i for i, p in enumerate(prompt_ids) if p in reporting], disjoint)
-
-
-def _prompts_by_domain(prompt_ids, domains) -> dict[str, set[str]]:
-    by_domain: dict[str, set[str]] = {}
-    for pid, domain in zip(prompt_ids, domains):
-        by_domain.setdefault(domain, set()).add(pid)
-    return by_domain
-
-
-def _hash(seed, prompt_id: str) -> str:
-    return hashlib.sha256(f"{seed}/{prompt_id}".encode()).hexdigest()
-
-
 def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int) -> str:
     """Names the checkpoint directory: what decides the trained weights, nothing that only watches training."""
     settings = {group: OmegaConf.to_container(cfg.distill[group], resolve=True) for group in FINGERPRINTED}
@@ -341,22 +299,42 @@ def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) 
 
 # ---------------------------------------------------------------- calibration (calibration part)
 def calibrate(job: DistillJob) -> dict:
-    """Draft temperature τ per domain, cost ratio c (timed on this device, in the serving dtype) and the
-    best γ per domain, all chosen on the calibration part."""
+    """Draft temperature τ per domain, cost ratio c (timed on this device, in the serving dtype), the best
+    fixed γ and the best draft-length policy per domain, all chosen on the calibration part."""
     settings = job.settings.calibration
     taus = cal.calibrate_temperature(job.draft, job.calibration, list(settings.tau_ratios), job.vocab,
                                      int(settings.tau_refine))["temperature"]
     gammas = [int(g) for g in settings.gammas]
+    lengths = settings.draft_length
+    longest = max(gammas + [int(m) for m in lengths.max_lengths])
     cost = cal.measure_cost_ratio(job.target, job.draft, job.vocab, int(settings.cost.context_length),
                                   int(settings.cost.steps), int(settings.cost.warmup),
-                                  max_verify=max(gammas) if settings.cost.verify else 0)
+                                  max_verify=longest if settings.cost.verify else 0)
     cost.update(device=str(next(job.target.parameters()).device), dtype=str(job.serving_dtype).removeprefix("torch."))
     alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)
     best = {}
     for domain, mask in cal.domain_index(job.calibration).items():
         per_position = cal.per_position_acceptance(alpha, job.calibration, mask, max(gammas))
         best[domain] = cal.best_gamma(per_position, cost["c"], gammas, cost.get("verify_ratio"))[0]
-    return {"temperature": taus, "gamma": best, "cost": cost}
+    thresholds = [float(t) for t in lengths.thresholds]
+    keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
+    options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
+    chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
+    return {"temperature": taus, "gamma": best, "cost": cost,
+            "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
+
+
+def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: dict) -> dict:
+    """Per domain, the predicted speedup of its chosen draft-length policy on `heldout` (distill/policy.py)."""
+    cost, policies = calibration["cost"], calibration["draft_length"]
+    thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
+    keep = keep_at(job.draft, heldout, calibration["temperature"], thresholds, job.vocab) if thresholds else {}
+    predicted = {}
+    for domain, mask in cal.domain_index(heldout).items():
+        policy = policies.get(domain, policies[cal.OVERALL])
+        drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
+        predicted[domain] = round((1 + accepted) / (cost["c"] * drafted + verify_cost(cost.get("verify_ratio"), drafted)), 3)
+    return predicted
 
 
 # ---------------------------------------------------------------- report (reporting part) and export
@@ -366,17 +344,14 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
     gamma = int(job.settings.heldout.gamma)
     after = serving_acceptance(job, job.reporting)
     calibrated = cal.acceptance_at(job.draft, job.reporting, calibration["temperature"], job.vocab)
-    cost, gammas = calibration["cost"], calibration["gamma"]
-    predicted, calibrated_acceptance = {}, {}
-    for domain, mask in cal.domain_index(job.reporting).items():
-        gamma_d = gammas.get(domain, gammas[cal.OVERALL])
-        per_position = cal.per_position_acceptance(calibrated, job.reporting, mask, gamma_d)
-        predicted[domain] = round(cal.predicted_speedup(per_position, cost["c"], gamma_d, cost.get("verify_ratio")), 3)
-        calibrated_acceptance[domain] = float(calibrated[mask].mean()) if mask.any() else 0.0
+    predicted = predict_speedup(job, job.reporting, calibrated, calibration)
+    calibrated_acceptance = {domain: float(calibrated[mask].mean()) if mask.any() else 0.0
+                             for domain, mask in cal.domain_index(job.reporting).items()}
     objective = job.settings.objective
     return SpeculativeSpec(
         job.target_ident, job.sampling, {**job.draft_info, "parameters": sum(p.numel() for p in job.draft.parameters())},
-        _vocab_list(job), distilled=True, gamma=_with_default(gammas),
+        _vocab_list(job), distilled=True, gamma=_with_default(calibration["gamma"]),
+        draft_length=_with_default({k: v.to_dict() for k, v in calibration["draft_length"].items()}),
         draft_temperature=_with_default(calibration["temperature"]), selected=selected["selected"],
         acceptance={"before": _acceptances(before["reporting"]), "after": _acceptances(after),
                     "after_training": selected["after_training"], "after_calibrated": calibrated_acceptance},
@@ -384,7 +359,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
                                                  for name, summary in (("before", before["reporting"]),
                                                                        ("after", after))}},
         per_position_acceptance={k: v["per_position_acceptance"] for k, v in after.items()},
-        predicted_speedup=predicted, cost=cost,
+        predicted_speedup=predicted, cost=calibration["cost"],
         training={"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
                   "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
                   "rows": len(job.train), "fingerprint": job.fingerprint},
@@ -396,8 +371,11 @@ def export(job: DistillJob, spec: SpeculativeSpec) -> None:
     import shutil
 
     paths = job.cfg.paths
+    generation_config = copy.deepcopy(job.target.generation_config)
+    for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
+        setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
     save_draft(job.draft.to(job.serving_dtype), job.draft_tokenizer, paths.draft, spec,
-               model_card(spec, f"{job.cfg.model.draft.name} (distilled)"), job.target.generation_config)
+               model_card(spec, f"{job.cfg.model.draft.name} (distilled)"), generation_config)
     if not job.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / job.fingerprint, ignore_errors=True)
     print(format_table(spec))
@@ -411,23 +389,6 @@ def export(job: DistillJob, spec: SpeculativeSpec) -> None:
         "c": spec.cost["c"], "train_tokens": spec.training["train_tokens"], "train_minutes": spec.training["minutes"]})
     job.tracker.log_artifact(str(Path(paths.draft) / "speculative.json"))
     job.tracker.log_artifact(str(Path(paths.draft) / "README.md"))
-
-
-def format_table(spec: SpeculativeSpec) -> str:
-    """Per-domain before/after table (reporting part) with the calibration chosen on the calibration part."""
-    acceptance, length = spec.acceptance, spec.mean_accepted_length
-    g = length["gamma"]
-    lines = [f"\n{'domain':<16}{'acc before':>11}{'acc after':>11}{'calibrated':>11}{f'len@γ{g} bef':>12}"
-             f"{f'len@γ{g} aft':>12}{'τ':>7}{'γ':>4}{'pred. speedup':>15}"]
-    for domain in [d for d in acceptance["after"] if d != cal.OVERALL] + [cal.OVERALL]:
-        lines.append(f"{domain:<16}{acceptance['before'][domain]:>11.3f}{acceptance['after'][domain]:>11.3f}"
-                     f"{acceptance['after_calibrated'][domain]:>11.3f}{length['before'][domain]:>12.2f}"
-                     f"{length['after'][domain]:>12.2f}{spec.for_domain('draft_temperature', domain):>7.2f}"
-                     f"{spec.for_domain('gamma', domain):>4}{spec.predicted_speedup[domain]:>14.2f}×")
-    cost = spec.cost
-    lines.append(f"c = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target {cost['target_forward_ms']:.1f} "
-                 f"ms, {cost['device']} {cost['dtype']}); numbers on the reporting part of the held-out prompts\n")
-    return "\n".join(lines)
 
 
 def _acceptances(summary: dict) -> dict[str, float]:

@@ -18,15 +18,26 @@ Definitions, pooled over a domain's requests (vLLM pools counters the same way):
                           (Spec-Bench). With greedy decoding both produce the same tokens and this is exactly
                           AR time / method time; with sampling it does not penalise a method for the length
                           of the text it happened to sample.
+- speedup_ci95, acceptance_rate_ci95 = 95% bootstrap intervals of the same pooled statistics over requests
+                          (null below 2 requests); comparisons[speculative_vs_<m>] = ratio of the two methods'
+                          speedups with its interval, `within_noise` when that interval contains 1.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
+import warnings
 
 import numpy as np
+from scipy.stats import bootstrap
 
 AUTOREGRESSIVE = "autoregressive"
 SPECULATIVE = "speculative"
+CI_LEVEL = 0.95
+N_RESAMPLES = 9999
+BOOTSTRAP_SEED = 0  # fixed: the same records always give the same interval
+# scipy ≥ 1.15 takes a Generator as `rng`; older releases (the floor is 1.11) only as `random_state`.
+_RNG_ARG = "rng" if "rng" in inspect.signature(bootstrap).parameters else "random_state"
 
 
 def throughput(records: list[dict]) -> dict:
@@ -89,6 +100,106 @@ def greedy_match(records: list[dict], reference: list[dict]) -> float:
     return sum(same.values()) / len(same) if same else 0.0
 
 
+def _div(num, den):
+    """num / den elementwise, 0 where den is 0 (the point estimates' convention for an empty denominator)."""
+    den = np.asarray(den, dtype=float)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+def _tps(tokens, seconds, axis=-1):
+    return _div(np.sum(tokens, axis=axis), np.sum(seconds, axis=axis))
+
+
+def _speedup_stat(tok_m, sec_m, tok_ar, sec_ar, axis=-1):
+    """(Σ tokens_m / Σ time_m) / (Σ tokens_AR / Σ time_AR): the pooled point estimate, vectorised."""
+    return _div(_tps(tok_m, sec_m, axis), _tps(tok_ar, sec_ar, axis))
+
+
+def _acceptance_stat(accepted, drafted, axis=-1):
+    return _div(np.sum(accepted, axis=axis), np.sum(drafted, axis=axis))
+
+
+def bootstrap_ci(samples: tuple, statistic) -> list[float] | None:
+    """95% interval of statistic(*samples) over requests, or None below 2 requests.
+
+    Paired bootstrap: samples are per-request arrays of equal length, and every resample draws the same request
+    indices for all of them, so a method and the autoregressive run of the same requests stay together and the
+    per-request difficulty they share cancels in the ratio. The interval is BCa (bias-corrected and accelerated;
+    Efron & Tibshirani 1993, *An Introduction to the Bootstrap*, ch. 14), second-order accurate for a skewed
+    ratio statistic. BCa degenerates when the jackknife has no spread (identical requests: NaN) and, with only
+    a handful of requests, its corrections can push the interval off the estimate; then the plain percentile
+    interval (ch. 13) is used, which is always defined.
+    """
+    samples = tuple(np.asarray(x, dtype=float) for x in samples)
+    if len(samples[0]) < 2:
+        return None
+    point = float(statistic(*samples, axis=-1))
+    for method in ("BCa", "percentile"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the degenerate-BCa warning: handled by the percentile fallback
+            res = bootstrap(samples, statistic, paired=True, vectorized=True, n_resamples=N_RESAMPLES,
+                            confidence_level=CI_LEVEL, method=method,
+                            **{_RNG_ARG: np.random.default_rng(BOOTSTRAP_SEED)})
+        lo, hi = (float(v) for v in res.confidence_interval)
+        if np.isfinite(lo) and np.isfinite(hi) and lo <= point <= hi:
+            break
+    return [lo, hi]
+
+
+def _per_request(records: list[dict]) -> dict[tuple, list[float]]:
+    """(domain, prompt, turn) → [tokens, seconds, accepted, drafted], summed so pooled sums are unchanged."""
+    out: dict[tuple, list[float]] = {}
+    for r in records:
+        row = out.setdefault((r["domain"], r["prompt_id"], r["turn"]), [0.0, 0.0, 0.0, 0.0])
+        row[0] += len(r["tokens"])
+        row[1] += r["time_s"]
+        if r["stats"] is not None:
+            row[2] += sum(r["stats"].accepted)
+            row[3] += sum(r["stats"].drafted)
+    return out
+
+
+def _paired(a: list[dict], b: list[dict]) -> tuple[np.ndarray, ...]:
+    """tokens and seconds of a and of b on the requests both ran, aligned request by request."""
+    ra, rb = _per_request(a), _per_request(b)
+    keys = [k for k in ra if k in rb]
+    return (np.array([ra[k][0] for k in keys]), np.array([ra[k][1] for k in keys]),
+            np.array([rb[k][0] for k in keys]), np.array([rb[k][1] for k in keys]))
+
+
+def speedup_ci(records: list[dict], ar: list[dict]) -> list[float] | None:
+    """CI of a method's speedup over AR, resampling requests jointly for both."""
+    return bootstrap_ci(_paired(records, ar), _speedup_stat)
+
+
+def acceptance_ci(records: list[dict]) -> list[float] | None:
+    """CI of Σ accepted / Σ drafted over a method's requests."""
+    rows = list(_per_request(records).values())
+    return bootstrap_ci((np.array([r[2] for r in rows]), np.array([r[3] for r in rows])), _acceptance_stat)
+
+
+def compare(records: list[dict], other: list[dict]) -> dict:
+    """Ratio of two methods' speedups on the same requests (AR cancels: the ratio of their tokens/s), its paired
+    CI, and whether that CI contains 1 (the two cannot be told apart on these requests; None without a CI)."""
+    samples = _paired(records, other)
+    ci = bootstrap_ci(samples, _speedup_stat)
+    return {"ratio": float(_speedup_stat(*samples)), "ci95": ci, "n_requests": len(samples[0]),
+            "within_noise": None if ci is None else bool(ci[0] <= 1.0 <= ci[1])}
+
+
+def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: float, greedy: bool) -> dict:
+    """One non-AR method's entry: throughput, decode counters when it has them, speedup and their CIs."""
+    m = throughput(recs)
+    if recs[0]["stats"] is not None:
+        m.update(speculative_counters(recs, ar_step_s))
+        m["acceptance_rate_ci95"] = acceptance_ci(recs)
+    m["speedup"] = m["tokens_per_s"] / ar_tps if ar_tps else 0.0
+    m["speedup_ci95"] = speedup_ci(recs, ar)
+    if greedy:
+        m["greedy_match"] = greedy_match(recs, ar)
+    return m
+
+
 def summarize(records: list[dict], greedy: bool) -> dict:
     """Metrics of one group of requests (a domain, or all of them): one entry per method present,
     plus the headline `speedup` / `greedy_match` of the tuned draft, as the metrics.json schema
@@ -99,20 +210,18 @@ def summarize(records: list[dict], greedy: bool) -> dict:
     ar = by_method[AUTOREGRESSIVE]
     ar_step_s = _mean([t for r in ar for t in r["stats"].target_times])
     out: dict = {"n_prompts": len({r["prompt_id"] for r in ar}), "n_requests": len(ar)}
-    ar_metrics = throughput(ar)
+    ar_tps = throughput(ar)["tokens_per_s"]
     for method, recs in by_method.items():
-        m = throughput(recs)
-        if method != AUTOREGRESSIVE:
-            if recs[0]["stats"] is not None:
-                m.update(speculative_counters(recs, ar_step_s))
-            m["speedup"] = m["tokens_per_s"] / ar_metrics["tokens_per_s"] if ar_metrics["tokens_per_s"] else 0.0
-            if greedy:
-                m["greedy_match"] = greedy_match(recs, ar)
-        out[method] = m
+        out[method] = (throughput(recs) if method == AUTOREGRESSIVE
+                       else _method_metrics(recs, ar, ar_tps, ar_step_s, greedy))
     spec = out.get(SPECULATIVE, {})
     out["speedup"] = spec.get("speedup", 0.0)
+    out["speedup_ci95"] = spec.get("speedup_ci95")
     if greedy:
         out["greedy_match"] = spec.get("greedy_match", 0.0)
+    if SPECULATIVE in by_method:
+        out["comparisons"] = {f"{SPECULATIVE}_vs_{m}": compare(by_method[SPECULATIVE], recs)
+                              for m, recs in by_method.items() if m not in (AUTOREGRESSIVE, SPECULATIVE)}
     return out
 
 
@@ -124,6 +233,10 @@ def sweep_point(spec: list[dict], ar: list[dict]) -> dict:
     point["tokens_per_s"] = throughput(spec)["tokens_per_s"]
     ar_tps = throughput(ar)["tokens_per_s"]
     point["speedup"] = point["tokens_per_s"] / ar_tps if ar_tps else 0.0
+    # spec[i] and ar[i] are the same request: pair by position.
+    point["speedup_ci95"] = bootstrap_ci(tuple(np.array(x, dtype=float) for x in (
+        [len(r["tokens"]) for r in spec], [r["time_s"] for r in spec],
+        [len(r["tokens"]) for r in ar], [r["time_s"] for r in ar])), _speedup_stat)
     return point
 
 
@@ -154,7 +267,8 @@ def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: f
             dm[name].update(plan[d])
         overall[name].update(plan["default"])
     # The schema keeps the tuned draft's headline numbers at the top of `overall`.
-    overall.update({k: overall[SPECULATIVE][k] for k in ("acceptance_rate", "mean_accepted_length")})
+    overall.update({k: overall[SPECULATIVE][k]
+                    for k in ("acceptance_rate", "acceptance_rate_ci95", "mean_accepted_length")})
     metrics = {"gamma": plans[SPECULATIVE]["default"]["gamma"], "temperature": temperature,
                "methods": list(dict.fromkeys(r["method"] for r in records)), "domains": domains, "overall": overall}
     if greedy:  # every prompt was decoded greedily by both: the lossless check comes for free

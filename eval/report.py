@@ -8,10 +8,15 @@ from pathlib import Path
 
 import torch
 
-from eval.metrics import flat_metrics
+from eval.metrics import N_RESAMPLES, flat_metrics
 from eval.plots import write_plots
 from pipeline.atomic import atomic_dir, write_json
 
+CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RESAMPLES:,} resamples, BCa, "
+           "percentile where BCa degenerates), each resample taking the same requests for a method and for the "
+           "autoregressive run, of the same pooled ratio as the estimate; `n<2, no CI`: a single request gives "
+           "no interval. With only a few requests the bootstrap understates the spread (2 requests allow 3 "
+           "distinct resamples): an interval from 2–3 requests is a lower bound on the noise, not a test.")
 METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
                  "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
                  "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)"}
@@ -39,6 +44,18 @@ def _f(value, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _ci(value, ci, fmt: str = ".2f", unit: str = "") -> str:
+    """`1.38× [1.21, 1.52]`; a null interval (fewer than 2 requests) says so instead of hiding."""
+    if value is None:
+        return "–"
+    interval = "[n<2, no CI]" if ci is None else f"[{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]"
+    return f"{_f(value, fmt)}{unit} {interval}"
+
+
+def _speedup(m: dict) -> str:
+    return _ci(m.get("speedup"), m.get("speedup_ci95"), unit="×")
+
+
 def _tau(tau, temperature: float, row: str) -> str:
     if temperature == 0 or row == "overall":
         return "–"  # greedy: the draft proposes its argmax, no temperature involved
@@ -52,13 +69,14 @@ def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         spec, init, ar = d.get("speculative", {}), d.get("speculative_init"), d.get("autoregressive", {})
-        acceptance = _f(spec.get("acceptance_rate"))
+        acceptance = (_ci(spec["acceptance_rate"], spec.get("acceptance_rate_ci95"))
+                      if "acceptance_rate" in spec else "–")
         if init:
             acceptance = f"{_f(init.get('acceptance_rate'))}→{acceptance}"
         tau = spec.get("draft_temperature")
         rows.append([name, str(d.get("n_prompts", "")), acceptance, _f(spec.get("mean_accepted_length")),
                      _f(ar.get("tokens_per_s"), ".1f"), _f(spec.get("tokens_per_s"), ".1f"),
-                     f"{_f(d.get('speedup'))}×", _f(d.get("greedy_match")),
+                     _speedup(d), _f(d.get("greedy_match")),
                      _tau(tau, metrics["temperature"], name), str(spec.get("gamma", ""))])
     return header, rows
 
@@ -71,9 +89,27 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
         m = metrics["overall"].get(method)
         if m:
             rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
-                         "1.00×" if method == "autoregressive" else f"{_f(m.get('speedup'))}×",
+                         "1.00×" if method == "autoregressive" else _speedup(m),
                          "ref" if method == "autoregressive" else _f(m.get("greedy_match"))])
     return header, rows
+
+
+def _comparison(scope: str, name: str, c: dict) -> str:
+    spec, other = METHOD_LABELS["speculative"], METHOD_LABELS.get(name, name)
+    ratio, n = _ci(c["ratio"], c["ci95"], unit="×"), c.get("n_requests")
+    if c["ci95"] is None:
+        return f"{scope}: {spec} vs {other}: tokens/s ratio {ratio} — too few requests to tell from noise."
+    if c["within_noise"]:
+        return f"{scope}: {spec} and {other} are within noise of each other (tokens/s ratio {ratio}, {n} requests)."
+    verdict = "faster" if c["ratio"] > 1 else "slower"
+    return f"{scope}: {spec} is {verdict} than {other} beyond noise (tokens/s ratio {ratio}, {n} requests)."
+
+
+def comparison_lines(metrics: dict) -> list[str]:
+    """Each domain's (and overall) paired comparison of the evaluated draft with every other non-AR method, in words."""
+    scopes = [*metrics["domains"].items(), ("overall", metrics["overall"])]
+    return [_comparison(scope, key.removeprefix("speculative_vs_"), c)
+            for scope, d in scopes for key, c in (d.get("comparisons") or {}).items()]
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
@@ -190,14 +226,20 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         "(prefill excluded, bonus token included); speedup = tokens/s of speculative over autoregressive "
         "decoding on the same requests (equal to the time ratio when both emit the same tokens); "
         "draft τ `=T`: the draft samples at the target's temperature.", "",
+        CI_NOTE, "",
         "## Methods (all domains)", "",
         markdown_table(*method_rows(metrics)), "",
         _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
     ]
+    comparisons = comparison_lines(metrics)
+    if comparisons:
+        lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "
+                  "requests (= ratio of their tokens/s), with a paired bootstrap 95% CI:", "",
+                  *[f"- {c}" for c in comparisons], ""]
     sweep = metrics.get("gamma_sweep")
     if sweep:
         rows = [[g, _f(p["acceptance_rate"]), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
-                 f"{_f(p['speedup'])}×"] for g, p in sweep["by_gamma"].items()]
+                 _speedup(p)] for g, p in sweep["by_gamma"].items()]
         lines += ["## γ sweep", "", f"On {sweep['n_requests']} requests ({sweep['n_prompts_per_domain']} prompt(s) "
                   "per domain), evaluated draft, each γ interleaved with an autoregressive run of the same "
                   "request.", "",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from pipeline.draft_length import DraftLength, Policy
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
 from pipeline.sampling import Sampling, sample, verify_draft
@@ -124,11 +125,12 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)
 
 
-def _draft_block(pair: Pair, seq, draft_cache, gamma: int, profile: Profile):
-    """γ draft tokens [γ] and, when sampling, the distributions q [γ, V_draft] they were drawn from."""
+def _draft_block(pair: Pair, seq, draft_cache, budget: int, policy: Policy, profile: Profile):
+    """Up to `budget` draft tokens [γ] (the policy may stop earlier) and, when sampling, the distributions
+    q [γ, V_draft] they were drawn from."""
     drafts, qs = [], []
     tokens = seq[:, draft_cache.get_seq_length():]  # committed tokens the draft has not seen yet
-    for _ in range(gamma):
+    for _ in range(budget):
         t0 = profile.mark()
         logits = forward(pair.draft, tokens, draft_cache, pair.draft_head)
         t1 = profile.mark()
@@ -140,8 +142,19 @@ def _draft_block(pair: Pair, seq, draft_cache, gamma: int, profile: Profile):
         tokens = (index if pair.draft_vocab is None else pair.draft_vocab[index]).view(1, 1)
         drafts.append(tokens[0])
         profile.span("draft", t0, t1)
+        stop = policy.needs_confidence and not policy.keep_going(_confidence(pair, logits, qs, index))
         profile.span("sampling", t1, profile.mark())
-    return (torch.cat(drafts) if gamma else seq.new_empty(0)), qs
+        if stop:
+            break
+    return (torch.cat(drafts) if drafts else seq.new_empty(0)), qs
+
+
+def _confidence(pair: Pair, logits: torch.Tensor, qs: list, index: torch.Tensor) -> torch.Tensor:
+    """The draft's probability of the token it just proposed: under q when sampling; greedy drafting has a
+    one-hot q, so there it is the draft's temperature-1 probability of its argmax (as HF assisted generation)."""
+    if pair.greedy:
+        return logits.softmax(-1).amax()
+    return qs[-1][0, index[0]]
 
 
 def _verify(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,13 +172,13 @@ def _verify(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: list) ->
 
 
 def speculative_step(pair: Pair, seq: torch.Tensor, target_cache: DynamicCache, draft_cache: DynamicCache,
-                     gamma: int, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
-    """Drafts γ tokens, verifies them in one target pass, rolls both caches back to the committed prefix.
-
-    seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
+                     budget: int, policy: Policy, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
+    """Drafts up to `budget` tokens, verifies them in one target pass, rolls both caches back to the committed
+    prefix. seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
     """
     committed = seq.shape[1]
-    drafts, qs = _draft_block(pair, seq, draft_cache, gamma, profile)
+    drafts, qs = _draft_block(pair, seq, draft_cache, budget, policy, profile)
+    gamma = drafts.shape[0]
     t0 = profile.mark()
     # Committed tokens the target has not seen (the newest one; the whole prompt at first) + the drafts.
     tokens = torch.cat([seq[:, target_cache.get_seq_length():], drafts.view(1, -1)], 1)
@@ -187,6 +200,7 @@ def speculative_step(pair: Pair, seq: torch.Tensor, target_cache: DynamicCache, 
     stats.accepted.append(n)
     stats.drafted.append(gamma)
     stats.target_passes += 1
+    policy.update(gamma, n)
     return seq, new_tokens
 
 
@@ -224,9 +238,17 @@ def uses_sliding_window(config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
-def _validate_pair(target, draft, gamma: int, draft_temperature, draft_vocab) -> None:
-    if gamma is None or gamma < 1:
+def _draft_length(gamma: int, draft_length: DraftLength | None) -> DraftLength:
+    if draft_length is not None:
+        if not isinstance(draft_length, DraftLength):
+            raise PipelineError(f"draft_length must be a pipeline.draft_length.DraftLength, got {type(draft_length).__name__}")
+        return draft_length
+    if not isinstance(gamma, int) or gamma < 1:
         raise PipelineError(f"gamma (draft tokens per step) must be >= 1, got {gamma}: use e.g. gamma=4")
+    return DraftLength("fixed", gamma)
+
+
+def _validate_pair(target, draft, draft_temperature, draft_vocab) -> None:
     if draft_temperature is not None and draft_temperature < 0:
         raise PipelineError(f"draft_temperature must be >= 0 or None, got {draft_temperature}: pass e.g. None")
     for role, model in (("target", target), ("draft", draft)):
@@ -250,15 +272,17 @@ def _validate_pair(target, draft, gamma: int, draft_temperature, draft_vocab) ->
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, temperature=0.7, top_k=0,
                          top_p=1.0, draft_temperature=None, eos_token_id=None, generator=None,
-                         draft_vocab=None) -> GenerationOutput:
+                         draft_vocab=None, draft_length: DraftLength | None = None) -> GenerationOutput:
     """Samples from exactly the target's distribution, drafting γ tokens per target pass.
 
     draft_temperature (None = temperature) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a
     1-D LongTensor of target ids the draft may propose; its head is restricted to those rows.
-    generator, if given, must live on the models' device (it drives draft sampling and acceptance).
+    draft_length (pipeline.draft_length.DraftLength), when given, decides the tokens per pass instead of a
+    fixed γ. generator, if given, must live on the models' device (it drives draft sampling and acceptance).
     """
     p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
-    _validate_pair(target, draft, gamma, draft_temperature, draft_vocab)
+    policy = _draft_length(gamma, draft_length).make()
+    _validate_pair(target, draft, draft_temperature, draft_vocab)
     device = _device(target)
     clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
     start = clock()
@@ -273,8 +297,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
     out: list[int] = []
     while len(out) < max_new_tokens:
         # A step yields at most γ+1 tokens; drafting past max_new_tokens would be wasted work.
-        step_gamma = min(gamma, max_new_tokens - len(out) - 1)
-        seq, new_tokens = speculative_step(pair, seq, target_cache, draft_cache, step_gamma, stats, profile)
+        budget = min(policy.budget(), max_new_tokens - len(out) - 1)
+        seq, new_tokens = speculative_step(pair, seq, target_cache, draft_cache, budget, policy, stats, profile)
         hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         out += new_tokens if hit is None else new_tokens[:hit + 1]
         if hit is not None:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
-from eval.report import domain_rows, log_to_tracker, machine, text_table, write_outputs
+from eval.report import comparison_lines, domain_rows, log_to_tracker, machine, text_table, write_outputs
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.errors import PipelineError
@@ -456,6 +456,7 @@ def run(cfg: DictConfig, tracker) -> dict:
 
     plots = write_outputs(out_dir, metrics, records)
     print(text_table(*domain_rows(metrics)))
+    print("\n".join(comparison_lines(metrics)))
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots")
     log_to_tracker(tracker, metrics, out_dir)
     overall = metrics["overall"]

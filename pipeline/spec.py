@@ -10,7 +10,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     draft                  how the draft was built (init, layers / path, parameters)
     vocab_subset           FR-Spec target ids of the draft head, or null (weights stay full-vocabulary)
     distilled              false for the undistilled reference export (draft_init)
-    gamma                  draft tokens per target pass, per domain (null: not calibrated)
+    gamma                  best fixed draft length γ per domain (null: not calibrated)
+    draft_length           the draft-length policy per domain: {"policy", "max", "threshold"} (pipeline/draft_length.py)
     draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
     selected               "distilled" | "init": which weights were exported (distill.keep_best)
     acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated
@@ -29,6 +30,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from pipeline.atomic import write_json
+from pipeline.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
@@ -45,6 +47,7 @@ class SpeculativeSpec:
     vocab_subset: list[int] | None = None
     distilled: bool = True
     gamma: dict[str, int] | None = None
+    draft_length: dict[str, dict] | None = None
     draft_temperature: dict[str, float] | None = None
     selected: str = "distilled"
     acceptance: dict = field(default_factory=dict)
@@ -63,6 +66,11 @@ class SpeculativeSpec:
         if not values:
             return None
         return values.get(domain, values.get(DEFAULT))
+
+    def draft_length_for(self, domain: str) -> DraftLength | None:
+        """The calibrated draft-length policy of a domain (else `default`), or None when not calibrated."""
+        entry = self.for_domain("draft_length", domain)
+        return None if entry is None else DraftLength.from_dict(entry)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -93,6 +101,11 @@ class SpeculativeSpec:
             raise PipelineError(f"{where} does not match format version {VERSION} ({problem}): re-export the draft "
                                 "with `python -m pipeline stage=distill`")
         values = dict(data)
+        for entry in (values.get("draft_length") or {}).values():
+            try:
+                DraftLength.from_dict(entry)
+            except (PipelineError, TypeError, AttributeError) as e:
+                raise PipelineError(f"{where}: invalid draft_length entry {entry!r} ({e}): re-export the draft") from None
         try:
             values["sampling"] = Sampling.from_dict(values["sampling"] or {})
         except (AttributeError, TypeError, ValueError, PipelineError) as e:

@@ -401,6 +401,47 @@ def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     assert (out / "draft_init" / "config.json").exists() and (out / "draft" / "tokenizer.json").exists()
 
 
+def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(distilled):
+    from transformers import GenerationConfig
+
+    from pipeline.draft_length import DraftLength
+    from pipeline.spec import SpeculativeSpec
+
+    _, _, out = distilled
+    spec = SpeculativeSpec.read(out / "draft")
+    assert set(spec.draft_length) == {"chat", "code", "default"}
+    default = spec.draft_length_for("default")
+    assert isinstance(default, DraftLength) and default.max >= 1
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+    config = GenerationConfig.from_pretrained(out / "draft")
+    assert config.num_assistant_tokens == default.max
+    expected_threshold = default.threshold if default.policy == "confidence" else 0.0
+    assert config.assistant_confidence_threshold == pytest.approx(expected_threshold)
+    assert config.num_assistant_tokens_schedule == ("heuristic" if default.policy == "heuristic" else "constant")
+
+
+def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when_unsure():
+    from distill.calibrate import HeldOut
+    from distill.policy import choose, simulate
+    from pipeline.draft_length import DraftLength
+    from pipeline.sampling import Sampling
+
+    n = 400
+    heldout = HeldOut([{}], ["d"] * 1, torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+    alpha = torch.full((n,), 0.8)
+    drafted, accepted = simulate(alpha, None, heldout, everywhere, 4)
+    assert drafted == 4 and accepted == pytest.approx(sum(0.8 ** k for k in range(1, 5)), rel=0.02)  # Leviathan eq. 1
+    # positions alternate sure (α = 1, the draft is confident) and hopeless (α = 0, unsure): a confidence stop
+    # drafts through the sure ones and stops at the first unsure one, which fixed γ cannot
+    alpha = torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))
+    keep = {0.5: torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))}
+    options = [DraftLength("fixed", g) for g in (1, 2, 4, 8)] + [DraftLength("confidence", 16, 0.5)]
+    best = choose(alpha, keep, heldout, options, c=0.3, verify_ratio=None)["overall"]
+    assert best["draft_length"].policy == "confidence", best
+
+
 def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):
     from transformers import AutoModelForCausalLM
 

@@ -18,7 +18,7 @@ from pipeline.errors import PipelineError
 from pipeline.packaged import WheelFile, fetch_file
 from tests.conftest import REPO, tiny_llama
 
-PRESETS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml") if not p.stem.startswith("_"))
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
 
 

@@ -11,6 +11,7 @@ from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCo
 from eval.speculative import (DecodeStats, Pair, Profile, autoregressive_generate, forward, speculative_generate,
                               speculative_step, uses_sliding_window)
 from pipeline import sampling
+from pipeline.draft_length import DraftLength, HeuristicPolicy, Policy
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, expected_acceptance, logits_to_probs
@@ -101,6 +102,68 @@ def test_greedy_target_with_a_sampling_draft_equals_autoregressive(target, far_d
         assert out.tokens.tolist() == expected.tolist()
 
 
+# ---- draft-length policies: the same exactness whatever decides how many tokens are drafted ----
+POLICIES = {"confidence": DraftLength("confidence", 16, 0.5), "confidence_low": DraftLength("confidence", 16, 0.05),
+            "heuristic": DraftLength("heuristic", 2)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("draft_name", ["close", "far"])
+def test_greedy_speculative_equals_autoregressive_with_every_policy(target, drafts, draft_name, policy):
+    lengths = set()
+    for prompt in random_prompts(6, seed=21):
+        expected = autoregressive_generate(target, prompt, 24, temperature=0).tokens
+        out = speculative_generate(target, drafts[draft_name], prompt, 24, temperature=0,
+                                   draft_length=POLICIES[policy])
+        assert out.tokens.tolist() == expected.tolist()
+        lengths.update(out.stats.drafted[:-1])  # the last pass is clamped by max_new_tokens
+    assert len(lengths) > 1, f"{policy} drafted a constant length {lengths}: the policy never acted"
+
+
+def test_confidence_policy_stops_at_the_first_unsure_token(target, close_draft):
+    """Greedy: the draft keeps proposing while its probability of its own argmax is ≥ the threshold; the
+    first token below it is still proposed, then the block ends."""
+    prompt = random_prompts(1, seed=3)[0]
+    out = speculative_generate(target, close_draft, prompt, 30, temperature=0,
+                               draft_length=DraftLength("confidence", 16, 0.6))
+    seq = torch.cat([prompt, out.tokens])
+    position = len(prompt)
+    with torch.inference_mode():
+        for drafted, accepted in zip(out.stats.drafted[:-1], out.stats.accepted[:-1]):
+            confidences = []
+            context = seq[:position]
+            for _ in range(drafted):
+                probs = close_draft(context.view(1, -1)).logits[0, -1].softmax(-1)
+                confidences.append(float(probs.max()))
+                context = torch.cat([context, probs.argmax().view(1)])
+            assert all(c >= 0.6 for c in confidences[:-1]), confidences
+            assert drafted == 16 or confidences[-1] < 0.6, confidences
+            position += accepted + 1
+
+
+def test_heuristic_policy_follows_hf_schedule():
+    policy = HeuristicPolicy(5)
+    policy.update(5, 5)
+    assert policy.budget() == 7  # every draft accepted: +2
+    policy.update(7, 3)
+    assert policy.budget() == 6  # a rejection: −1
+    for _ in range(10):
+        policy.update(policy.budget(), 0)
+    assert policy.budget() == 1  # never below one
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(policy="longest"), "unknown draft-length policy"),
+    (dict(policy="confidence", max=16, threshold=1.5), "must be in \\(0, 1\\)"),
+    (dict(policy="confidence", max=16, threshold=None), "must be in \\(0, 1\\)"),
+    (dict(policy="fixed", max=0), "must be an integer >= 1"),
+    (dict(policy="fixed", max=4, extra=1), "unknown keys"),
+])
+def test_bad_draft_length_is_one_clear_error(values, message):
+    with pytest.raises(PipelineError, match=message):
+        DraftLength.from_dict(values)
+
+
 # ---- distribution: chi-square of speculative samples against the target's exact joint of 2 tokens ----
 
 PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~4 forwards of the tiny models
@@ -131,8 +194,9 @@ def speculative_joint_counts(target, draft, n_samples, seed=0, **kwargs) -> np.n
     # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
+    kwargs.setdefault("gamma", 2)
     for _ in range(n_samples):
-        x = speculative_generate(target, draft, PROMPT, 3, gamma=2, generator=generator, **kwargs).tokens
+        x = speculative_generate(target, draft, PROMPT, 3, generator=generator, **kwargs).tokens
         counts[x[0], x[1]] += 1
     return counts
 
@@ -154,6 +218,16 @@ def test_speculative_samples_follow_target_distribution(target, drafts, draft_na
     assert chi_square_pvalue(counts, probs) > 1e-3
 
 
+@pytest.mark.parametrize("policy", [DraftLength("confidence", 16, 0.3), DraftLength("heuristic", 1)],
+                         ids=["confidence", "heuristic"])
+def test_speculative_samples_follow_target_distribution_with_every_policy(target, drafts, policy):
+    """A stop that depends on the drafted token's own probability, and a length that depends on past
+    acceptance: both still give exactly the target's distribution."""
+    probs = exact_joint(target, 0.8)
+    counts = speculative_joint_counts(target, drafts["close"], N_SAMPLES, temperature=0.8, draft_length=policy)
+    assert chi_square_pvalue(counts, probs) > 1e-3
+
+
 def test_distribution_test_rejects_resampling_from_target_instead_of_residual(target, far_draft, monkeypatch):
     monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p)
     counts = speculative_joint_counts(target, far_draft, N_SAMPLES, temperature=1.0)
@@ -169,7 +243,7 @@ def run_one_step(target, draft, prompt, gamma, temperature, generator):
     pair = Pair(target, draft, head_rows(target), head_rows(draft), p, p, generator=generator)
     stats = DecodeStats()
     with torch.inference_mode():
-        seq, new = speculative_step(pair, seq, *caches, gamma, stats, Profile("cpu"))
+        seq, new = speculative_step(pair, seq, *caches, gamma, Policy(gamma), stats, Profile("cpu"))
     return seq, caches, (pair.target_head, pair.draft_head), new, stats.accepted[0]
 
 

@@ -1,0 +1,134 @@
+"""Choosing the draft-length policy per domain from the held-out simulator and the measured costs.
+
+For a block starting at held-out position t, the draft proposes token k when the policy kept going after
+tokens 1..k−1 (fixed γ: always, up to γ; confidence: while the draft's probability of its own token stayed
+≥ the threshold, up to `max`), and token k is accepted when tokens 1..k all are. With per-position
+acceptance α_t = Σ min(p, q) and keep-probabilities κ_t (teacher-forced on held-out rows), the expected
+drafted and accepted tokens per target pass are
+
+    D = Σ_k Π_{i<k−1} κ_{t+i},        A = Σ_k Π_{i<k−1} κ_{t+i} · Π_{i<k} α_{t+i},
+
+and the predicted speedup is (1 + A) / (c·D + r(D)) with r the target's verify cost relative to one step
+(Leviathan et al. 2023, Thm 3.8, with a measured verify cost and a variable draft length). Greedy serving
+makes α and κ 0/1 per position, so this is exact given the teacher-forced prefix; when sampling, acceptance
+and stopping are treated as independent given the position. Positions past a completion's end count as
+rejections that still cost their drafts.
+"""
+from __future__ import annotations
+
+import torch
+
+from distill.batch import completion_hidden
+from distill.calibrate import HeldOut, domain_index
+from pipeline.draft_length import DraftLength
+from pipeline.heads import head_logits, head_rows
+
+
+@torch.no_grad()
+def keep_probabilities(draft, heldout: HeldOut, tau: float, thresholds: list[float], vocab=None) -> torch.Tensor:
+    """κ [len(thresholds), N]: the chance the confidence rule keeps drafting after each held-out position.
+    Greedy drafting: 1[max softmax ≥ threshold] (the draft's temperature-1 confidence in its argmax, as the
+    decoder and HF use). Sampling at τ: Σ_x q(x)·1[q(x) ≥ threshold]."""
+    was_training = draft.training
+    draft.eval()
+    device = next(draft.parameters()).device
+    rows = head_rows(draft, None if vocab is None else vocab.to(device))
+    limits = torch.tensor(thresholds, device=device).view(-1, 1, 1)
+    out = []
+    for batch, mask in heldout.batches(device):
+        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+        if tau == 0:
+            keep = (logits.softmax(-1).amax(-1) >= limits[:, :, 0]).float()
+        else:
+            q = heldout.sampling.with_temperature(tau).probs(logits)
+            keep = (q * (q >= limits)).sum(-1)
+        out.append(keep.cpu())
+    draft.train(was_training)
+    return torch.cat(out, 1)
+
+
+def keep_at(draft, heldout: HeldOut, temperature_of: dict[str, float], thresholds: list[float],
+            vocab=None) -> dict[float, torch.Tensor]:
+    """{threshold: κ [N]}, each position at its domain's draft temperature (the overall one elsewhere)."""
+    masks = domain_index(heldout)
+    overall = temperature_of["overall"]
+    taus = sorted({temperature_of.get(d, overall) for d in masks if d != "overall"})
+    by_tau = {tau: keep_probabilities(draft, heldout, tau, thresholds, vocab) for tau in taus}
+    keep = {t: torch.zeros(heldout.n_positions) for t in thresholds}
+    for domain, mask in masks.items():
+        if domain != "overall":
+            table = by_tau[temperature_of.get(domain, overall)]
+            for i, threshold in enumerate(thresholds):
+                keep[threshold][mask] = table[i][mask]
+    return keep
+
+
+def _by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, length: int, fill: float):
+    """[rows, T + length] per held-out row (completion order), padded with `fill` past each row's end."""
+    rows = heldout.row_of[positions]
+    chosen = values[positions].double()
+    names = rows.unique()
+    counts = [int((rows == r).sum()) for r in names]
+    table = torch.full((len(names), max(counts) + length), fill, dtype=torch.float64)
+    for i, r in enumerate(names):
+        table[i, :counts[i]] = chosen[rows == r]
+    return table, counts
+
+
+def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
+             max_len: int) -> tuple[float, float]:
+    """(D, A): expected drafted and accepted tokens per pass, averaged over block starts (module docstring).
+    keep None = the fixed policy (always keeps going)."""
+    if not bool(positions.any()):
+        return float(max_len), 0.0
+    a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
+    k = torch.ones_like(a) if keep is None else _by_row(keep, heldout, positions, max_len, 1.0)[0]
+    starts = torch.zeros_like(a, dtype=torch.bool)
+    for i, n in enumerate(counts):
+        starts[i, :n] = True
+    proposed = torch.ones_like(a)  # P(token k proposed), for every start t at once
+    all_accepted = torch.ones_like(a)
+    drafted, accepted = torch.zeros_like(a), torch.zeros_like(a)
+    for step in range(max_len):
+        shifted_a = torch.nn.functional.pad(a[:, step:], (0, step), value=0.0)
+        all_accepted = all_accepted * shifted_a
+        drafted += proposed
+        accepted += proposed * all_accepted
+        shifted_k = torch.nn.functional.pad(k[:, step:], (0, step), value=1.0)
+        proposed = proposed * shifted_k
+    return float(drafted[starts].mean()), float(accepted[starts].mean())
+
+
+def verify_cost(verify_ratio: dict | None, drafted: float) -> float:
+    """r(D): the target's forward over D+1 tokens relative to one token, interpolated (1 = free)."""
+    if not verify_ratio:
+        return 1.0
+    points = sorted((int(g), float(r)) for g, r in verify_ratio.items())
+    points = [(0, 1.0)] + points
+    for (g0, r0), (g1, r1) in zip(points, points[1:]):
+        if drafted <= g1:
+            return r0 + (r1 - r0) * (drafted - g0) / max(g1 - g0, 1)
+    (g0, r0), (g1, r1) = points[-2], points[-1]  # beyond the measured range: extend the last slope
+    return r1 + (r1 - r0) / max(g1 - g0, 1) * (drafted - g1)
+
+
+def candidates(gammas: list[int], thresholds: list[float], max_lengths: list[int]) -> list[DraftLength]:
+    fixed = [DraftLength("fixed", int(g)) for g in gammas]
+    return fixed + [DraftLength("confidence", int(m), float(t)) for m in max_lengths for t in thresholds]
+
+
+def choose(alpha: torch.Tensor, keep: dict[float, torch.Tensor], heldout: HeldOut, options: list[DraftLength],
+           c: float, verify_ratio: dict | None) -> dict[str, dict]:
+    """Per domain (and OVERALL): the option with the highest predicted speedup, with its D, A and speedup."""
+    result = {}
+    for domain, mask in domain_index(heldout).items():
+        best = None
+        for option in options:
+            policy_keep = keep[option.threshold] if option.policy == "confidence" else None
+            drafted, accepted = simulate(alpha, policy_keep, heldout, mask, option.max)
+            speedup = (1 + accepted) / (c * drafted + verify_cost(verify_ratio, drafted))
+            if best is None or speedup > best["predicted_speedup"]:
+                best = {"draft_length": option, "drafted": drafted, "accepted": accepted, "predicted_speedup": speedup}
+        result[domain] = best
+    return result
+

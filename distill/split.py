@@ -1,0 +1,52 @@
+"""Which collected prompts train the draft, which calibrate it and which report on it.
+
+All turns and samples of a prompt stay on one side, and the split depends only on the prompt ids and the seed
+(not on row order), so a resumed or re-collected run splits the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+
+
+def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, max_heldout: int | None,
+                    seed: int) -> tuple[list[int], list[int]]:
+    """Row indices (train, held-out): per domain, the prompts with the smallest hash(seed, prompt_id) are
+    held out (at least one where the domain has two or more prompts), so all turns and samples of a prompt
+    stay on one side and the split does not depend on row order."""
+    held = set()
+    for pids in _prompts_by_domain(prompt_ids, domains).values():
+        order = sorted(pids, key=lambda p: _hash(seed, p))
+        n = 0 if len(order) < 2 else max(1, round(fraction * len(order)))
+        held.update(order[:min(n, int(max_heldout))] if max_heldout else order[:n])
+    train = [i for i, p in enumerate(prompt_ids) if p not in held]
+    heldout = [i for i, p in enumerate(prompt_ids) if p in held]
+    return train, heldout
+
+
+def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed: int) -> tuple[list[int], list[int], bool]:
+    """Held-out row indices -> (calibration, reporting, disjoint). Per domain a `share` of the prompts (by
+    another hash) calibrates and the rest reports; a domain with one held-out prompt uses it for both."""
+    calibration, reporting, disjoint = set(), set(), True
+    for pids in _prompts_by_domain(prompt_ids, domains).values():
+        order = sorted(pids, key=lambda p: _hash(f"{seed}/calibration", p))
+        if len(order) < 2:
+            disjoint = False
+            calibration.update(order)
+            reporting.update(order)
+            continue
+        n = min(len(order) - 1, max(1, round(share * len(order))))
+        calibration.update(order[:n])
+        reporting.update(order[n:])
+    return ([i for i, p in enumerate(prompt_ids) if p in calibration],
+            [i for i, p in enumerate(prompt_ids) if p in reporting], disjoint)
+
+
+def _prompts_by_domain(prompt_ids, domains) -> dict[str, set[str]]:
+    by_domain: dict[str, set[str]] = {}
+    for pid, domain in zip(prompt_ids, domains):
+        by_domain.setdefault(domain, set()).add(pid)
+    return by_domain
+
+
+def _hash(seed, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}/{prompt_id}".encode()).hexdigest()

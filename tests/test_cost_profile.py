@@ -1,0 +1,141 @@
+"""The cost profile (pipeline/cost_profile.py) and its CLI (eval/cost_profile.py) on tiny random models.
+Wall-clock values are only checked for positivity and the monotone fit, never for size."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline import cost_profile as cp
+from pipeline.errors import PipelineError
+from tests.conftest import REPO, tiny_llama
+
+FAST = {"tokens_fed": (1, 2, 4, 8), "contexts": (8, 24), "draft_context": 8, "repeats": 2, "warmup": 0}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(layers=2, seed=0), tiny_llama(layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def profile(pair):
+    return cp.measure_cost_profile(*pair, vocab=torch.arange(16), **FAST)
+
+
+def test_profile_has_every_count_and_context_with_positive_times(profile):
+    assert set(profile["target"]) == {"8", "24"}
+    for table in profile["target"].values():
+        assert set(table) == {"1", "2", "4", "8"}
+        for entry in table.values():
+            assert 0 < entry["p25"] <= entry["ms"] <= entry["p75"]
+    assert profile["draft"]["ms"] > 0 and profile["draft"]["context"] == 8
+    assert profile["shapes"]["draft"]["head_rows"] == 16 and profile["shapes"]["target"]["head_rows"] == 32
+    assert profile["machine"]["device"] == "cpu" and profile["machine"]["torch_threads"] >= 1
+
+
+def test_derived_costs_are_positive_and_monotone(profile):
+    assert cp.c(profile) > 0
+    ratios = [cp.verify_ratio(profile, g) for g in range(0, 12)]
+    assert ratios[0] == 1.0 and min(ratios) >= 1.0
+    assert all(a <= b for a, b in zip(ratios, ratios[1:]))
+    cost = cp.summary(profile, 4)
+    assert set(cost) == {"c", "verify_ratio", "draft_forward_ms", "target_forward_ms"}
+    assert list(cost["verify_ratio"]) == [1, 2, 3, 4]
+
+
+def _synthetic(ratios: dict[int, float]) -> dict:
+    entry = lambda r: {"ms": 10.0 * r, "p25": 10.0 * r, "p75": 10.0 * r, "ratio": r}  # noqa: E731
+    return {"settings": {"contexts": [64]}, "target": {"64": {str(k): entry(r) for k, r in ratios.items()}},
+            "draft": {"ms": 2.0}}
+
+
+def test_verify_ratio_pools_dips_and_interpolates():
+    p = _synthetic({1: 1.0, 2: 1.6, 4: 1.2, 8: 2.4})  # the dip at 4 tokens is noise: pooled with 2 tokens
+    assert cp.verify_ratio(p, 1) == pytest.approx(1.4)  # 2 tokens
+    assert cp.verify_ratio(p, 3) == pytest.approx(1.4)  # 4 tokens
+    assert cp.verify_ratio(p, 5) == pytest.approx(1.4 + 1.0 * 2 / 4)  # 6 tokens, halfway from 4 to 8
+    assert cp.verify_ratio(p, 11) == pytest.approx(2.4 + 0.25 * 4)  # beyond: along the last segment
+    assert cp.c(p) == pytest.approx(0.2)
+    assert cp.verify_ratio(_synthetic({1: 1.0, 2: 0.8}), 1) == 1.0  # never below 1
+
+
+def test_write_read_round_trip(profile, pair, tmp_path):
+    path = cp.write_profile(tmp_path / "sub" / cp.FILENAME, profile)
+    assert cp.read_profile(path, *pair, vocab_rows=16) == json.loads(json.dumps(profile))
+    assert not list(path.parent.glob(".*tmp*"))  # written atomically, nothing left behind
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_mismatched_shapes_raise_one_line(profile, pair, tmp_path, role):
+    path = cp.write_profile(tmp_path / cp.FILENAME, profile)
+    models = dict(zip(("target", "draft"), pair), vocab_rows=16)
+    models[role] = tiny_llama(hidden_size=64)
+    with pytest.raises(PipelineError) as e:
+        cp.read_profile(path, **models)
+    message = str(e.value)
+    assert "\n" not in message and "hidden_size 32" in message and f"the {role} has 64" in message
+    assert "python -m eval.cost_profile" in message
+
+
+def test_other_head_rows_or_version_or_garbage_are_refused(profile, pair, tmp_path):
+    path = cp.write_profile(tmp_path / cp.FILENAME, profile)
+    with pytest.raises(PipelineError, match="head_rows 16, the draft has 32"):
+        cp.read_profile(path, *pair)  # measured with a 16-row subset head, served with the full head
+    path.write_text(json.dumps({**profile, "version": cp.VERSION + 1}))
+    with pytest.raises(PipelineError, match=f"version {cp.VERSION + 1}"):
+        cp.read_profile(path)
+    path.write_text(json.dumps({**profile, "draft": {}}))
+    with pytest.raises(PipelineError, match="incomplete"):
+        cp.read_profile(path)
+    path.write_text("{not json")
+    with pytest.raises(PipelineError, match="cannot read"):
+        cp.read_profile(path)
+
+
+def _config_dir(tmp_path, name: str, layers: int):
+    directory = tmp_path / name
+    tiny_llama(layers=layers).config.save_pretrained(directory)
+    return directory
+
+
+def test_random_model_from_config_file_dir_and_preset(tmp_path):
+    target_dir = _config_dir(tmp_path, "target", 3)
+    assert cp.random_model(target_dir).config.num_hidden_layers == 3
+    assert cp.random_model(target_dir / "config.json", "bf16").dtype == torch.bfloat16
+    preset = tmp_path / "mine.yaml"
+    preset.write_text(f"target: {{path: {target_dir}}}\ndraft: {{init: derive, derive: {{layers: [0, 2]}}}}\n")
+    assert cp.model_config(preset).num_hidden_layers == 3
+    draft = cp.model_config(f"{preset}:draft")
+    assert (draft.num_hidden_layers, draft.hidden_size) == (2, 32)
+    with pytest.raises(PipelineError, match="neither a config.json"):
+        cp.model_config(tmp_path / "missing")
+
+
+def _cli(*args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "eval.cost_profile", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_measures_config_shapes_and_writes_a_valid_profile(tmp_path):
+    target_dir, draft_dir = _config_dir(tmp_path, "target", 2), _config_dir(tmp_path, "draft", 1)
+    out = tmp_path / "out" / cp.FILENAME
+    done = _cli("--target-config", target_dir, "--draft-config", draft_dir / "config.json", "--vocab-subset", 8,
+                "--dtype", "fp32", "--device", "cpu", "--threads", 1, "--contexts", 8, 16, "--tokens-fed", 1, 2, 4,
+                "--repeats", 2, "--warmup", 0, "--out", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "c = " in done.stdout and "verify ratio" in done.stdout
+    profile = cp.read_profile(out, cp.model_config(target_dir), cp.model_config(draft_dir), vocab_rows=8)
+    assert profile["settings"]["contexts"] == [8, 16] and profile["machine"]["dtype"] == "float32"
+
+
+def test_cli_bad_path_exits_2_with_one_line(tmp_path):
+    done = _cli("--target-config", tmp_path / "nowhere", "--draft-config", tmp_path / "nowhere", cwd=tmp_path)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "nowhere" in done.stderr
