@@ -8,6 +8,8 @@ below it; the threshold itself is re-fitted during generation when scikit-learn 
 - `hf_assisted`: those defaults, as a user gets them.
 - `hf_assisted_fixed`: γ fixed like our decoder: num_assistant_tokens=γ, schedule "constant", and threshold 0,
   which disables both the early stop (ConfidenceCriteria is only added for a threshold > 0) and its re-fit.
+- `hf_assisted_calibrated`: the HF equivalent of the draft-length policy our decoder runs with on the domain
+  (pipeline/draft_length.py `hf_generation_config`), as the exported draft's generation_config carries it.
 """
 from __future__ import annotations
 
@@ -16,18 +18,28 @@ import copy
 import torch
 
 
-def assistant_configs(draft, gamma: int):
-    """(HF-default, fixed-γ) generation configs for the draft used as `assistant_model`."""
+def assistant_configs(draft, gamma: int, calibrated: dict | None = None) -> dict:
+    """{"defaults", "fixed", "calibrated"} generation configs for the draft used as `assistant_model`; the
+    defaults are HF's own (the draft's generation_config without our assisted-generation fields)."""
     from transformers.utils import is_sklearn_available
 
     if is_sklearn_available():  # HF imports it lazily at the first threshold re-fit (~1 s): not inside a timed run
         import sklearn.metrics  # noqa: F401
-    defaults = copy.deepcopy(draft.generation_config)
-    fixed = copy.deepcopy(draft.generation_config)
-    fixed.num_assistant_tokens = int(gamma)
-    fixed.num_assistant_tokens_schedule = "constant"
-    fixed.assistant_confidence_threshold = 0.0
-    return defaults, fixed
+    from transformers import GenerationConfig
+
+    hf_defaults = GenerationConfig()
+    configs = {name: copy.deepcopy(draft.generation_config) for name in ("defaults", "fixed", "calibrated")}
+    settings = {"defaults": {key: getattr(hf_defaults, key) for key in ASSISTED_KEYS},
+                "fixed": {"num_assistant_tokens": int(gamma), "num_assistant_tokens_schedule": "constant",
+                          "assistant_confidence_threshold": 0.0},
+                "calibrated": calibrated or {}}
+    for name, values in settings.items():
+        for key, value in values.items():
+            setattr(configs[name], key, value)
+    return configs
+
+
+ASSISTED_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @torch.inference_mode()

@@ -49,7 +49,7 @@ def load_pair(args, device: torch.device, dtype: torch.dtype):
 
 def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
     """{name: fn(input_ids) -> (token ids, DecodeStats | None)}, all greedy."""
-    fixed_gamma = assistant_configs(draft, gamma)[1]
+    fixed_gamma = assistant_configs(draft, gamma)["fixed"]
 
     def own(out):
         return out.tokens.tolist(), out.stats

@@ -84,6 +84,7 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
             "mean_accepted_length": generated / passes if passes else 0.0,
             "per_position_acceptance": per_position_acceptance(stats),
             "n_drafted": drafted, "n_accepted": accepted, "target_passes": passes,
+            "drafted_per_pass": drafted / passes if passes else 0.0, "wasted_drafts": drafted - accepted,
             "c": draft_s / ar_step_s if ar_step_s > 0 else 0.0,
             "c_verify": draft_s / verify_s if verify_s > 0 else 0.0,
             "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s}
@@ -178,13 +179,20 @@ def acceptance_ci(records: list[dict]) -> list[float] | None:
     return bootstrap_ci((np.array([r[2] for r in rows]), np.array([r[3] for r in rows])), _acceptance_stat)
 
 
+# A bootstrap over n requests has at most C(2n−1, n) distinct resamples (3 for n = 2, 10 for n = 3): its interval
+# understates the noise, so below this many requests no verdict is given at all.
+MIN_REQUESTS_FOR_VERDICT = 5
+
+
 def compare(records: list[dict], other: list[dict]) -> dict:
     """Ratio of two methods' speedups on the same requests (AR cancels: the ratio of their tokens/s), its paired
-    CI, and whether that CI contains 1 (the two cannot be told apart on these requests; None without a CI)."""
+    CI, and whether that CI contains 1 (the two cannot be told apart on these requests; None without a CI or
+    with fewer than MIN_REQUESTS_FOR_VERDICT requests)."""
     samples = _paired(records, other)
     ci = bootstrap_ci(samples, _speedup_stat)
-    return {"ratio": float(_speedup_stat(*samples)), "ci95": ci, "n_requests": len(samples[0]),
-            "within_noise": None if ci is None else bool(ci[0] <= 1.0 <= ci[1])}
+    n = len(samples[0])
+    verdict = None if ci is None or n < MIN_REQUESTS_FOR_VERDICT else bool(ci[0] <= 1.0 <= ci[1])
+    return {"ratio": float(_speedup_stat(*samples)), "ci95": ci, "n_requests": n, "within_noise": verdict}
 
 
 def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: float, greedy: bool) -> dict:
@@ -257,15 +265,18 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
 
 def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float) -> dict:
     """metrics.json's core (the schema in docs/architecture.md, every method beside `speculative`); plans[draft][domain]
-    holds the γ and draft temperature that draft ran with (domain "default" for `overall`)."""
+    holds the γ, draft-length policy and draft temperature that draft ran with (domain "default" for `overall`)."""
     greedy = temperature == 0
     domains = {d: summarize([r for r in records if r["domain"] == d], greedy)
                for d in dict.fromkeys(r["domain"] for r in records)}
     overall = summarize(records, greedy)
+    def as_json(plan: dict) -> dict:
+        return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in plan.items()}
+
     for name, plan in plans.items():
         for d, dm in domains.items():
-            dm[name].update(plan[d])
-        overall[name].update(plan["default"])
+            dm[name].update(as_json(plan[d]))
+        overall[name].update(as_json(plan["default"]))
     # The schema keeps the tuned draft's headline numbers at the top of `overall`.
     overall.update({k: overall[SPECULATIVE][k]
                     for k in ("acceptance_rate", "acceptance_rate_ci95", "mean_accepted_length")})

@@ -19,7 +19,8 @@ CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RES
            "distinct resamples): an interval from 2–3 requests is a lower bound on the noise, not a test.")
 METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
                  "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
-                 "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)"}
+                 "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)",
+                 "hf_assisted_calibrated": "HF assisted (our calibration)"}
 
 
 def machine() -> dict:
@@ -62,10 +63,18 @@ def _tau(tau, temperature: float, row: str) -> str:
     return "=T" if tau is None else _f(tau)
 
 
+def _policy(entry: dict | None) -> str:
+    if not entry:
+        return "–"
+    if entry["policy"] == "confidence":
+        return f"conf ≥ {entry['threshold']:g}, ≤ {entry['max']}"
+    return f"{entry['policy']} {entry['max']}"
+
+
 def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     """The headline table: one row per domain plus `overall`."""
-    header = ["domain", "n", "acceptance init→tuned", "mean acc. len", "tok/s AR", "tok/s spec", "speedup",
-              "greedy match", "draft τ", "γ"]
+    header = ["domain", "n", "acceptance init→tuned", "mean acc. len", "drafts/pass", "tok/s AR", "tok/s spec",
+              "speedup", "greedy match", "draft τ", "draft length"]
     rows = []
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         spec, init, ar = d.get("speculative", {}), d.get("speculative_init"), d.get("autoregressive", {})
@@ -75,9 +84,9 @@ def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
             acceptance = f"{_f(init.get('acceptance_rate'))}→{acceptance}"
         tau = spec.get("draft_temperature")
         rows.append([name, str(d.get("n_prompts", "")), acceptance, _f(spec.get("mean_accepted_length")),
-                     _f(ar.get("tokens_per_s"), ".1f"), _f(spec.get("tokens_per_s"), ".1f"),
-                     _speedup(d), _f(d.get("greedy_match")),
-                     _tau(tau, metrics["temperature"], name), str(spec.get("gamma", ""))])
+                     _f(spec.get("drafted_per_pass")), _f(ar.get("tokens_per_s"), ".1f"),
+                     _f(spec.get("tokens_per_s"), ".1f"), _speedup(d), _f(d.get("greedy_match")),
+                     _tau(tau, metrics["temperature"], name), _policy(spec.get("draft_length"))])
     return header, rows
 
 
@@ -97,8 +106,8 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
 def _comparison(scope: str, name: str, c: dict) -> str:
     spec, other = METHOD_LABELS["speculative"], METHOD_LABELS.get(name, name)
     ratio, n = _ci(c["ratio"], c["ci95"], unit="×"), c.get("n_requests")
-    if c["ci95"] is None:
-        return f"{scope}: {spec} vs {other}: tokens/s ratio {ratio} — too few requests to tell from noise."
+    if c["within_noise"] is None:
+        return f"{scope}: {spec} vs {other}: tokens/s ratio {ratio} — {n} requests, too few to tell from noise."
     if c["within_noise"]:
         return f"{scope}: {spec} and {other} are within noise of each other (tokens/s ratio {ratio}, {n} requests)."
     verdict = "faster" if c["ratio"] > 1 else "slower"
@@ -138,11 +147,12 @@ def _cost_line(spec: dict, measured: float) -> str:
     """c and the speedup the measured acceptance predicts, so a reader can tell a weak draft from decoder overhead.
 
     Leviathan et al.'s time model (Thm 3.8) with the verify pass costed as measured: each target pass emits the
-    mean accepted length L of tokens and costs γ draft steps plus one verify pass, so speedup = L / (γc + r),
-    r = verify pass / 1-token step. L is measured directly rather than rebuilt from an i.i.d. α, because
-    accepted/proposed understates the per-token α once a rejection ends a round.
+    mean accepted length L of tokens and costs D draft steps (γ for a fixed length, the measured mean for a
+    policy) plus one verify pass, so speedup = L / (Dc + r), r = verify pass / 1-token step. L is measured
+    directly rather than rebuilt from an i.i.d. α, because accepted/proposed understates the per-token α once a
+    rejection ends a round.
     """
-    gamma, c = spec.get("gamma", 0), spec.get("c", 0.0)
+    gamma, c = spec.get("drafted_per_pass") or spec.get("gamma", 0), spec.get("c", 0.0)
     mal = spec.get("mean_accepted_length", 0.0)
     draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
     step_ms = draft_ms / c if c else 0.0
@@ -150,7 +160,8 @@ def _cost_line(spec: dict, measured: float) -> str:
     predicted = mal / (gamma * c + r) if gamma else 0.0
     return (f"c (draft forward / target forward) = {c:.3f} (draft {draft_ms:.1f} ms, target step {step_ms:.1f} ms, "
             f"verify pass {verify_ms:.1f} ms, r = {r:.2f}). Time model (Leviathan et al. Thm 3.8, verify costed "
-            f"as measured): mean accepted length {mal:.2f} / (γc + r) at γ = {gamma} predicts {predicted:.2f}×; "
+            f"as measured): mean accepted length {mal:.2f} / (Dc + r) at D = {gamma:.2f} drafts per pass predicts "
+            f"{predicted:.2f}×; "
             f"measured {measured:.2f}× (the rest is prefill, sampling and the decoder's own overhead, and γ "
             "varying by domain).")
 

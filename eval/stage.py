@@ -27,6 +27,7 @@ from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts
 from eval.report import comparison_lines, domain_rows, log_to_tracker, machine, text_table, write_outputs
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
+from pipeline.draft_length import POLICIES, DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
                              model_identity, resolve_device, resolve_model)
@@ -64,6 +65,9 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
     for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
         if settings[key] is not None and (not isinstance(settings[key], int) or settings[key] < least):
             bad(key, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+    if settings["draft_length"] not in (None, *POLICIES):
+        bad("draft_length", "is not a draft-length policy", f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
+    DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])  # one-line errors if bad
     if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
         bad("baselines_draft", "is not a draft eval loads", "use speculative (the tuned export) or speculative_init")
     if isinstance(settings["domains"], str):
@@ -237,17 +241,33 @@ def load_models(cfg: DictConfig, settings: dict, sampling: Sampling) -> Evaluati
 
 # ---------------------------------------------------------------- plans
 
+def draft_length(spec, domain: str, settings: dict, gamma: int) -> DraftLength:
+    """The draft-length policy: a fixed eval.gamma; else eval.draft_length's policy (the calibrated one where
+    the calibration chose that policy); else the calibrated policy; else fixed γ."""
+    calibrated = spec.draft_length_for(domain) if spec is not None else None
+    wanted = "fixed" if settings["gamma"] else settings["draft_length"]
+    if wanted is None:
+        return calibrated or DraftLength("fixed", gamma)
+    if calibrated is not None and calibrated.policy == wanted:
+        return calibrated
+    if wanted == "confidence":
+        return DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])
+    return DraftLength(wanted, gamma)
+
+
 def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) -> dict:
-    """γ and draft temperature τ for one draft on one domain: the user's override, else the draft's calibration
-    (eval.use_calibration), else eval.default_gamma and the target's temperature."""
+    """γ, draft-length policy and draft temperature τ for one draft on one domain: the user's override, else
+    the draft's calibration (eval.use_calibration), else eval.default_gamma and the target's temperature."""
     spec = draft.spec if settings["use_calibration"] else None
     gamma = settings["gamma"] or (spec and spec.for_domain("gamma", domain)) or settings["default_gamma"]
+    policy = draft_length(spec, domain, settings, int(gamma))
     tau = settings["draft_temperature"]
     # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
     # the draft proposes its argmax (q one-hot), so no τ is used at all.
     if tau is None and spec is not None and spec.sampling == sampling:
         tau = spec.for_domain("draft_temperature", domain)
-    return {"gamma": int(gamma), "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
+    return {"gamma": int(gamma), "draft_length": policy,
+            "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
 
 
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
@@ -272,18 +292,19 @@ def _hf_methods(evaluation: Evaluation) -> dict:
                             f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
                             "undistilled draft exists")
     assistant = evaluation.drafts[assistant_name].model
-    configs = {domain: assistant_configs(assistant, plan["gamma"])
+    configs = {domain: assistant_configs(assistant, plan["gamma"], plan["draft_length"].hf_generation_config())
                for domain, plan in evaluation.plans["speculative"].items()}
 
-    def hf(draft=None, fixed_gamma=False):
+    def hf(draft=None, which: str = "defaults"):
         def generate(ids, domain, n, seed):
             torch.manual_seed(seed)  # HF samples from the global RNG
-            config = configs[domain][int(fixed_gamma)] if draft is not None else None
+            config = configs[domain][which] if draft is not None else None
             return hf_generate(evaluation.target, ids, n, sampling.temperature, sampling.top_k, sampling.top_p,
                                evaluation.stop, draft, config), None
         return generate
 
-    return {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, fixed_gamma=True)}
+    return {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, "fixed"),
+            "hf_assisted_calibrated": hf(assistant, "calibrated")}
 
 
 def make_methods(evaluation: Evaluation) -> dict:
@@ -303,7 +324,8 @@ def make_methods(evaluation: Evaluation) -> dict:
 
         def generate(ids, domain, n, seed, gamma=None):
             plan = evaluation.plans[name][domain]
-            out = speculative_generate(target, draft.model, ids, n, gamma=gamma or plan["gamma"],
+            policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
+            out = speculative_generate(target, draft.model, ids, n, draft_length=policy,
                                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        draft_temperature=plan["draft_temperature"], eos_token_id=stop,
                                        generator=generator(seed), draft_vocab=draft.vocab)

@@ -127,13 +127,12 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
     """What the times depend on besides the shapes."""
     import transformers
 
+    name = platform.processor() or platform.machine()
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):
-            lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
-            name = lines[0].split(":", 1)[1].strip() if lines else name
+    elif os.path.exists("/proc/cpuinfo"):  # platform.processor() is empty on most Linux systems
+        lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        name = lines[0].split(":", 1)[1].strip() if lines else name
     return {"device": device.type, "device_name": name, "dtype": str(dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "transformers_version": transformers.__version__}
@@ -181,7 +180,7 @@ def c(profile: dict) -> float:
     return profile["draft"]["ms"] / _target_ms(profile)
 
 
-def _target_ms(profile: dict) -> float:
+def _target_ms(profile: dict) -> float:  # the 1-token step at the shortest context
     return profile["target"][str(min(profile["settings"]["contexts"]))]["1"]["ms"]
 
 
@@ -217,11 +216,10 @@ def validate(profile, where: str = FILENAME) -> None:
         raise PipelineError(f"cost profile {where} has version {found!r}, this code reads version {VERSION}: "
                             f"{REMEASURE}")
     try:
-        contexts = profile["settings"]["contexts"]
-        ok = all(e["ms"] > 0 for n in contexts for e in profile["target"][str(n)].values())
-        ok = ok and profile["draft"]["ms"] > 0 and all(
-            "1" in profile["target"][str(n)] for n in contexts) and bool(contexts)
-        ok = ok and all(k in profile["shapes"][r] for r in ("target", "draft") for k in SHAPE_KEYS)
+        tables = [profile["target"][str(n)] for n in profile["settings"]["contexts"]]
+        ok = bool(tables) and all("1" in t and all(e["ms"] > 0 for e in t.values()) for t in tables)
+        ok = ok and profile["draft"]["ms"] > 0 and all(k in profile["shapes"][r] for r in ("target", "draft")
+                                                       for k in SHAPE_KEYS)
     except (KeyError, TypeError, AttributeError):
         ok = False
     if not ok:
@@ -298,13 +296,14 @@ def _preset_config(preset: Path, role: str):
         for key, value in sizes.items():
             if value:
                 setattr(config, key, int(value))
-        if init == "fresh":
+        if init == "fresh":  # as distill/draft.py builds a fresh draft
             config.head_dim = config.hidden_size // config.num_attention_heads
-    types = getattr(config, "layer_types", None)
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[:1] * config.num_hidden_layers
     if layers:
+        if getattr(config, "layer_types", None):  # per-layer attention kinds list exactly the kept layers
+            config.layer_types = [config.layer_types[int(i)] for i in layers]
         config.num_hidden_layers = len(layers)
-    if types:  # per-layer attention kinds must list exactly the kept layers
-        config.layer_types = [types[int(i)] for i in layers] if layers else types[:1] * config.num_hidden_layers
     return config
 
 

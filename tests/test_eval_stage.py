@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
@@ -294,11 +295,41 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():
     draft = Draft(derive_draft(target, [0]), {})
     contexts = [{"domain": d, "prompt_id": f"{d}-{i}", "turn": 0, "ids": torch.tensor([[0, 5 + i, 9, 12]])}
                 for d in ("chat", "code") for i in range(2)]
-    plans = {"chat": {"gamma": 3}, "code": {"gamma": 2}}
+    plans = {"chat": {"gamma": 3, "draft_length": DraftLength("fixed", 3)},
+             "code": {"gamma": 2, "draft_length": DraftLength("fixed", 2)}}
     s = {"max_new_tokens": 12, "fidelity_prompts_per_domain": 1}
     out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
     assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
     assert next(target.parameters()).dtype == torch.bfloat16  # the served models are left as they were
+
+
+def test_draft_length_comes_from_the_calibration_unless_overridden():
+    from eval.stage import Draft, draft_plan
+
+    spec = SpeculativeSpec(target={}, sampling=Sampling(0.0), draft={}, gamma={"code": 5, "default": 3},
+                           draft_length={"code": {"policy": "confidence", "max": 16, "threshold": 0.3},
+                                         "default": {"policy": "fixed", "max": 3, "threshold": None}})
+    draft = Draft(None, {}, spec)
+    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
+                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 12}
+    policy = lambda domain, **over: draft_plan(draft, domain, settings | over, Sampling(0.0))["draft_length"]
+    assert policy("code") == DraftLength("confidence", 16, 0.3)
+    assert policy("chat") == DraftLength("fixed", 3)
+    assert policy("code", draft_length="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
+    assert policy("chat", draft_length="confidence") == DraftLength("confidence", 12, 0.4)
+    assert policy("code", draft_length="heuristic") == DraftLength("heuristic", 5)
+    assert policy("code", gamma=2) == DraftLength("fixed", 2)  # an explicit γ wins
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.draft_length=longest", "not a draft-length policy"),
+    ("eval.confidence_threshold=1.5", "must be in \\(0, 1\\)"),
+    ("eval.max_draft=0", "integer >= 1"),
+])
+def test_bad_draft_length_settings_are_refused(tmp_path, models, override, message):
+    with pytest.raises(PipelineError, match=message):
+        run_stage(tmp_path, models, override)
+    assert not (tmp_path / "artifacts" / "eval").exists()
 
 
 def test_hf_assisted_can_run_with_the_undistilled_draft(tmp_path, models):
@@ -328,14 +359,20 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={}, gamma={"code": 5, "default": 3},
                            draft_temperature={"code": 1.3, "default": 1.1})
     draft = Draft(None, {}, spec)
-    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None}
-    assert draft_plan(draft, "code", settings, Sampling(0.8, 20)) == {"gamma": 5, "draft_temperature": 1.3}
-    assert draft_plan(draft, "poetry", settings, Sampling(0.8, 20)) == {"gamma": 3, "draft_temperature": 1.1}
+    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
+                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 16}
+
+    def plan(*args):
+        result = draft_plan(*args)
+        return {"gamma": result["gamma"], "draft_temperature": result["draft_temperature"]}
+
+    assert plan(draft, "code", settings, Sampling(0.8, 20)) == {"gamma": 5, "draft_temperature": 1.3}
+    assert plan(draft, "poetry", settings, Sampling(0.8, 20)) == {"gamma": 3, "draft_temperature": 1.1}
     # Another serving distribution: the calibrated γ still applies, the calibrated τ does not.
-    assert draft_plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
-    assert draft_plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
+    assert plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
+    assert plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
     overridden = settings | {"gamma": 2, "draft_temperature": 0.5}
-    assert draft_plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
+    assert plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
     uncalibrated = settings | {"use_calibration": False}
-    assert draft_plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
+    assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
     assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
