@@ -1,4 +1,4 @@
-"""The acceptance simulator, draft-temperature calibration, the cost ratio c and the best γ.
+"""The acceptance simulator, draft-temperature calibration and the best fixed γ.
 
 Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
 serving distribution p_T (temperature, top-k, top-p: the core Sampling, pipeline/sampling.py) is
@@ -13,18 +13,14 @@ predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exact
 """
 from __future__ import annotations
 
-import copy
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from distill.batch import Truncation, batches, completion_hidden
 from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import Sampling, expected_acceptance
-from pipeline.timing import synced_clock
 
 OVERALL = "overall"
 
@@ -214,80 +210,6 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
         result["acceptance_at_serving"][d] = float(table[T][m].mean())
         result["alpha"][d] = table[tau]
     return result
-
-
-class _Stepper:
-    """One model decoding on a KV cache over a fixed context: the unit the cost ratio times."""
-
-    def __init__(self, model, vocab, context: torch.Tensor):
-        self.model, self.rows = model, head_rows(model, vocab)
-        self.cache = DynamicCache(config=model.config)
-        self.clock = synced_clock(_device(model))
-        model.model(input_ids=context, cache=self.cache, use_cache=True)
-
-    def __call__(self, tokens: torch.Tensor) -> float:
-        """Seconds for one forward of `tokens` [1, k] and the head's argmax at the last position."""
-        t0 = self.clock()
-        hidden = self.model.model(input_ids=tokens, cache=self.cache, use_cache=True).last_hidden_state
-        head_logits(hidden[0, -1:], self.rows).argmax(-1)
-        return self.clock() - t0
-
-    def rewind(self, length: int) -> None:
-        self.cache.crop(length - self.cache.get_seq_length())  # transformers 5: a negative count drops tokens
-
-
-@torch.no_grad()
-def measure_cost_ratio(target, draft, vocab: torch.Tensor | None = None, context_length: int = 64,
-                       steps: int = 24, warmup: int = 4, seed: int = 0, max_verify: int = 0) -> dict:
-    """c = median draft forward / median target forward for one decoding step (1 token, KV cache, the
-    draft's head sliced to `vocab` as the decoder does), interleaved on this device after a warm-up.
-
-    With max_verify = γmax > 0 it also times the target verifying k = 2..γmax+1 tokens in one forward
-    (`verify_ratio`, see `verify_ratios`).
-    """
-    dtype = next(target.parameters()).dtype
-    if next(draft.parameters()).dtype != dtype:  # time the draft as it will serve: in the target's dtype
-        draft = copy.deepcopy(draft).to(dtype)
-    g = torch.Generator().manual_seed(seed)
-    n_tokens = context_length + warmup + steps + max_verify + 1
-    tokens = torch.randint(0, target.config.vocab_size, (1, n_tokens), generator=g).to(_device(target))
-    context = tokens[:, :context_length]
-    steppers = {"target": _Stepper(target, None, context), "draft": _Stepper(draft, vocab, context)}
-    times = {"target": [], "draft": []}
-    for i in range(warmup + steps):
-        token = tokens[:, context_length + i:context_length + i + 1]
-        for name, stepper in steppers.items():
-            seconds = stepper(token)
-            if i >= warmup:
-                times[name].append(seconds)
-    target_s, draft_s = statistics.median(times["target"]), statistics.median(times["draft"])
-    result = {"c": draft_s / target_s, "draft_forward_ms": 1e3 * draft_s, "target_forward_ms": 1e3 * target_s}
-    if max_verify:
-        result.update(verify_ratios(steppers["target"], tokens[:, context_length + warmup + steps:], max_verify,
-                                    max(3, steps // 4)))
-    return result
-
-
-def verify_ratios(stepper: _Stepper, tokens: torch.Tensor, max_verify: int, repeats: int) -> dict:
-    """r_γ = the target's (γ+1)-token forward / its 1-token forward, γ = 1..max_verify (1 in the walltime
-    formula's idealisation; ≈1.05 at γ=4 for the embedded model in bf16 on a CPU with native bf16, ~1.7 in
-    fp32, whose few-row GEMMs are slow). Each long forward is paired with a 1-token one so load drift cancels;
-    a least-squares line (slope ≥ 0: verifying more is never cheaper) keeps one noisy timing from picking γ."""
-    base = stepper.cache.get_seq_length()
-    measured = {}
-    for gamma in range(1, max_verify + 1):
-        one, many = [], []
-        for _ in range(repeats):
-            one.append(stepper(tokens[:, :1]))
-            stepper.rewind(base)
-            many.append(stepper(tokens[:, :gamma + 1]))
-            stepper.rewind(base)
-        measured[gamma] = statistics.median(many) / statistics.median(one)
-    xs, ys = list(measured), list(measured.values())
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9))
-    return {"verify_ratio": {g: round(max(1.0, my + slope * (g - mx)), 3) for g in xs},
-            "verify_ratio_measured": {g: round(r, 3) for g, r in measured.items()}}
 
 
 def predicted_speedup(per_position: list[float], c: float, gamma: int,

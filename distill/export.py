@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, write_json
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
 
 def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | None, card: str | None,
-               generation_config=None) -> Path:
-    """save_pretrained + tokenizer (+ speculative.json, README.md) into `out_dir`, replacing it atomically."""
+               generation_config=None, extra: dict[str, dict] | None = None) -> Path:
+    """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile)
+    into `out_dir`, replacing it atomically."""
     out_dir = Path(out_dir)
     if generation_config is not None:
         draft.generation_config = copy.deepcopy(generation_config)
@@ -23,6 +24,9 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
             spec.write(tmp)
         if card is not None:
             (tmp / "README.md").write_text(card)
+        for name, content in (extra or {}).items():
+            if content is not None:
+                write_json(tmp / name, content)
     return out_dir
 
 
@@ -53,7 +57,8 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              f"- training: {_kv(spec.training)}",
              f"- exported weights: {shipped}",
              f"- serving sampling calibrated for: {_kv(spec.sampling.to_dict())}",
-             f"- calibrated for device {cost.get('device')} ({cost.get('dtype')}): cost ratio c = {_fmt(cost.get('c'))} "
+             f"- calibrated for device {cost.get('device')} {cost.get('device_name') or ''} ({cost.get('dtype')}, "
+             f"{cost.get('torch_threads')} threads; cost_profile.json): cost ratio c = {_fmt(cost.get('c'))} "
              f"({_fmt(cost.get('draft_forward_ms'), 2)} ms / {_fmt(cost.get('target_forward_ms'), 2)} ms)",
              f"- FR-Spec vocabulary subset: {len(spec.vocab_subset) if spec.vocab_subset else 'off (full vocabulary)'}",
              f"- held-out prompts: {_kv(spec.heldout)}", "",

@@ -28,6 +28,7 @@ from distill.split import split_by_prompt, split_heldout
 from distill.policy import candidates, choose, keep_at, simulate, verify_cost
 from distill.training import TrainingResult, train_draft
 from pipeline.chat import stop_token_ids
+from pipeline.cost_profile import FILENAME, measure_cost_profile, read_profile, summary
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, load_role, model_identity
 from pipeline.sampling import Sampling
@@ -64,6 +65,7 @@ class DistillJob:
     calibration: cal.HeldOut | None = None  # chooses keep_best, τ and γ
     reporting: cal.HeldOut | None = None  # gives the reported numbers
     heldout_sizes: dict = field(default_factory=dict)
+    cost_profile: dict | None = None  # measured or given (distill.calibration.cost.profile); exported
 
     @property
     def settings(self) -> DictConfig:
@@ -307,10 +309,9 @@ def calibrate(job: DistillJob) -> dict:
     gammas = [int(g) for g in settings.gammas]
     lengths = settings.draft_length
     longest = max(gammas + [int(m) for m in lengths.max_lengths])
-    cost = cal.measure_cost_ratio(job.target, job.draft, job.vocab, int(settings.cost.context_length),
-                                  int(settings.cost.steps), int(settings.cost.warmup),
-                                  max_verify=longest if settings.cost.verify else 0)
-    cost.update(device=str(next(job.target.parameters()).device), dtype=str(job.serving_dtype).removeprefix("torch."))
+    job.cost_profile = cost_profile(job)
+    cost = summary(job.cost_profile, longest)
+    cost.update({key: job.cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
     alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)
     best = {}
     for domain, mask in cal.domain_index(job.calibration).items():
@@ -322,6 +323,20 @@ def calibrate(job: DistillJob) -> dict:
     chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
     return {"temperature": taus, "gamma": best, "cost": cost,
             "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
+
+
+def cost_profile(job: DistillJob) -> dict:
+    """The cost profile γ and the policy are chosen for: distill.calibration.cost.profile when given (another
+    device's, checked against these models' shapes), else measured here in the serving dtype."""
+    settings = job.settings.calibration.cost
+    if settings.get("profile"):
+        rows = len(job.vocab) if job.vocab is not None else None
+        profile = read_profile(settings.profile, job.target, job.draft, rows)
+        log(f"calibrating for the cost profile {settings.profile} ({profile['machine'].get('device_name')}, "
+            f"{profile['machine'].get('dtype')})")
+        return profile
+    return measure_cost_profile(job.target, job.draft, job.vocab, tuple(settings.tokens_fed), tuple(settings.contexts),
+                                repeats=int(settings.repeats), warmup=int(settings.warmup), seed=int(job.cfg.seed))
 
 
 def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: dict) -> dict:
@@ -375,7 +390,8 @@ def export(job: DistillJob, spec: SpeculativeSpec) -> None:
     for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
         setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
     save_draft(job.draft.to(job.serving_dtype), job.draft_tokenizer, paths.draft, spec,
-               model_card(spec, f"{job.cfg.model.draft.name} (distilled)"), generation_config)
+               model_card(spec, f"{job.cfg.model.draft.name} (distilled)"), generation_config,
+               extra={FILENAME: job.cost_profile})
     if not job.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / job.fingerprint, ignore_errors=True)
     print(format_table(spec))

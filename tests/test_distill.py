@@ -110,7 +110,7 @@ def overrides(setup, out: Path, *extra: str) -> list[str]:
             "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "model.draft.derive.layers=[0]",
             "model.draft.vocab_subset=0", "distill.trainer.max_steps=40", "distill.trainer.max_epochs=null", "distill.trainer.per_device_train_batch_size=4",
             "distill.heldout.eval_steps=20", "distill.checkpoint.save_steps=20", "distill.trainer.learning_rate=3e-3", "distill.split.heldout_fraction=0.25",
-            "distill.calibration.cost.steps=4", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
+            "distill.calibration.cost.repeats=2", "distill.calibration.cost.contexts=[16]", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
 
 
 def compose(setup, out: Path, *extra: str):
@@ -343,19 +343,35 @@ def test_best_gamma_follows_the_walltime_formula():
     assert best_gamma([0.1 ** k for k in range(1, 9)], c=0.3, gammas=range(1, 9))[0] == 1
 
 
-def test_cost_ratio_and_verify_ratios_are_measured():
-    from distill.calibrate import best_gamma, measure_cost_ratio
-    from pipeline.models import derive_draft
+def test_best_gamma_costs_the_verify_pass_as_measured():
+    from distill.calibrate import best_gamma
 
-    target = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=4)
-    cost = measure_cost_ratio(target, derive_draft(target, [0]), torch.arange(32), context_length=8, steps=8,
-                              max_verify=4)
-    assert 0 < cost["c"] < 5 and cost["draft_forward_ms"] > 0
-    ratios = [cost["verify_ratio"][g] for g in range(1, 5)]
-    assert ratios == sorted(ratios) and ratios[0] >= 1.0  # a monotone fit: noise cannot pick γ
     # with verification costing r_γ, the speedup is (1 + Σ P_k) / (γc + r_γ)
     gamma, speedups = best_gamma([0.5, 0.25], c=0.1, gammas=[1, 2], verify_ratio={1: 1.5, 2: 1.6})
     assert speedups[1] == pytest.approx(1.5 / 1.6) and speedups[2] == pytest.approx(1.75 / 1.8) and gamma == 2
+
+
+def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distilled, tmp_path):
+    """distill.calibration.cost.profile: γ and the policy are chosen for that profile's costs, which travel with
+    the export; a profile for other model shapes is refused with one line."""
+    from pipeline.cost_profile import read_profile, write_profile
+
+    measured = read_profile(distilled[2] / "draft" / "cost_profile.json")
+    assert measured["machine"]["device"] == "cpu"
+    slow_draft = json.loads(json.dumps(measured))
+    slow_draft["draft"]["ms"] = measured["target"][str(min(map(int, measured["target"])))]["1"]["ms"] * 0.9
+    write_profile(tmp_path / "slow_draft.json", slow_draft)
+    run_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow_draft.json'}")
+    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    assert spec["cost"]["c"] == pytest.approx(0.9, rel=0.01)
+    fast = json.loads((distilled[2] / "draft" / "speculative.json").read_text())["predicted_speedup"]
+    assert all(spec["predicted_speedup"][d] < fast[d] for d in fast), (spec["predicted_speedup"], fast)
+    assert json.loads((tmp_path / "out" / "draft" / "cost_profile.json").read_text()) == slow_draft
+    other = json.loads(json.dumps(measured))
+    other["shapes"]["target"]["hidden_size"] += 1
+    write_profile(tmp_path / "other.json", other)
+    with pytest.raises(PipelineError, match="hidden_size"):
+        run_stage(setup, tmp_path / "out2", f"distill.calibration.cost.profile={tmp_path / 'other.json'}")
 
 
 # ---------------------------------------------------------------- the stage

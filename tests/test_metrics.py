@@ -141,7 +141,7 @@ def test_build_and_tables_show_speedup_with_its_interval():
     assert overall["acceptance_rate_ci95"] == overall["speculative"]["acceptance_rate_ci95"]
     assert "speculative_vs_hf_generate" in overall["comparisons"] and "comparisons" in metrics["domains"]["chat"]
     interval = re.compile(r"^\d+\.\d\d× \[\d+\.\d\d, \d+\.\d\d\]$")
-    _, rows = domain_rows(metrics)
+    header, rows = domain_rows(metrics)
     assert all(interval.match(row[header.index("speedup")]) for row in rows)
     _, rows = method_rows(metrics)
     assert all(interval.match(row[4]) for row in rows if row[0] != "own autoregressive")
