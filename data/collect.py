@@ -271,6 +271,14 @@ class CollectJob:
     def finished(self, shard: Shard) -> bool:
         return (self.shard_dir / shard.name / "meta.json").exists()
 
+    @property
+    def max_minutes(self) -> float | None:
+        value = self.cfg.collect.get("max_minutes")
+        return None if value is None else float(value)
+
+    def out_of_time(self) -> bool:
+        return self.max_minutes is not None and time.time() - self.started > 60 * self.max_minutes
+
     def my_unfinished_shards(self) -> list[Shard]:
         return [shard for shard in self.plan if shard.position % self.state.num_processes == self.state.process_index
                 and not self.finished(shard)]
@@ -320,7 +328,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
 
     from pipeline.models import load_tokenizer, resolve_device, resolve_model
 
-    device, dtype = resolve_device(cfg.get("runtime"))
+    device, _ = resolve_device({**(cfg.get("runtime") or {}), "dtype": "float32"})  # the device is enough here
     # Under `accelerate launch` (torch.distributed env vars) this joins the process group; CPU
     # processes need cpu=True to get the gloo backend. A plain run is one process.
     state = PartialState(cpu=device.type == "cpu")
@@ -328,6 +336,8 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         raise PipelineError("collect.backend=vllm batches and spreads over GPUs itself: run it in one process "
                             "(set collect.vllm.tensor_parallel_size) or use collect.backend=hf under accelerate")
     target_path = resolve_model(cfg.model.target, "target", cfg.paths)
+    with state.main_process_first():  # runtime.dtype=auto times the target once; the other processes read that
+        device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
     identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
     fingerprint = _fingerprint(identity, settings, str(dtype).removeprefix("torch."), prompts)
@@ -374,8 +384,12 @@ def _fingerprint(identity: dict, settings: CollectSettings, dtype: str, prompts:
 
 
 def _plan(prompts: dict[str, list[dict]], shard_size: int) -> list[Shard]:
+    """Shards interleaved across domains (every domain's first shard, then every second one, ...), so a time
+    budget that stops the run early cuts every domain alike."""
     chunks = [(domain, start // shard_size, rows[start:start + shard_size])
               for domain, rows in prompts.items() for start in range(0, len(rows), shard_size)]
+    order = {domain: i for i, domain in enumerate(prompts)}
+    chunks.sort(key=lambda chunk: (chunk[1], order[chunk[0]]))
     return [Shard(position, domain, index, shard_prompts)
             for position, (domain, index, shard_prompts) in enumerate(chunks)]
 
@@ -395,15 +409,25 @@ def _announce(job: CollectJob) -> None:
 # ----------------------------------------------------------------------------- generation
 
 def _generate_missing_shards(job: CollectJob, tracker) -> None:
-    """This process's unfinished shards, one progress bar per domain; loads the target only when needed."""
+    """This process's unfinished shards in plan order, under one progress bar, until collect.max_minutes (a
+    stopped run resumes from the next shard); loads the target only when there is work."""
+    from tqdm.auto import tqdm
+
     mine = job.my_unfinished_shards()
     if not mine:
         return
     backend = _make_backend(job)
-    for domain in job.prompts:
-        todo = [shard for shard in mine if shard.domain == domain]
-        if todo:
-            _generate_domain(job, backend, domain, todo, tracker)
+    turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
+    with tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl", dynamic_ncols=True,
+              disable=not job.state.is_local_main_process) as bar:
+        for shard in mine:
+            if job.out_of_time():
+                print(f"[collect] collect.max_minutes={job.max_minutes} reached: stopping before shard {shard.name}; "
+                      "rerun stage=collect (with a larger budget) to continue")
+                return
+            tokens_per_s = _generate_shard(job, backend, shard, bar.update)
+            bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
+            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
 
 
 def _make_backend(job: CollectJob):
@@ -427,18 +451,6 @@ def _make_backend(job: CollectJob):
     return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
 
 
-def _generate_domain(job: CollectJob, backend, domain: str, shards: list[Shard], tracker) -> None:
-    from tqdm.auto import tqdm
-
-    turns = sum(len(prompt["turns"]) for shard in shards for prompt in shard.prompts)
-    with tqdm(total=turns * job.settings.samples_per_prompt, desc=f"collect {domain}", unit="compl",
-              dynamic_ncols=True, disable=not job.state.is_local_main_process) as bar:
-        for shard in shards:
-            tokens_per_s = _generate_shard(job, backend, shard, bar.update)
-            bar.set_postfix(tok_s=f"{tokens_per_s:.1f}")
-            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
-
-
 def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
     """Generate one shard and write it atomically; returns its generation speed in tokens/s."""
     start = time.perf_counter()
@@ -456,12 +468,15 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
 # ----------------------------------------------------------------------------- merge, manifest, summary
 
 def _merge_shards(job: CollectJob):
-    """All shards of the plan concatenated in plan order, plus their meta.json records."""
+    """The finished shards concatenated in plan order, plus their meta.json records. Unfinished ones are an
+    error unless the time budget stopped the run (the manifest then says how far it got)."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts, metas = [], []
     for shard in job.plan:
         shard_path = job.shard_dir / shard.name
+        if not job.finished(shard) and job.max_minutes is not None and job.out_of_time():
+            continue
         if not job.finished(shard):
             raise PipelineError(f"shard {shard_path} is missing after generation: rerun stage=collect to finish it")
         parts.append(load_from_disk(str(shard_path / "data")))
@@ -501,6 +516,8 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "topk": settings.topk,
         "backend": settings.backend, "dtype": job.dtype_name, "num_processes": job.state.num_processes,
         "shard_size": settings.shard_size, "shards": len(job.plan),
+        "budget": {"max_minutes": job.max_minutes, "shards_done": len(shard_metas),
+                   "stopped_early": len(shard_metas) < len(job.plan)},
         "domains": summary,
         "rows": len(dataset),
         "total_tokens": tokens,
@@ -525,6 +542,10 @@ def _report(job: CollectJob, tracker, manifest: dict) -> dict:
     print(format_summary(manifest["domains"]))
     print(f"[collect] {rows} completions, {tokens} tokens, {manifest['tokens_per_s']} tokens/s "
           f"(generation), {disk_bytes / 1e6:.1f} MB -> {dataset_dir}")
+    budget = manifest["budget"]
+    if budget["stopped_early"]:
+        print(f"[collect] the {budget['max_minutes']}-minute budget stopped the run after {budget['shards_done']} of "
+              f"{manifest['shards']} shards (each domain cut alike); rerun stage=collect to continue")
     metrics = {"collect/rows": rows, "collect/tokens": tokens, "collect/disk_bytes": disk_bytes}
     if manifest["tokens_per_s"]:
         metrics["collect/tokens_per_s"] = manifest["tokens_per_s"]

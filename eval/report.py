@@ -166,6 +166,31 @@ def _cost_line(spec: dict, measured: float) -> str:
             "varying by domain).")
 
 
+def slowdown_advice(metrics: dict) -> str | None:
+    """When speculative decoding ran slower than plain decoding: why, in the time model's terms, and what to
+    change. None when it did not."""
+    spec, speedup = metrics["overall"].get("speculative") or {}, metrics["overall"].get("speedup") or 0.0
+    if not spec or speedup >= 1.0:
+        return None
+    length, drafted, c = spec.get("mean_accepted_length", 0.0), spec.get("drafted_per_pass", 0.0), spec.get("c", 0.0)
+    step_ms = spec.get("draft_forward_ms", 0.0) / c if c else 0.0
+    r = spec.get("verify_forward_ms", 0.0) / step_ms if step_ms else 1.0
+    fixes = []
+    if r > 1.15:
+        fixes.append(f"a verify pass costs {r:.2f} decoding steps on this device: try the other runtime.dtype "
+                     "(float32 or bfloat16), whichever makes multi-token forwards cheaper")
+    if drafted * c > 0.3 * length:
+        fixes.append(f"the drafts cost {drafted * c:.2f} target steps per pass: a cheaper draft (fewer layers, a "
+                     "smaller FR-Spec head) or shorter drafts (eval.draft_length=confidence)")
+    if length < 1.5:
+        fixes.append(f"only {length:.2f} tokens per target pass: distil longer or on more data "
+                     "(distill.trainer.max_steps, collect.max_prompts_per_domain)")
+    return (f"speculative decoding ran at {speedup:.2f}× plain decoding: each target pass yielded {length:.2f} tokens "
+            f"for {drafted:.2f} draft steps at c = {c:.3f} and a verify pass of {r:.2f} steps "
+            f"({drafted:.2f}·c + r = {drafted * c + r:.2f} > {length:.2f}). What to change: "
+            + ("; ".join(fixes) if fixes else "nothing single stands out; see report.md's time model") + ".")
+
+
 def _fidelity(metrics: dict) -> list[str]:
     fid = metrics.get("fidelity") or {}
     if not fid:
@@ -223,14 +248,17 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         f"- **machine**: {m['cpu']} ({m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
         + (f", GPU {m['gpu']}" if m.get("gpu") else "") + f"), device {setup['device']}, {setup['dtype']}; "
         f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}",
-        f"- **decoding**: {sampling}; γ = {metrics['gamma']} unless a domain row says otherwise"
-        + ("; γ and draft τ per domain from the draft's `speculative.json`" if setup.get("calibrated") else ""),
+        f"- **decoding**: {sampling}; draft length per domain as the table's last column"
+        + ("; draft length and τ per domain from the draft's `speculative.json`" if setup.get("calibrated") else ""),
         f"- **prompts**: {setup['prompt_source']} — "
         + ", ".join(f"{d} {p['n_prompts']} ({p['n_turns']} turn{'s' * (p['n_turns'] != 1)})"
                     for d, p in setup["prompts"].items()),
         "- every request (one user turn) ran with every method back to back, in rotating order, after a "
         "warm-up; later turns are conditioned on the target's own autoregressive answer",
-        f"- wall time of the measurement: {metrics['wall_s']:.0f} s", "",
+        f"- wall time of the measurement: {metrics['wall_s']:.0f} s"
+        + (f"; the {metrics['budget']['max_minutes']}-minute budget (eval.max_minutes) stopped it after "
+           f"{metrics['budget']['prompts_done']} of {metrics['budget']['prompts_planned']} prompts"
+           if metrics.get("budget") else ""), "",
         "## Results per domain", "",
         markdown_table(*domain_rows(metrics)), "",
         "acceptance = accepted / proposed draft tokens; mean acc. len = generated tokens per target pass "
@@ -242,6 +270,8 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         markdown_table(*method_rows(metrics)), "",
         _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
     ]
+    if slowdown_advice(metrics):
+        lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
     comparisons = comparison_lines(metrics)
     if comparisons:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "

@@ -24,13 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
-from eval.report import comparison_lines, domain_rows, log_to_tracker, machine, text_table, write_outputs
+from eval.report import (comparison_lines, domain_rows, log_to_tracker, machine, slowdown_advice, text_table,
+                         write_outputs)
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.draft_length import POLICIES, DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
-                             model_identity, resolve_device, resolve_model)
+                             model_identity, resolve_model)
 from pipeline.sampling import Sampling, derive_seed
 from pipeline.spec import SpeculativeSpec
 from pipeline.timing import synced_clock
@@ -59,6 +60,9 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
         bad("gammas", "holds a γ < 1", "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
     if settings["draft_temperature"] is not None and settings["draft_temperature"] < 0:
         bad("draft_temperature", "is negative", "use a positive value, or null for the calibrated/target temperature")
+    if settings["max_minutes"] is not None and (not isinstance(settings["max_minutes"], (int, float))
+                                                or settings["max_minutes"] <= 0):
+        bad("max_minutes", "is not a positive number of minutes", "use e.g. eval.max_minutes=4, or null for no limit")
     for key in ("max_new_tokens", "sweep_prompts_per_domain", "warmup_tokens"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             bad(key, "is not an integer >= 1", f"set eval.{key} to a positive integer")
@@ -138,7 +142,8 @@ class Evaluation:
     target_identity: dict
     drafts: dict[str, Draft]  # "speculative" (evaluated), "speculative_init" (undistilled, when there is one)
     stop: list[int]  # token ids that end a turn
-    plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_temperature"}}}
+    plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_length", "draft_temperature"}}}
+    budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
 
 
 def _n_params(model) -> int:
@@ -221,8 +226,8 @@ def _init_source(cfg: DictConfig, settings: dict, evaluated: Path | None) -> Pat
 
 def load_models(cfg: DictConfig, settings: dict, sampling: Sampling) -> Evaluation:
     """The target, its tokenizer and stop ids, the evaluated draft and (when there is one) the undistilled draft."""
-    device, dtype = resolve_device(cfg.get("runtime"))
     target, tokenizer, target_path = load_role(cfg, "target")
+    device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     target_identity = {**model_identity(target_path), "source": str(target_path), "n_params": _n_params(target)}
 
     def from_dir(path: Path, role: str) -> Draft:
@@ -349,41 +354,59 @@ def rotated(names: list, k: int) -> list:
     return names[k % len(names):] + names[:k % len(names)]
 
 
+def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
+    """Every domain's first prompt, then every second one, ...: a time budget then cuts every domain alike."""
+    longest = max(map(len, prompts.values()))
+    return [domain_prompts[i] for i in range(longest) for domain_prompts in prompts.values() if i < len(domain_prompts)]
+
+
 def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -> tuple[list[dict], list[dict]]:
-    """Decodes every request with every method; returns (records, contexts) — contexts are the encoded
-    requests, reused by the γ sweep and the fidelity check so every run sees the same inputs."""
+    """Decodes every request with every method until eval.max_minutes; returns (records, contexts) — contexts
+    are the encoded requests, reused by the γ sweep and the fidelity check so every run sees the same inputs."""
     from tqdm.auto import tqdm
 
-    tokenizer, device, settings = evaluation.tokenizer, evaluation.device, evaluation.settings
-    clock, names = synced_clock(device), list(methods)
+    settings = evaluation.settings
+    clock, names = synced_clock(evaluation.device), list(methods)
     first = next(iter(prompts.values()))[0]
-    warmup_ids = encode_chat(tokenizer, messages_for(first, [], 0)).to(device)
+    warmup_ids = encode_chat(evaluation.tokenizer, messages_for(first, [], 0)).to(evaluation.device)
     for name in names:  # warm-up: allocator, lazy imports and kernel selection stay out of the timed runs
         methods[name](warmup_ids, first["domain"], settings["warmup_tokens"], seed)
 
-    records, contexts = [], []
-    bar = tqdm(total=sum(len(p["turns"]) for ps in prompts.values() for p in ps), desc="eval", unit="req",
-               dynamic_ncols=True)
-    for domain, domain_prompts in prompts.items():
-        for prompt in domain_prompts:
-            answers: list[str] = []
-            for turn in range(len(prompt["turns"])):
-                ids = encode_chat(tokenizer, messages_for(prompt, answers, turn)).to(device)
-                request = len(contexts)
-                contexts.append({"domain": domain, "prompt_id": prompt["id"], "turn": turn, "ids": ids})
-                request_seed = derive_seed(seed, "eval", request)  # the same for every method of a request
-                for name in rotated(names, request):
-                    tokens, stats, seconds = timed(methods[name], ids, domain, settings["max_new_tokens"],
-                                                   request_seed, clock)
-                    records.append({"method": name, "domain": domain, "prompt_id": prompt["id"], "turn": turn,
-                                    "tokens": tokens, "time_s": seconds, "stats": stats})
-                # The next turn continues from the target's own answer, identical for every method.
-                own_answer = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
-                answers.append(tokenizer.decode(own_answer, skip_special_tokens=True).strip())
-                bar.set_postfix_str(domain)
-                bar.update()
+    records, contexts, started = [], [], time.time()
+    queue = interleaved(prompts)
+    bar = tqdm(total=sum(len(p["turns"]) for p in queue), desc="eval", unit="req", dynamic_ncols=True)
+    for done, prompt in enumerate(queue):
+        if settings["max_minutes"] is not None and time.time() - started > 60 * settings["max_minutes"]:
+            evaluation.budget = {"max_minutes": settings["max_minutes"], "prompts_done": done,
+                                 "prompts_planned": len(queue)}
+            print(f"[eval] eval.max_minutes={settings['max_minutes']} reached after {done} of {len(queue)} prompts "
+                  "(every domain cut alike); raise it for narrower intervals")
+            break
+        decode_prompt(prompt, methods, names, evaluation, seed, clock, records, contexts)
+        bar.set_postfix_str(prompt["domain"])
+        bar.update(len(prompt["turns"]))
     bar.close()
     return records, contexts
+
+
+def decode_prompt(prompt: dict, methods: dict, names: list, evaluation: Evaluation, seed: int, clock,
+                  records: list, contexts: list) -> None:
+    """Every turn of one prompt with every method, in rotating order; later turns continue from the target's
+    own answer, identical for every method."""
+    tokenizer, device, settings = evaluation.tokenizer, evaluation.device, evaluation.settings
+    answers: list[str] = []
+    for turn in range(len(prompt["turns"])):
+        ids = encode_chat(tokenizer, messages_for(prompt, answers, turn)).to(device)
+        request = len(contexts)
+        contexts.append({"domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn, "ids": ids})
+        request_seed = derive_seed(seed, "eval", request)  # the same for every method of a request
+        for name in rotated(names, request):
+            tokens, stats, seconds = timed(methods[name], ids, prompt["domain"], settings["max_new_tokens"],
+                                           request_seed, clock)
+            records.append({"method": name, "domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn,
+                            "tokens": tokens, "time_s": seconds, "stats": stats})
+        own_answer = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
+        answers.append(tokenizer.decode(own_answer, skip_special_tokens=True).strip())
 
 
 def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
@@ -474,11 +497,14 @@ def run(cfg: DictConfig, tracker) -> dict:
     if checked is not None:
         metrics["fidelity"] = checked
     metrics["wall_s"] = time.time() - started
+    metrics["budget"] = evaluation.budget
     metrics["setup"] = setup_section(evaluation, prompts, source)
 
     plots = write_outputs(out_dir, metrics, records)
     print(text_table(*domain_rows(metrics)))
     print("\n".join(comparison_lines(metrics)))
+    if slowdown_advice(metrics):
+        print(f"[eval] {slowdown_advice(metrics)}")
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots")
     log_to_tracker(tracker, metrics, out_dir)
     overall = metrics["overall"]

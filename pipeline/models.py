@@ -39,9 +39,11 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def resolve_device(runtime: DictConfig | dict | None) -> tuple[torch.device, torch.dtype]:
-    """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA and on CPUs
-    with native bf16 matmuls, else fp32."""
+def resolve_device(runtime: DictConfig | dict | None, model_path: str | Path | None = None,
+                   cache_dir: str | Path | None = None) -> tuple[torch.device, torch.dtype]:
+    """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA; on a CPU the
+    dtype that times faster for the target at `model_path` (pipeline/dtype.py, cached in `cache_dir`), or,
+    without a model to time, bf16 where the CPU has native bf16 matmuls and fp32 elsewhere."""
     runtime = runtime or {}
     device = runtime.get("device", "auto") or "auto"
     if device == "auto":
@@ -49,8 +51,14 @@ def resolve_device(runtime: DictConfig | dict | None) -> tuple[torch.device, tor
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PipelineError("runtime.device=cuda but no CUDA device is visible: use runtime.device=cpu")
     dtype = runtime.get("dtype", "auto") or "auto"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
+    if dtype == "auto" and device.startswith("cuda"):
+        dtype = "bfloat16"
+    elif dtype == "auto" and model_path is not None and Path(model_path).is_dir():
+        from pipeline.dtype import measured_cpu_dtype
+
+        dtype = measured_cpu_dtype(model_path, cache_dir)
+    elif dtype == "auto":
+        dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     if dtype not in DTYPES:
         raise PipelineError(f"unknown runtime.dtype={dtype!r}: use one of auto, float32, bfloat16, float16")
     return torch.device(device), DTYPES[dtype]
@@ -229,6 +237,7 @@ def derive_draft(target, layers: list[int]):
 
 def load_role(cfg: DictConfig, role: str = "target"):
     """Resolve and load `cfg.model.<role>` on the configured device/dtype: (model, tokenizer, path)."""
-    device, dtype = resolve_device(cfg.get("runtime"))
-    path = resolve_model(cfg.model[role], role, cfg.paths)
+    target_path = resolve_model(cfg.model.target, "target", cfg.paths)
+    device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
+    path = target_path if role == "target" else resolve_model(cfg.model[role], role, cfg.paths)
     return load_model(path, device, dtype), load_tokenizer(path), path

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -230,3 +231,25 @@ def test_accelerate_config_examples_load(name, kind):
 
     config = load_config_from_file(str(REPO / "conf" / "accelerate" / f"{name}.yaml"))
     assert config.distributed_type.name == kind and config.mixed_precision == "bf16"
+
+
+def test_auto_dtype_on_cpu_is_measured_on_the_target_once_and_cached(tmp_path, monkeypatch, capsys):
+    from pipeline import dtype as dtype_choice
+
+    model = tiny_llama(vocab_size=64, hidden_size=32, layers=2)
+    model.save_pretrained(tmp_path / "model")
+    device, dtype = models.resolve_device({"device": "cpu", "dtype": "auto"}, tmp_path / "model", tmp_path / "cache")
+    assert dtype in (torch.float32, torch.bfloat16)
+    cached = json.loads((tmp_path / "cache" / "dtype_choice.json").read_text())
+    (entry,) = cached.values()
+    assert set(entry) == {"dtype", "float32", "bfloat16"} and entry["float32"]["step_ms"] > 0
+    fastest = min(("float32", "bfloat16"), key=lambda d: entry[d]["step_ms"] + entry[d]["verify5_ms"])
+    assert str(dtype).removeprefix("torch.") == entry["dtype"] == fastest
+    assert "dtype=auto" in capsys.readouterr().out
+
+    def no_second_measurement(path):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(dtype_choice, "measure", no_second_measurement)
+    assert models.resolve_device({"device": "cpu", "dtype": "auto"}, tmp_path / "model", tmp_path / "cache")[1] == dtype
+    assert models.resolve_device({"device": "cpu", "dtype": "float32"}, tmp_path / "model")[1] == torch.float32

@@ -1,0 +1,77 @@
+"""`runtime.dtype=auto` on a CPU: decided by timing the target on this machine, not by its feature flags.
+
+What speculative decoding pays for on the target is a decoding step and a verify pass of a few tokens. On one
+Zen 4 EPYC a SmolLM2-135M bf16 forward of 1 / 2 / 5 tokens took 29 / 29 / 32 ms and fp32 41 / 68 / 71 ms (fp32
+GEMMs with a few rows leave the GEMV path); on an Intel Xeon with AMX the bf16 step was slower than fp32
+(≈ 60 vs 45–52 ms) while its 17-token forward was far cheaper. So both dtypes are timed on the target itself,
+and the one with the cheaper step + 5-token verify wins. The choice is cached per machine, thread count,
+torch version and model, next to the converted models.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import write_json
+
+CACHE = "dtype_choice.json"
+CANDIDATES = ("float32", "bfloat16")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@torch.inference_mode()
+def time_forward(model, context: int = 64, fed: int = 1, repeats: int = 6) -> float:
+    """Median seconds of one forward of `fed` tokens after `context` cached ones (the decoder's head included)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (1, context + fed), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    seconds = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=fed)
+        if i:  # the first is a warm-up
+            seconds.append(time.perf_counter() - start)
+        cache.crop(-fed)
+    return statistics.median(seconds)
+
+
+def measure(model_path: Path) -> dict:
+    """{dtype: {"step_ms", "verify5_ms"}} for the model at `model_path` on this CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    timings = {}
+    for name in CANDIDATES:
+        model = model.to(getattr(torch, name))
+        timings[name] = {"step_ms": 1e3 * time_forward(model, fed=1), "verify5_ms": 1e3 * time_forward(model, fed=5)}
+    return timings
+
+
+def measured_cpu_dtype(model_path: str | Path, cache_dir: str | Path | None = None) -> str:
+    """The CPU dtype whose decoding step + 5-token verify pass is cheaper for this model here (cached)."""
+    model_path = Path(model_path)
+    cache = Path(cache_dir or model_path) / CACHE
+    key = f"{model_path.resolve()}|{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    known = json.loads(cache.read_text()) if cache.exists() else {}
+    if key not in known:
+        timings = measure(model_path)
+        choice = min(timings, key=lambda d: timings[d]["step_ms"] + timings[d]["verify5_ms"])
+        known[key] = {"dtype": choice, **timings}
+        write_json(cache, known)
+        shown = ", ".join(f"{d} {t['step_ms']:.0f} / {t['verify5_ms']:.0f} ms" for d, t in timings.items())
+        print(f"[runtime] dtype=auto: {choice} on this CPU (1-token / 5-token forward: {shown}; cached in {cache})")
+    return known[key]["dtype"]
