@@ -47,7 +47,9 @@ def attach_teacher_labels(job, log) -> None:
     `length` column the Trainer groups batches by."""
     objective = job.settings.objective
     train = job.train
-    cached_teacher = objective.teacher == "topk" and objective.loss != "ce" and float(objective.lmbda) < 1
+    # seq-KD replaces the off-policy batches by the target's own continuations: cached labels would go unused
+    cached_teacher = (objective.teacher == "topk" and objective.loss != "ce" and float(objective.lmbda) < 1
+                      and not objective.seq_kd)
     if not cached_teacher:
         train = train.remove_columns([c for c in ("topk_ids", "topk_logprobs") if c in train.column_names])
     else:

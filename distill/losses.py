@@ -11,6 +11,19 @@ Every loss returns one value per position ([N]); the trainer masks and averages.
          (Leviathan et al. 2023; DistillSpec, Zhou et al. 2024)
 - `ce`   cross-entropy −log q(y) on the target's sampled token y (sequence-level KD, Kim & Rush 2016);
          needs no teacher distribution. The loss temperature does not apply to it.
+- `lk_alpha`, `lk_lambda`  the LK losses (Samarin et al. 2026, "LK Losses: Direct Acceptance Rate Optimization for
+         Speculative Decoding", arXiv 2602.23881), with α = Σ min(p, q) the per-position acceptance rate:
+         `lk_alpha`  = −log α  (TV's target, its gradient scaled by 1/α so it trains from a cold start);
+         `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV(p, q),  λ = exp(−η · sg(ᾱ)), η = `LK_ETA` = 3, one λ per call from
+         the mean ᾱ over the call's positions, detached (sg = stop-gradient).
+         The paper's own text could not be retrieved here (only its abstract and summaries), so no equation numbers
+         are cited. The definitions are those of two implementations that cite the paper: vLLM speculators'
+         `nla` (−log α) and `lk_hybrid` (λ KL + (1 − λ) TV, λ = exp(−3α)), docs.vllm.ai/projects/speculators
+         user_guide/loss_functions; and NVIDIA Model-Optimizer's `masked_lk_lambda_loss` (paper §4.2 and §4.4:
+         "one detached blend weight per call", eta = 3.0, eta = 0 is pure KL), modelopt.torch.speculative.losses.
+
+Dense JSD(β) is TRL's own `GKDTrainer.generalized_jsd_loss`; the sparse teacher uses `jsd` below (same formula).
+`adaspec_mask` is AdaSPEC's token filter (Hu et al. 2025, arXiv 2510.19779), applied by the trainer.
 
 The loss temperature divides both teacher and draft logits before the softmax (no T² factor, as TRL).
 
@@ -45,22 +58,29 @@ import torch.nn.functional as F
 
 from pipeline.errors import PipelineError
 
-LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
+LOSSES = ("fkl", "rkl", "jsd", "tvd", "lk_alpha", "lk_lambda", "ce")
 TAILS = ("bucket", "renormalize")
+# η of LK^λ: the decay of the KL weight with acceptance, λ = exp(−η ᾱ); 3 in vLLM speculators' `lk_hybrid` and NVIDIA
+# Model-Optimizer's `masked_lk_lambda_loss` (both citing arXiv 2602.23881).
+LK_ETA = 3.0
 
 
-def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online") -> None:
+def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online",
+               adaspec_keep: float | None = None) -> None:
     """One-line errors for a loss configuration that cannot work."""
+    if adaspec_keep is not None and not 0.0 < float(adaspec_keep) <= 1.0:
+        raise PipelineError(f"distill.objective.adaspec_keep={adaspec_keep} is not a share in (0, 1]: "
+                            "use e.g. 0.4, or null to train on every token")
     if name not in LOSSES:
-        raise PipelineError(f"unknown distillation loss {name!r}: use distill.loss=one of {', '.join(LOSSES)}")
+        raise PipelineError(f"unknown distillation loss {name!r}: use distill.objective.loss=one of {', '.join(LOSSES)}")
     if name == "jsd" and not 0.0 < float(beta) < 1.0:
-        raise PipelineError(f"distill.beta={beta} is outside (0, 1): JSD(β) needs 0 < β < 1 "
+        raise PipelineError(f"distill.objective.beta={beta} is outside (0, 1): JSD(β) needs 0 < β < 1 "
                             "(use loss=fkl for β→0 or loss=rkl for β→1)")
     if tail not in TAILS:
-        raise PipelineError(f"unknown distill.topk_tail={tail!r}: use bucket or renormalize")
+        raise PipelineError(f"unknown distill.objective.topk_tail={tail!r}: use bucket or renormalize")
     if name == "rkl" and teacher == "topk" and tail == "renormalize":
         raise PipelineError("reverse KL against a renormalised top-k teacher is infinite: "
-                            "use distill.topk_tail=bucket or distill.teacher=online")
+                            "use distill.objective.topk_tail=bucket or distill.objective.teacher=online")
 
 
 # ---------------------------------------------------------------- divergences on aligned log-probs
@@ -90,6 +110,23 @@ def tvd(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
 
 
+def acceptance(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """α = Σ min(p, q): the probability that speculative sampling accepts a token drafted from q (Leviathan et al.
+    2023)."""
+    return torch.minimum(log_p, log_q).exp().sum(-1)
+
+
+def lk_alpha(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """LK^α = −log α (module docstring)."""
+    return -torch.log(acceptance(log_p, log_q).clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def lk_lambda(log_p: torch.Tensor, log_q: torch.Tensor, eta: float = LK_ETA) -> torch.Tensor:
+    """LK^λ = λ KL(p ‖ q) + (1 − λ) TV(p, q) with one detached λ = exp(−η ᾱ) for all positions (module docstring)."""
+    weight = torch.exp(-eta * acceptance(log_p, log_q).mean().detach())
+    return weight * forward_kl(log_p, log_q) + (1 - weight) * tvd(log_p, log_q)
+
+
 # exp(-1e4) is 0 in fp32: a floor that keeps zero-mass classes at zero probability while their log stays
 # finite, so logaddexp/exp never see (-inf) - (-inf) and gradients stay free of NaN.
 LOG_FLOOR = -1e4
@@ -105,7 +142,11 @@ def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float 
         return jsd(log_p, log_q, beta)
     if name == "tvd":
         return tvd(log_p, log_q)
-    raise PipelineError(f"{name!r} is not a divergence between distributions: use one of fkl, rkl, jsd, tvd")
+    if name == "lk_alpha":
+        return lk_alpha(log_p, log_q)
+    if name == "lk_lambda":
+        return lk_lambda(log_p, log_q)
+    raise PipelineError(f"{name!r} is not a divergence between distributions: use one of {', '.join(LOSSES[:-1])}")
 
 
 # ---------------------------------------------------------------- teachers
@@ -203,6 +244,8 @@ def distillation_loss(name: str, draft_logits: torch.Tensor, *, teacher_logits: 
         if labels is None:
             raise PipelineError("loss=ce needs the target's tokens as labels")
         return cross_entropy(draft_logits, labels)
+    if teacher_logits is not None and name == "jsd":
+        return trl_jsd(draft_logits, teacher_logits, beta, temperature)
     if teacher_logits is not None:
         log_p = torch.log_softmax(teacher_logits.float() / temperature, -1)
         log_q = torch.log_softmax(draft_logits.float() / temperature, -1)
@@ -212,3 +255,38 @@ def distillation_loss(name: str, draft_logits: torch.Tensor, *, teacher_logits: 
     else:
         raise PipelineError(f"loss={name} needs a teacher: distill.teacher=online or topk")
     return divergence(name, log_p, log_q, beta)
+
+
+def trl_jsd(draft_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
+    """Per-position JSD(β) [N] from TRL's `GKDTrainer.generalized_jsd_loss` (GKD eq. 1), in fp32."""
+    per_class = _gkd_trainer().generalized_jsd_loss(draft_logits.float(), teacher_logits.float(), beta=beta,
+                                                   temperature=temperature, reduction="none")
+    return per_class.sum(-1)
+
+
+def _gkd_trainer():
+    import warnings
+
+    with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
+        warnings.simplefilter("ignore")
+        from trl.experimental.gkd import GKDTrainer
+    return GKDTrainer
+
+
+# ---------------------------------------------------------------- AdaSPEC token selection
+def adaspec_mask(draft_loss: torch.Tensor, reference_loss: torch.Tensor, keep: float) -> torch.Tensor:
+    """Which of N positions AdaSPEC trains on: the round(keep · N) (at least 1) with the largest
+    draft_loss − reference_loss, as a bool mask [N].
+
+    AdaSPEC (Hu et al. 2025, arXiv 2510.19779; the `AdaSPECTrainer.compute_loss` of github.com/yuezhouhu/adaspec)
+    computes per token the draft's and the reference model's KL(p ‖ ·) to the target, Δ = L_draft − L_ref, and
+    keeps the tokens with Δ ≥ quantile(Δ, 1 − k): the top k share by Δ, i.e. where the reference shows the draft
+    still has most to gain; tokens the reference fits no better than the draft (hard to fit) are dropped. Here
+    the losses are the configured objective's and the share is exact (ties broken by `topk`).
+    """
+    n = draft_loss.numel()
+    mask = torch.zeros(n, dtype=torch.bool, device=draft_loss.device)
+    if n:
+        kept = max(1, round(float(keep) * n))
+        mask[(draft_loss - reference_loss).detach().topk(kept).indices] = True
+    return mask

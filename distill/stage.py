@@ -121,7 +121,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
 # ---------------------------------------------------------------- inputs
 def check_config(settings: DictConfig) -> None:
     objective = settings.objective
-    check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher)
+    check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher, objective.get("adaspec_keep"))
     if objective.teacher not in TEACHERS:
         raise PipelineError(f"unknown distill.objective.teacher={objective.teacher!r}: use online or topk")
     if not 0.0 <= float(objective.lmbda) <= 1.0:
@@ -376,6 +376,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
         per_position_acceptance={k: v["per_position_acceptance"] for k, v in after.items()},
         predicted_speedup=predicted, cost=calibration["cost"],
         training={"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
+                  "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
                   "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
                   "rows": len(job.train), "fingerprint": job.fingerprint},
         learning_curve=training.curve, heldout=job.heldout_sizes)

@@ -1,23 +1,54 @@
-"""Distillation with the HF Trainer: `DistillConfig` (the knobs) + `DistillTrainer` (only `compute_loss`
-differs), in the style of TRL's GKDTrainer. Checkpointing, gradient accumulation, mixed precision and
-multi-process training (`accelerate launch`) come from Trainer/accelerate. Batches use the aligned layout
-of distill/batch.py.
+"""Distillation on TRL's GKD trainer: `DistillConfig` (GKDConfig + our knobs) and `DistillTrainer` (GKDTrainer).
+
+TRL serves the on-policy share λ (GKDConfig.lmbda: the draw, the generation from the left-padded prompts, the swap
+of the batch and its label masking are GKDTrainer.training_step / generate_on_policy_outputs), sequence-level KD
+(GKDConfig.seq_kd: the target generates instead), dense JSD(β) (GKDTrainer.generalized_jsd_loss, through
+distill/losses.py), the sampling temperature (GKDConfig.temperature), and, through Trainer and accelerate,
+checkpointing, gradient accumulation, mixed precision and `accelerate launch`.
+
+Ours, where TRL has no equivalent or cannot serve:
+- compute_loss. GKDTrainer.compute_loss runs the teacher on every batch and compares full-vocabulary logits over
+  whole sequences; ours runs the target only when the loss needs it (teacher=online, and batches TRL generated,
+  whose cached labels no longer apply), so teacher=topk with λ=0 never runs it per step. It also takes
+- the cached top-k teacher (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
+- the FR-Spec subset head (pipeline/heads.py SubsetHead): the draft's logits are over its K subset columns and the
+  target's are sliced to the same rows. TRL's generation would sample subset *columns*, so for generation the draft
+  gets its full head back (sharing the same weights) with every token outside the subset suppressed
+  (`generation_config.suppress_tokens`): it samples exactly its subset distribution as token ids, and TRL's own
+  generate_on_policy_outputs does the rest;
+- the aligned batch layout for off-policy batches (distill/batch.py: no head over prompts). Batches TRL generated
+  are in its causal layout (labels −100 on prompt and padding, shifted by one); compute_loss reads both;
+- AdaSPEC token selection (`adaspec_keep`, distill/losses.py adaspec_mask) against a frozen reference model, by
+  default the draft as it was when the trainer was built;
+- the held-out acceptance callback and the time budget.
+
+The λ draw is TRL's `random.random()`: Trainer seeds Python's `random` with TrainingArguments.seed on every process
+(transformers.set_seed, again in SFTTrainer.__init__), checkpoints its state per process and restores it on resume,
+and nothing else in the distill stage draws from it, so every process makes the same draws, across a resume too.
 """
 from __future__ import annotations
 
-import random
+import copy
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArguments
+from torch import nn
+from transformers import TrainerCallback
 
-from distill.batch import Truncation, completion_hidden, layout
-from distill.losses import check_loss, distillation_loss, sparse_teacher
-from pipeline.heads import column_map, head_logits, head_rows
-from pipeline.sampling import logits_to_probs, sample
+from distill.batch import Truncation, layout
+from distill.losses import adaspec_mask, check_loss, distillation_loss, sparse_teacher
+from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
+
+with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
+    warnings.simplefilter("ignore")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 LABEL_COLUMNS = ("topk_ids", "topk_logprobs", "subset_logmass")
+ALIGNED_ONLY = ("position_ids", "prompt_length", *LABEL_COLUMNS)
+CAUSAL = "causal"  # inputs["layout"] of a batch TRL generated
 
 
 # ---------------------------------------------------------------- batching
@@ -25,8 +56,9 @@ LABEL_COLUMNS = ("topk_ids", "topk_logprobs", "subset_logmass")
 class DistillCollator:
     """Rows {prompt_ids, completion_ids[, topk_ids, topk_logprobs[, subset_logmass]]} -> aligned tensors.
 
-    Returns the layout of distill/batch.py and, when every row has them, topk_ids [B, Lc, k],
-    topk_logprobs [B, Lc, k] and subset_logmass [B, Lc].
+    Returns the layout of distill/batch.py, the left-padded prompts TRL generates from (`prompts`,
+    `prompt_attention_mask` [B, P]: the first P columns of the layout) and, when every row has them,
+    topk_ids [B, Lc, k], topk_logprobs [B, Lc, k] and subset_logmass [B, Lc].
     """
     pad_token_id: int
     truncation: Truncation
@@ -34,6 +66,9 @@ class DistillCollator:
     def __call__(self, rows: list[dict]) -> dict:
         prompts, completions = zip(*(self.truncation(r) for r in rows))
         batch = layout(list(prompts), list(completions), self.pad_token_id)
+        p_len = int(batch["prompt_length"])
+        batch["prompts"] = batch["input_ids"][:, :p_len].clone()
+        batch["prompt_attention_mask"] = batch["attention_mask"][:, :p_len].clone()
         if all(r.get("topk_ids") is not None for r in rows):
             lc = batch["labels"].shape[1]
             k = len(rows[0]["topk_ids"][0])
@@ -52,153 +87,209 @@ class DistillCollator:
         return batch
 
 
-# ---------------------------------------------------------------- config and trainer
+# ---------------------------------------------------------------- config
 def _knob(help_text: str):
     # No default value here: conf/distill/default.yaml (`objective:`) is the one place that sets it.
     return field(default=None, metadata={"help": help_text})
 
 
 @dataclass
-class DistillConfig(TrainingArguments):
-    """TrainingArguments plus the distillation knobs, named as in conf/distill/default.yaml `objective:`."""
-    loss: str = _knob("fkl | rkl | jsd | tvd | ce")
-    beta: float = _knob("JSD interpolation β (GKD eq. 1)")
+class DistillConfig(GKDConfig):
+    """GKDConfig plus our knobs, named as in conf/distill/default.yaml `objective:`. lmbda, beta, temperature and
+    seq_kd are GKDConfig's own (their TRL defaults replaced by `_knob`: conf sets them); max_new_tokens, TRL's
+    generation length, is max_completion_length."""
+    loss: str = _knob("fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce (distill/losses.py)")
+    beta: float = _knob("GKDConfig.beta: JSD interpolation β (GKD eq. 1)")
     loss_temperature: float = _knob("softmax temperature inside the loss")
     teacher: str = _knob("online (target forward) | topk (cached labels)")
     topk: int = _knob("k of the cached labels when the stage computes them")
     topk_tail: str = _knob("bucket | renormalize (see distill/losses.py)")
-    lmbda: float = _knob("share of batches the draft continues itself (on-policy)")
-    on_policy_temperature: float = _knob("draft sampling temperature on-policy")
+    lmbda: float = _knob("GKDConfig.lmbda: share of batches the draft continues itself (on-policy)")
+    temperature: float = _knob("GKDConfig.temperature: sampling temperature of on-policy and seq-KD generation")
+    seq_kd: bool = _knob("GKDConfig.seq_kd: off-policy batches are continuations the target generates")
+    adaspec_keep: float = _knob("AdaSPEC: share of completion tokens trained on per batch; None = all")
     freeze_shared: bool = _knob("freeze the embeddings and the head")
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
-    max_completion_length: int = _knob("completion tokens trained on")
+    max_completion_length: int = _knob("completion tokens trained on; also GKDConfig.max_new_tokens")
+    # TrainingArguments' defaults where TRL's differ (conf/distill `trainer:` sets bf16; a few-layer draft has no
+    # activation memory worth recomputing).
+    bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "alias of activation_checkpointing"})
 
     def __post_init__(self):
-        super().__post_init__()
-        unset = [f.name for f in fields(DistillConfig) if f.name in OBJECTIVE and getattr(self, f.name) is None]
+        unset = [f.name for f in fields(DistillConfig) if f.name in OBJECTIVE and f.name not in OPTIONAL
+                 and getattr(self, f.name) is None]
         if unset:
             raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
+        self.max_new_tokens = int(self.max_completion_length)
+        super().__post_init__()
 
 
-OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "on_policy_temperature",
-             "freeze_shared", "max_prompt_length", "max_completion_length")
+OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
+             "adaspec_keep", "freeze_shared", "max_prompt_length", "max_completion_length")
+OPTIONAL = ("adaspec_keep",)  # None is a setting (train on every token)
 
 
-class DistillTrainer(Trainer):
-    """Trainer whose loss is a divergence between the target (teacher) and the draft on completion tokens.
+# ---------------------------------------------------------------- loss positions of either layout
+@dataclass
+class Positions:
+    """Where a batch's loss positions are: the forward's inputs, how many final positions' logits to keep, and the
+    labels [B, n] those positions predict (−100 = none). `trim`: the last kept position predicts past the end."""
+    forward: dict
+    keep: int
+    trim: bool
+    labels: torch.Tensor
 
-    `vocab`: FR-Spec subset of target ids (the draft's head is already a `SubsetHead` over it), or None.
-    `teacher_model`: the target, needed for teacher=online and for on-policy batches (lmbda > 0).
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.labels != -100
+
+    def at(self, states: torch.Tensor) -> torch.Tensor:
+        """States [B, L, ...] (L ≥ keep) at the loss positions: [B, n, ...]."""
+        states = states[:, -self.keep:]
+        return states[:, :-1] if self.trim else states
+
+
+def positions(inputs: dict) -> Positions:
+    """Our aligned layout (distill/batch.py), or TRL's causal one after generation: tokens [prompt | completion],
+    labels −100 on the first P = prompts width columns, position t predicting token t + 1."""
+    if inputs.get("layout") != CAUSAL:
+        forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        return Positions(forward, inputs["labels"].shape[1], False, inputs["labels"])
+    attention = inputs["attention_mask"]
+    p_len = inputs["prompts"].shape[1]
+    forward = {"input_ids": inputs["input_ids"], "attention_mask": attention,
+               "position_ids": (attention.cumsum(1) - 1).clamp_min(0)}  # prompts are left-padded
+    return Positions(forward, inputs["input_ids"].shape[1] - p_len + 1, True, inputs["labels"][:, p_len:])
+
+
+@contextmanager
+def full_head(model):
+    """The model's full-vocabulary head (sharing the SubsetHead's parameters) for the duration; yields whether it
+    swapped one in."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, SubsetHead):
+        yield False
+        return
+    full = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=head.bias is not None, device="meta")
+    full.weight = head.weight
+    if head.bias is not None:
+        full.bias = head.bias
+    model.set_output_embeddings(full)
+    try:
+        yield True
+    finally:
+        model.set_output_embeddings(head)
+
+
+def _restore_forward(module, forward) -> None:
+    """Undo an instance-level `forward` patch (TRL's fused LM head, accelerate's autocast of the teacher)."""
+    if forward is None:
+        vars(module).pop("forward", None)
+    else:
+        module.forward = forward
+
+
+# ---------------------------------------------------------------- trainer
+class DistillTrainer(GKDTrainer):
+    """GKDTrainer whose loss is one of distill/losses.py between the target (teacher) and the draft.
+
+    `teacher_model`: the target (always; it runs only when the loss needs it). `vocab`: FR-Spec subset of target
+    ids (the draft's head is already a `SubsetHead` over it), or None. `stop_ids`: generation stops after these.
+    `reference_model`: AdaSPEC's reference (adaspec_keep set); None = a frozen copy of `model` as passed.
     The loss is a per-micro-batch token mean; Trainer divides it by the accumulation steps.
     """
     loss_is_scaled_for_ga = False
 
-    def __init__(self, model, args: DistillConfig, train_dataset, teacher_model=None, vocab=None,
-                 stop_ids: list[int] | None = None, processing_class=None, callbacks=None):
-        check_loss(args.loss, args.beta, args.topk_tail, args.teacher)
-        pad = processing_class.pad_token_id if processing_class is not None else 0
-        collator = DistillCollator(pad, Truncation(args.max_prompt_length, args.max_completion_length))
-        super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=collator,
-                         processing_class=processing_class, callbacks=callbacks)
-        self.teacher = teacher_model
-        if self.teacher is not None:
-            self.teacher.eval().requires_grad_(False)
+    def __init__(self, model, args: DistillConfig, train_dataset, teacher_model, vocab=None,
+                 stop_ids: list[int] | None = None, processing_class=None, callbacks=None, reference_model=None):
+        check_loss(args.loss, args.beta, args.topk_tail, args.teacher, args.adaspec_keep)
+        collator = DistillCollator(processing_class.pad_token_id,
+                                   Truncation(args.max_prompt_length, args.max_completion_length))
+        if args.adaspec_keep is not None and reference_model is None:
+            reference_model = copy.deepcopy(model)
+        patched = [(m, vars(m).get("forward")) for m in (model, teacher_model)]
+        super().__init__(model=model, teacher_model=teacher_model, args=args, data_collator=collator,
+                         train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks)
+        for module, forward in patched:  # our compute_loss uses neither patch; the stage gets its models back as given
+            _restore_forward(module, forward)
+        self.teacher_model.eval().requires_grad_(False)
+        self.reference = reference_model
+        if reference_model is not None:
+            self.reference = reference_model.to(args.device).eval().requires_grad_(False)
         self.vocab_size = model.config.vocab_size
         self.vocab = None if vocab is None else vocab.to(args.device)
         self.column_of = column_map(self.vocab, self.vocab_size)
-        self.stop_ids = torch.tensor(stop_ids or [], dtype=torch.long, device=args.device)
-        self.pad_token_id = pad
-        self.policy_rng = random.Random(args.seed)  # the same draws on every process
+        self.outside_vocab = None if vocab is None else (self.column_of < 0).nonzero().flatten().tolist()
+        if stop_ids:
+            self.generation_config.eos_token_id = list(stop_ids)
         self.on_policy_batches = 0
         self.train_tokens = 0
 
-    # ---- teacher signals
+    def create_model_card(self, *args, **kwargs):
+        """None in checkpoints: the export writes the draft's model card (distill/export.py)."""
+
+    # ---- generation (TRL's training_step calls this for on-policy and seq-KD batches)
+    def generate_on_policy_outputs(self, model, inputs, generation_config):
+        """TRL's generate_on_policy_outputs, with a subset draft's full head back and the tokens outside its subset
+        suppressed; marks `inputs` as TRL's causal layout (training_step then swaps in the generated tensors)."""
+        config = generation_config
+        if model is not self.teacher_model:
+            self.on_policy_batches += 1
+        with full_head(model) as swapped:
+            if swapped:
+                config = copy.deepcopy(generation_config)
+                config.suppress_tokens = self.outside_vocab
+            result = super().generate_on_policy_outputs(model, inputs, config)
+        for key in ALIGNED_ONLY:
+            inputs.pop(key, None)
+        inputs["layout"] = CAUSAL
+        return result
+
+    # ---- the loss
     @torch.no_grad()
-    def teacher_logits(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
-        """Target logits [N, C] over the draft's classes at the masked completion positions."""
+    def teacher_logits(self, where: Positions) -> torch.Tensor:
+        """Target logits [N, C] over the draft's classes at the loss positions."""
         # Over the subset's rows only: the teacher renormalised over what the draft can propose (losses.py).
-        return head_logits(completion_hidden(self.teacher, batch)[mask], head_rows(self.teacher, self.vocab))
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        hidden = where.at(teacher.model(**where.forward, use_cache=False).last_hidden_state)[where.mask]
+        return head_logits(hidden, head_rows(teacher, self.vocab))
 
     def _columns(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.column_of is None else self.column_of[ids]
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
-        on_policy = args.lmbda > 0 and self.policy_rng.random() < args.lmbda
-        if on_policy:
-            inputs = self.on_policy_batch(model, inputs)
-            self.on_policy_batches += 1
-        labels = inputs["labels"]
-        mask = labels != -100
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                    position_ids=inputs["position_ids"], logits_to_keep=labels.shape[1], use_cache=False)
-        draft_logits = out.logits[mask]
-        kwargs = dict(temperature=args.loss_temperature, beta=args.beta, tail=args.topk_tail)
+    def teacher_signal(self, inputs: dict, where: Positions) -> dict:
+        """distillation_loss's teacher keyword: labels (ce), online target logits, or the cached top-k teacher."""
+        args, mask = self.args, where.mask
         if args.loss == "ce":
-            cols = self._columns(labels[mask])
-            per_token = distillation_loss("ce", draft_logits, labels=torch.where(cols >= 0, cols, -100))
-        elif args.teacher == "online" or on_policy:
-            per_token = distillation_loss(args.loss, draft_logits, teacher_logits=self.teacher_logits(inputs, mask),
-                                          **kwargs)
-        else:
-            if "topk_ids" not in inputs:
-                raise RuntimeError("teacher=topk but the batch has no topk_ids (the stage fills them in)")
-            subset_logmass = inputs["subset_logmass"][mask] if "subset_logmass" in inputs else None
-            teacher = sparse_teacher(inputs["topk_ids"][mask], inputs["topk_logprobs"][mask], self.vocab_size,
-                                     self.column_of, subset_logmass)
-            per_token = distillation_loss(args.loss, draft_logits, teacher=teacher, **kwargs)
-        self.train_tokens += int(mask.sum())
-        loss = per_token.mean()
+            cols = self._columns(where.labels[mask])
+            return {"labels": torch.where(cols >= 0, cols, -100)}
+        if args.teacher == "online" or inputs.get("layout") == CAUSAL:
+            return {"teacher_logits": self.teacher_logits(where)}
+        if "topk_ids" not in inputs:
+            raise RuntimeError("teacher=topk but the batch has no topk_ids (the stage fills them in)")
+        subset_logmass = inputs["subset_logmass"][mask] if "subset_logmass" in inputs else None
+        return {"teacher": sparse_teacher(inputs["topk_ids"][mask], inputs["topk_logprobs"][mask], self.vocab_size,
+                                          self.column_of, subset_logmass)}
+
+    def _per_token(self, model, where: Positions, teacher: dict):
+        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
+        logits = where.at(out.logits)[where.mask]
+        args = self.args
+        return distillation_loss(args.loss, logits, temperature=args.loss_temperature, beta=args.beta,
+                                 tail=args.topk_tail, **teacher), out
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        where = positions(inputs)
+        teacher = self.teacher_signal(inputs, where)
+        per_token, out = self._per_token(model, where, teacher)
+        if self.args.adaspec_keep is not None:
+            with torch.no_grad():
+                reference, _ = self._per_token(self.reference, where, teacher)
+            per_token = per_token[adaspec_mask(per_token, reference, self.args.adaspec_keep)]
+        self.train_tokens += int(where.mask.sum())
+        loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
         return (loss, out) if return_outputs else loss
-
-    # ---- on-policy (GKD): the draft continues the prompt itself, the target labels its tokens
-    @torch.no_grad()
-    def on_policy_batch(self, model, inputs: dict) -> dict:
-        draft = self.accelerator.unwrap_model(model)
-        p_len = int(inputs["prompt_length"])
-        prompt_ids, prompt_mask = inputs["input_ids"][:, :p_len], inputs["attention_mask"][:, :p_len]
-        was_training = draft.training
-        draft.eval()
-        tokens, alive = sample_continuations(draft, prompt_ids, prompt_mask, inputs["labels"].shape[1],
-                                             self.args.on_policy_temperature, self.vocab, self.stop_ids,
-                                             self.pad_token_id)
-        draft.train(was_training)
-        width = tokens.shape[1]
-        input_ids = torch.cat([prompt_ids, tokens[:, :-1]], 1)
-        attention = torch.cat([prompt_mask, alive[:, :-1].long()], 1)
-        return {"input_ids": input_ids, "attention_mask": attention,
-                "position_ids": (attention.cumsum(1) - 1).clamp_min(0),
-                "labels": torch.where(alive, tokens, torch.full_like(tokens, -100))[:, :width],
-                "prompt_length": inputs["prompt_length"]}
-
-
-@torch.no_grad()
-def sample_continuations(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float,
-                         vocab=None, stop_ids=None, pad_token_id: int = 0):
-    """Batched sampling with a KV cache from left-padded prompts. Returns (tokens [B, n], alive [B, n]):
-    alive marks generated tokens up to and including each row's stop token."""
-    cache = DynamicCache(config=model.config)
-    attention = prompt_mask
-    position = (prompt_mask.cumsum(1) - 1).clamp_min(0)
-    logits = model(input_ids=prompt_ids, attention_mask=attention, position_ids=position, cache=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
-    done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens, alive = [], []
-    for _ in range(max_new_tokens):
-        index = sample(logits_to_probs(logits, temperature))
-        token = index if vocab is None else vocab[index]
-        alive.append(~done)
-        token = torch.where(done, torch.full_like(token, pad_token_id), token)
-        tokens.append(token)
-        if stop_ids is not None and len(stop_ids):
-            done = done | torch.isin(token, stop_ids)
-        if bool(done.all()):
-            break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-        position = position[:, -1:] + 1
-        logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position, cache=cache,
-                       use_cache=True).logits[:, -1]
-    return torch.stack(tokens, 1), torch.stack(alive, 1)
 
 
 # ---------------------------------------------------------------- callbacks

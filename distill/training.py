@@ -82,9 +82,8 @@ def train_draft(job, log) -> TrainingResult:
                                        is_main=job.is_main, printer=log)
     full_head = use_subset_head(job.draft, job.vocab)
     job.draft.train()
-    needs_target = objective.teacher == "online" or float(objective.lmbda) > 0
     trainer = DistillTrainer(job.draft, training_arguments(job, out_dir), job.train,
-                             teacher_model=job.target if needs_target else None, vocab=job.vocab, stop_ids=job.stops,
+                             teacher_model=job.target, vocab=job.vocab, stop_ids=job.stops,
                              processing_class=job.tokenizer,
                              callbacks=[acceptance_cb, TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"))])
     acceptance_cb.trainer = trainer

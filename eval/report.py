@@ -20,7 +20,9 @@ CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RES
 METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
                  "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
                  "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)",
-                 "hf_assisted_calibrated": "HF assisted (our calibration)"}
+                 "hf_assisted_calibrated": "HF assisted (our calibration)",
+                 "speculative_fixed": "own speculative, fixed γ", "speculative_confidence": "own speculative, confidence stop",
+                 "speculative_heuristic": "own speculative, HF heuristic schedule"}
 
 
 def machine() -> dict:
@@ -100,6 +102,23 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
             rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
                          "1.00×" if method == "autoregressive" else _speedup(m),
                          "ref" if method == "autoregressive" else _f(m.get("greedy_match"))])
+    return header, rows
+
+
+def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """Per domain and draft-length policy (eval.compare_draft_lengths): mean accepted length, drafts per pass,
+    drafts wasted (proposed − accepted, per pass) and speedup with its interval."""
+    header = ["domain", "policy", "draft length", "mean acc. len", "drafts/pass", "wasted/pass", "speedup"]
+    rows = []
+    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
+        for method in ("speculative", "speculative_fixed", "speculative_confidence", "speculative_heuristic"):
+            m = d.get(method)
+            if not m:
+                continue
+            passes = m.get("target_passes") or 1
+            rows.append([name, "calibrated" if method == "speculative" else method.removeprefix("speculative_"),
+                         _policy(m.get("draft_length")), _f(m.get("mean_accepted_length")),
+                         _f(m.get("drafted_per_pass")), _f(m.get("wasted_drafts", 0) / passes), _speedup(m)])
     return header, rows
 
 
@@ -272,6 +291,8 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
     ]
     if slowdown_advice(metrics):
         lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
+    if any("speculative_fixed" in d for d in metrics["domains"].values()):
+        lines += ["## Draft-length policies", "", markdown_table(*policy_rows(metrics)), ""]
     comparisons = comparison_lines(metrics)
     if comparisons:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
-from eval.report import (comparison_lines, domain_rows, log_to_tracker, machine, slowdown_advice, text_table,
-                         write_outputs)
+from eval.report import (comparison_lines, domain_rows, log_to_tracker, machine, policy_rows, slowdown_advice,
+                         text_table, write_outputs)
 from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.draft_length import POLICIES, DraftLength
@@ -282,8 +282,14 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
             and spec is not None and spec.sampling != sampling):
         print(f"[eval] note: the draft's τ was calibrated for {spec.sampling}, not {sampling}; the draft samples "
               "at the eval temperature (set eval.draft_temperature to choose one)")
-    return {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
-            for name, draft in evaluation.drafts.items()}
+    plans = {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
+             for name, draft in evaluation.drafts.items()}
+    if settings["compare_draft_lengths"]:  # the evaluated draft once per policy, side by side in the same run
+        for policy in POLICIES:
+            forced = settings | {"draft_length": policy, "gamma": None}
+            plans[f"speculative_{policy}"] = {domain: draft_plan(evaluation.drafts["speculative"], domain, forced,
+                                                                 sampling) for domain in [*domains, "default"]}
+    return plans
 
 
 # ---------------------------------------------------------------- timed decoding
@@ -324,8 +330,8 @@ def make_methods(evaluation: Evaluation) -> dict:
                                       top_p=sampling.top_p, eos_token_id=stop, generator=generator(seed))
         return out.tokens.tolist(), out.stats
 
-    def speculative(name):
-        draft = evaluation.drafts[name]
+    def speculative(name, draft_name=None):
+        draft = evaluation.drafts[draft_name or name]
 
         def generate(ids, domain, n, seed, gamma=None):
             plan = evaluation.plans[name][domain]
@@ -338,6 +344,9 @@ def make_methods(evaluation: Evaluation) -> dict:
         return generate
 
     methods = {"autoregressive": autoregressive, **{name: speculative(name) for name in evaluation.drafts}}
+    if evaluation.settings["compare_draft_lengths"]:
+        methods.update({f"speculative_{policy}": speculative(f"speculative_{policy}", "speculative")
+                        for policy in POLICIES})
     if evaluation.settings["baselines"]:
         methods.update(_hf_methods(evaluation))
     return methods
@@ -502,6 +511,8 @@ def run(cfg: DictConfig, tracker) -> dict:
 
     plots = write_outputs(out_dir, metrics, records)
     print(text_table(*domain_rows(metrics)))
+    if settings["compare_draft_lengths"]:
+        print(text_table(*policy_rows(metrics)))
     print("\n".join(comparison_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")

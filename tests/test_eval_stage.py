@@ -376,3 +376,21 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
     uncalibrated = settings | {"use_calibration": False}
     assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
     assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
+
+
+def test_draft_length_policies_side_by_side(tmp_path, models):
+    from eval.report import policy_rows
+
+    metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
+                              "eval.compare_draft_lengths=true", "eval.gammas=[]", "eval.max_draft=6",
+                              "eval.confidence_threshold=0.5")
+    for domain in metrics["domains"].values():
+        for policy in ("fixed", "confidence", "heuristic"):
+            entry = domain[f"speculative_{policy}"]
+            assert entry["draft_length"]["policy"] == policy and entry["greedy_match"] == 1.0  # lossless
+            assert entry["n_drafted"] >= entry["n_accepted"] and entry["speedup_ci95"] is not None
+    confidence = metrics["overall"]["speculative_confidence"]
+    assert confidence["drafted_per_pass"] <= 6
+    header, rows = policy_rows(metrics)
+    assert {row[1] for row in rows} == {"calibrated", "fixed", "confidence", "heuristic"}
+    assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()

@@ -1,0 +1,160 @@
+"""DistillTrainer on TRL's GKDTrainer: TRL's on-policy and seq-KD branches run (with a vocabulary-subset draft the
+generated ids stay in the subset), the cached teacher never runs the target per step, AdaSPEC trains with both
+teachers, and the LK / AdaSPEC math against hand-computed values. Tiny random models; CPU; a few steps each."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from distill.losses import adaspec_mask, distillation_loss
+from tests.conftest import REPO, tiny_llama
+from tests.test_distill import VOCAB, logits, tiny_tokenizer
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+SUBSET = torch.tensor(sorted({1, 3, *range(6, VOCAB, 3)}))  # the stop tokens and every third word
+
+
+# ---------------------------------------------------------------- losses against hand-computed values
+# p = (.5, .3, .2), q = (.2, .5, .3): α = Σ min(p, q) = .2 + .3 + .2 = .7; KL(p ‖ q) = .2238047 (HAND, test_distill.py);
+# TV = .3
+def test_lk_alpha_is_minus_log_acceptance():
+    loss = distillation_loss("lk_alpha", logits([0.2, 0.5, 0.3]), teacher_logits=logits([0.5, 0.3, 0.2]))
+    assert loss.item() == pytest.approx(-math.log(0.7), abs=1e-6)  # 0.3566749
+
+
+def test_lk_lambda_blends_kl_and_tv_by_the_detached_mean_acceptance():
+    # one position: λ = exp(−3 · .7) = .1224564; λ · .2238047 + (1 − λ) · .3 = .0274064 + .2632631
+    q = logits([0.2, 0.5, 0.3]).requires_grad_()
+    loss = distillation_loss("lk_lambda", q, teacher_logits=logits([0.5, 0.3, 0.2]))
+    assert loss.item() == pytest.approx(0.2906695, abs=1e-6)
+    # two positions share one λ from their mean α: second position q = p (α = 1, KL = TV = 0), ᾱ = .85,
+    # λ = exp(−2.55) = .0780817; first position λ · .2238047 + (1 − λ) · .3 = .0174749 + .2765755
+    both = distillation_loss("lk_lambda", torch.cat([q, logits([0.5, 0.3, 0.2])]),
+                             teacher_logits=logits([0.5, 0.3, 0.2]).repeat(2, 1))
+    assert both[0].item() == pytest.approx(0.2940504, abs=1e-6) and both[1].item() == pytest.approx(0.0, abs=1e-6)
+    both.sum().backward()  # λ is detached: the gradient is λ ∇KL + (1 − λ) ∇TV
+    assert torch.isfinite(q.grad).all()
+
+
+def test_adaspec_keeps_the_configured_share_with_the_largest_draft_minus_reference_loss():
+    draft = torch.tensor([0.9, 0.2, 0.5, 0.4, 1.0, 0.3, 0.6, 0.7, 0.1, 0.8])
+    reference = torch.tensor([0.1, 0.3, 0.5, 0.0, 0.9, 0.0, 0.0, 0.6, 0.0, 0.8])
+    # Δ = (.8, −.1, 0, .4, .1, .3, .6, .1, .1, 0): the three largest are positions 0 (.8), 6 (.6), 3 (.4)
+    assert adaspec_mask(draft, reference, 0.3).nonzero().flatten().tolist() == [0, 3, 6]
+    assert adaspec_mask(draft, reference, 0.5).sum() == 5  # + position 5 (.3) and one of the .1 ties
+    assert adaspec_mask(draft, reference, 1.0).all()
+    assert adaspec_mask(draft[:3], reference[:3], 0.1).sum() == 1  # at least one token
+
+
+def test_dense_jsd_is_trls_generalized_jsd_loss(monkeypatch):
+    calls = []
+    original = GKDTrainer.generalized_jsd_loss
+    monkeypatch.setattr(GKDTrainer, "generalized_jsd_loss",
+                        staticmethod(lambda *a, **k: calls.append(k) or original(*a, **k)))
+    loss = distillation_loss("jsd", logits([0.2, 0.5, 0.3]), teacher_logits=logits([0.5, 0.3, 0.2]), beta=0.5)
+    assert calls and loss.item() == pytest.approx(0.0508746, abs=1e-5)  # HAND[("jsd", 0.5)]
+
+
+# ---------------------------------------------------------------- the trainer on tiny models
+def rows_and_models(n_rows: int = 8):
+    target = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=2, seed=1, tie=False)
+    draft = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=2, tie=True).train()
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": [2, 4, *torch.randint(6, VOCAB, (int(3 + i % 4),), generator=g).tolist(), 3, 2, 5],
+             "completion_ids": torch.randint(6, VOCAB, (int(4 + i % 3),), generator=g).tolist()} for i in range(n_rows)]
+    return target, draft, rows
+
+
+def build(tmp_path, target, draft, rows, vocab=None, **objective):
+    from datasets import Dataset
+
+    from distill.batch import Truncation
+    from distill.labels import teacher_labels
+    from distill.trainer import DistillConfig, DistillTrainer
+    from pipeline.heads import use_subset_head
+
+    settings = {**OmegaConf.to_container(OmegaConf.load(REPO / "conf/distill/default.yaml").objective),
+                "max_completion_length": 8, **objective}
+    truncation = Truncation(settings["max_prompt_length"], settings["max_completion_length"])
+    columns = teacher_labels(target, rows, truncation, 8, vocab, 4, 1)
+    dataset = Dataset.from_list([{**row, **{k: v[i] for k, v in columns.items()}} for i, row in enumerate(rows)])
+    use_subset_head(draft, vocab)
+    args = DistillConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                         report_to="none", use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                         remove_unused_columns=False, **settings)
+    return DistillTrainer(draft, args, dataset, teacher_model=target, vocab=vocab, stop_ids=[3],
+                          processing_class=tiny_tokenizer())
+
+
+@pytest.fixture
+def spy_generation(monkeypatch):
+    """Records (model, generated ids, attention mask, prompt width) of every TRL generation."""
+    calls = []
+    original = GKDTrainer.generate_on_policy_outputs
+
+    def spy(model, inputs, generation_config):
+        ids, attention, labels = original(model, inputs, generation_config)
+        calls.append((model, ids, attention, inputs["prompts"].shape[1]))
+        return ids, attention, labels
+
+    monkeypatch.setattr(GKDTrainer, "generate_on_policy_outputs", staticmethod(spy))
+    return calls
+
+
+def test_config_and_trainer_are_trls(tmp_path):
+    from distill.trainer import DistillConfig, DistillTrainer
+
+    target, draft, rows = rows_and_models()
+    trainer = build(tmp_path, target, draft, rows)
+    assert isinstance(trainer, GKDTrainer) and isinstance(trainer.args, GKDConfig)
+    assert issubclass(DistillTrainer, GKDTrainer) and issubclass(DistillConfig, GKDConfig)
+    assert trainer.args.max_new_tokens == 8 and not trainer.args.gradient_checkpointing
+    assert "forward" not in vars(draft) and "forward" not in vars(target)  # TRL's fused-head patch is undone
+    with pytest.raises(ValueError, match="lmbda"):
+        DistillConfig(output_dir=str(tmp_path), loss="fkl", use_cpu=True)  # objective keys come from conf
+
+
+def test_on_policy_batches_run_trls_training_step_and_sample_inside_the_vocab_subset(tmp_path, spy_generation):
+    target, draft, rows = rows_and_models()
+    trainer = build(tmp_path, target, draft, rows, vocab=SUBSET, lmbda=1.0, teacher="online", loss="fkl")
+    before = draft.model.layers[0].mlp.up_proj.weight.detach().clone()
+    trainer.train()
+    assert trainer.on_policy_batches == 2 and len(spy_generation) == 2
+    for model, ids, attention, p_len in spy_generation:
+        assert model is draft
+        generated = ids[:, p_len:][attention[:, p_len:].bool()]
+        assert generated.numel() and torch.isin(generated, SUBSET).all(), generated
+    assert not torch.equal(before, draft.model.layers[0].mlp.up_proj.weight)  # it trained
+    assert draft(torch.tensor([[2, 4, 7]])).logits.shape[-1] == len(SUBSET)  # the subset head is back
+
+
+def test_seq_kd_batches_are_generated_by_the_target(tmp_path, spy_generation):
+    target, draft, rows = rows_and_models()
+    trainer = build(tmp_path, target, draft, rows, lmbda=0.0, seq_kd=True, teacher="topk", loss="jsd")
+    trainer.train()
+    assert trainer.on_policy_batches == 0 and len(spy_generation) == 2
+    assert all(model is target for model, *_ in spy_generation)
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+@pytest.mark.parametrize("teacher", ["topk", "online"])
+def test_target_runs_only_when_the_loss_needs_it_and_adaspec_trains_with_both_teachers(tmp_path, teacher, monkeypatch):
+    target, draft, rows = rows_and_models()
+    trainer = build(tmp_path, target, draft, rows, teacher=teacher, loss="lk_lambda", adaspec_keep=0.5)
+    forwards = []
+    target.model.register_forward_hook(lambda *_: forwards.append(1))
+    kept = []
+    import distill.trainer as module
+
+    monkeypatch.setattr(module, "adaspec_mask", lambda d, r, k: kept.append((d.numel(), k)) or adaspec_mask(d, r, k))
+    trainer.train()
+    assert len(forwards) == (2 if teacher == "online" else 0)
+    assert len(kept) == 2 and all(k == 0.5 for _, k in kept)
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
