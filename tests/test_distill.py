@@ -399,6 +399,31 @@ def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, t
     assert 0 < spec["cost"]["c"] < 5
 
 
+def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
+    """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
+    comes from the reporting part, so no number is measured on the rows that chose it."""
+    from distill.split import split_heldout
+
+    prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(6) for _turn in range(2)]
+    domains = [p.split("-")[0] for p in prompt_ids]
+    calibration, reporting, disjoint = split_heldout(prompt_ids, domains, 0.5, seed=0)
+    chosen, reported = {prompt_ids[i] for i in calibration}, {prompt_ids[i] for i in reporting}
+    assert disjoint and not chosen & reported and chosen | reported == set(prompt_ids)
+    assert {p.split("-")[0] for p in chosen} == {p.split("-")[0] for p in reported} == {"chat", "code"}
+    assert len(calibration) + len(reporting) == len(prompt_ids)  # every turn of a prompt stays with it
+    # a domain with a single held-out prompt: it serves both, and the split says it is not disjoint
+    _, _, disjoint = split_heldout(["a-0", "b-0", "b-1"], ["a", "b", "b"], 0.5, seed=0)
+    assert not disjoint
+
+
+def test_the_export_reports_on_the_reporting_part(distilled):
+    _, _, out = distilled
+    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    parts = spec["heldout"]
+    assert parts["disjoint"] and parts["calibration"]["rows"] > 0 and parts["reporting"]["rows"] > 0
+    assert "reporting part" in (out / "draft" / "README.md").read_text()
+
+
 def test_distill_leaves_the_collected_data_untouched(distilled, setup):
     # datasets' cache files written next to the input would make DVC rerun collect on every repro
     assert not list((setup["collect"] / "dataset").glob("cache-*.arrow"))
