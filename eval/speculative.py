@@ -272,14 +272,20 @@ def _validate_pair(target, draft, draft_temperature, draft_vocab) -> None:
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, temperature=0.7, top_k=0,
                          top_p=1.0, draft_temperature=None, eos_token_id=None, generator=None,
-                         draft_vocab=None, draft_length: DraftLength | None = None) -> GenerationOutput:
+                         draft_vocab=None, draft_length: DraftLength | None = None, tree=None) -> GenerationOutput:
     """Samples from exactly the target's distribution, drafting γ tokens per target pass.
 
     draft_temperature (None = temperature) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a
     1-D LongTensor of target ids the draft may propose; its head is restricted to those rows.
     draft_length (pipeline.draft_length.DraftLength), when given, decides the tokens per pass instead of a
     fixed γ. generator, if given, must live on the models' device (it drives draft sampling and acceptance).
+    tree (a tuple of branching factors per depth, or a list of parent indices) drafts a token tree instead
+    of a chain (eval/tree.py); gamma and a fixed draft_length are then unused.
     """
+    if tree is not None:
+        from eval.tree import tree_generate  # eval.tree builds on this module's helpers
+        return tree_generate(target, draft, input_ids, max_new_tokens, tree, temperature, top_k, top_p,
+                             draft_temperature, eos_token_id, generator, draft_vocab, draft_length)
     p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
     policy = _draft_length(gamma, draft_length).make()
     _validate_pair(target, draft, draft_temperature, draft_vocab)
