@@ -30,7 +30,12 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
     return out_dir
 
 
-def _describe(policy) -> str:
+def _describe(spec: SpeculativeSpec, domain: str) -> str:
+    """The domain's drafting: a token tree (greedy serving) or the chain's draft-length policy."""
+    tree = spec.for_domain("tree", domain)
+    if tree:
+        return "tree (" + ", ".join(map(str, tree)) + ")"
+    policy = spec.draft_length_for(domain)
     return "–" if policy is None else policy.describe()
 
 
@@ -66,17 +71,18 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              "exported weights were chosen on the calibration part, every number here is from the reporting part) "
              f"and predicted mean accepted length at γ={length.get('gamma')}, before and after distillation:", "",
              "| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
-             "| draft τ | best fixed γ | draft length | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| draft τ | best fixed γ | drafting | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     for domain in domains + ["overall"]:
         lines.append(f"| {domain} | {_fmt(acceptance['before'].get(domain))} | {_fmt(acceptance['after'].get(domain))} | "
                      f"{_fmt(acceptance['after_calibrated'].get(domain))} | {_fmt(length['before'].get(domain), 2)} | "
                      f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.for_domain('draft_temperature', domain), 2)} | "
-                     f"{spec.for_domain('gamma', domain)} | {_describe(spec.draft_length_for(domain))} | "
+                     f"{spec.for_domain('gamma', domain)} | {_describe(spec, domain)} | "
                      f"{_fmt(spec.predicted_speedup.get(domain), 2)} |")
     verify = cost.get("verify_ratio")
-    lines += ["", "Predicted speedup = (1 + A) / (c·D + r_D) for the domain's draft-length policy, with D and A the "
-              "expected drafted and accepted tokens per target pass simulated on held-out rows, c the draft/target "
-              "step cost and r_D the target's (D+1)-token verify forward over its 1-token forward"
+    lines += ["", "Predicted speedup = (1 + A) / (c·D + r) for the domain's drafting, with A the expected accepted "
+              "tokens per target pass simulated on held-out rows, D the draft forwards per pass (a tree: its depth), "
+              "c the draft/target step cost and r the target's verify forward over its 1-token forward for the "
+              "drafted tokens (a tree: all its nodes)"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
@@ -95,7 +101,7 @@ def format_table(spec: SpeculativeSpec) -> str:
                      f"{acceptance['after_calibrated'][domain]:>11.3f}{length['before'][domain]:>12.2f}"
                      f"{length['after'][domain]:>12.2f}{spec.for_domain('draft_temperature', domain):>7.2f}"
                      f"{spec.for_domain('gamma', domain):>4}{spec.predicted_speedup[domain]:>14.2f}×  "
-                     f"{spec.draft_length_for(domain).describe()}")
+                     f"{_describe(spec, domain)}")
     cost = spec.cost
     lines.append(f"c = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target {cost['target_forward_ms']:.1f} "
                  f"ms, {cost['device']} {cost['dtype']}); numbers on the reporting part of the held-out prompts\n")

@@ -25,10 +25,11 @@ from distill.export import format_table, model_card, save_draft
 from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
 from distill.split import split_by_prompt, split_heldout
+from distill import tree_choice
 from distill.policy import candidates, choose, keep_at, simulate, verify_cost
 from distill.training import TrainingResult, train_draft
 from pipeline.chat import stop_token_ids
-from pipeline.cost_profile import FILENAME, measure_cost_profile, read_profile, summary
+from pipeline.cost_profile import FILENAME, measure_cost_profile, read_profile, summary, verify_ratio
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, load_role, model_identity
 from pipeline.sampling import Sampling
@@ -321,8 +322,19 @@ def calibrate(job: DistillJob) -> dict:
     keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
     chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
-    return {"temperature": taus, "gamma": best, "cost": cost,
+    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost["c"]),
             "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
+
+
+def choose_trees(job: DistillJob, chains: dict, c: float) -> dict[str, list | None]:
+    """Greedy serving: per domain the token tree that beats the chosen chain policy's predicted speedup on the
+    calibration part (distill/tree_choice.py), else None (the chain). Sampled serving: chains only."""
+    if not job.sampling.greedy:
+        return {domain: None for domain in chains}
+    ranks = tree_choice.target_ranks(job.draft, job.calibration, job.vocab)
+    trees = tree_choice.choose(ranks, job.calibration, job.cost_profile, c)
+    return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
+            and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
 
 
 def cost_profile(job: DistillJob) -> dict:
@@ -341,11 +353,18 @@ def cost_profile(job: DistillJob) -> dict:
 
 def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: dict) -> dict:
     """Per domain, the predicted speedup of its chosen draft-length policy on `heldout` (distill/policy.py)."""
-    cost, policies = calibration["cost"], calibration["draft_length"]
+    cost, policies, trees = calibration["cost"], calibration["draft_length"], calibration["tree"]
     thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
     keep = keep_at(job.draft, heldout, calibration["temperature"], thresholds, job.vocab) if thresholds else {}
+    ranks = tree_choice.target_ranks(job.draft, heldout, job.vocab) if any(trees.values()) else None
     predicted = {}
     for domain, mask in cal.domain_index(heldout).items():
+        tree = trees.get(domain, trees[cal.OVERALL])
+        if tree:
+            accepted = tree_choice.simulate(ranks, heldout, mask, tuple(tree))
+            verify = verify_ratio(job.cost_profile, tree_choice.nodes(tuple(tree)))
+            predicted[domain] = round((1 + accepted) / (len(tree) * cost["c"] + verify), 3)
+            continue
         policy = policies.get(domain, policies[cal.OVERALL])
         drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
         predicted[domain] = round((1 + accepted) / (cost["c"] * drafted + verify_cost(cost.get("verify_ratio"), drafted)), 3)
@@ -367,6 +386,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
         job.target_ident, job.sampling, {**job.draft_info, "parameters": sum(p.numel() for p in job.draft.parameters())},
         _vocab_list(job), distilled=True, gamma=_with_default(calibration["gamma"]),
         draft_length=_with_default({k: v.to_dict() for k, v in calibration["draft_length"].items()}),
+        tree=_with_default(calibration["tree"]),
         draft_temperature=_with_default(calibration["temperature"]), selected=selected["selected"],
         acceptance={"before": _acceptances(before["reporting"]), "after": _acceptances(after),
                     "after_training": selected["after_training"], "after_calibrated": calibrated_acceptance},

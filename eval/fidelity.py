@@ -56,8 +56,9 @@ def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
         key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
         a = autoregressive_generate(target, c["ids"], s["max_new_tokens"], temperature=0, eos_token_id=stop)
         b = speculative_generate(target, draft.model, c["ids"], s["max_new_tokens"], temperature=0,
-                                 draft_length=plans[c["domain"]]["draft_length"], eos_token_id=stop,
-                                 draft_vocab=draft.vocab)
+                                 draft_length=None if plans[c["domain"]].get("tree") else plans[c["domain"]]["draft_length"],
+                                 tree=tuple(plans[c["domain"]]["tree"]) if plans[c["domain"]].get("tree") else None,
+                                 eos_token_id=stop, draft_vocab=draft.vocab)
         ar.append(key | {"tokens": a.tokens.tolist()})
         spec.append(key | {"tokens": b.tokens.tolist()})
         if ar[-1]["tokens"] != spec[-1]["tokens"]:

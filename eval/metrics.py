@@ -85,6 +85,8 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
             "per_position_acceptance": per_position_acceptance(stats),
             "n_drafted": drafted, "n_accepted": accepted, "target_passes": passes,
             "drafted_per_pass": drafted / passes if passes else 0.0, "wasted_drafts": drafted - accepted,
+            # a verify pass feeds its drafted nodes and one committed token: output per token the target verified
+            "tokens_per_verified_node": generated / (drafted + passes) if passes else 0.0,
             "c": draft_s / ar_step_s if ar_step_s > 0 else 0.0,
             "c_verify": draft_s / verify_s if verify_s > 0 else 0.0,
             "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s}

@@ -72,6 +72,11 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
     if settings["draft_length"] not in (None, *POLICIES):
         bad("draft_length", "is not a draft-length policy", f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
     DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])  # one-line errors if bad
+    if settings["tree"] is not None and settings["tree"] != "none":
+        if not isinstance(settings["tree"], list):
+            bad("tree", "is not a tree", "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
+        from eval.tree import parse_tree
+        parse_tree(tuple(settings["tree"]))  # a zero factor or too many nodes: one line
     if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
         bad("baselines_draft", "is not a draft eval loads", "use speculative (the tuned export) or speculative_init")
     if isinstance(settings["domains"], str):
@@ -266,12 +271,15 @@ def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) ->
     spec = draft.spec if settings["use_calibration"] else None
     gamma = settings["gamma"] or (spec and spec.for_domain("gamma", domain)) or settings["default_gamma"]
     policy = draft_length(spec, domain, settings, int(gamma))
+    tree = settings["tree"] if isinstance(settings["tree"], list) else None
+    if settings["tree"] is None and settings["draft_length"] is None and not settings["gamma"] and spec is not None:
+        tree = spec.for_domain("tree", domain) if sampling.greedy else None  # calibrated for greedy serving
     tau = settings["draft_temperature"]
     # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
     # the draft proposes its argmax (q one-hot), so no τ is used at all.
     if tau is None and spec is not None and spec.sampling == sampling:
         tau = spec.for_domain("draft_temperature", domain)
-    return {"gamma": int(gamma), "draft_length": policy,
+    return {"gamma": int(gamma), "draft_length": policy, "tree": tree,
             "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
 
 
@@ -336,7 +344,8 @@ def make_methods(evaluation: Evaluation) -> dict:
         def generate(ids, domain, n, seed, gamma=None):
             plan = evaluation.plans[name][domain]
             policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
-            out = speculative_generate(target, draft.model, ids, n, draft_length=policy,
+            tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
+            out = speculative_generate(target, draft.model, ids, n, draft_length=None if tree else policy, tree=tree,
                                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        draft_temperature=plan["draft_temperature"], eos_token_id=stop,
                                        generator=generator(seed), draft_vocab=draft.vocab)

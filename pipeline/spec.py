@@ -12,6 +12,7 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     distilled              false for the undistilled reference export (draft_init)
     gamma                  best fixed draft length γ per domain (null: not calibrated)
     draft_length           the draft-length policy per domain: {"policy", "max", "threshold"} (pipeline/draft_length.py)
+    tree                   per domain, the token tree's branching factors, or null for a chain (greedy serving only)
     draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
     selected               "distilled" | "init": which weights were exported (distill.keep_best)
     acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated
@@ -48,6 +49,7 @@ class SpeculativeSpec:
     distilled: bool = True
     gamma: dict[str, int] | None = None
     draft_length: dict[str, dict] | None = None
+    tree: dict[str, list | None] | None = None
     draft_temperature: dict[str, float] | None = None
     selected: str = "distilled"
     acceptance: dict = field(default_factory=dict)

@@ -483,6 +483,43 @@ def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when
     assert best["draft_length"].policy == "confidence", best
 
 
+def test_tree_choice_counts_top_k_hits_per_depth_and_prefers_a_tree_where_the_argmax_misses():
+    from distill.calibrate import HeldOut
+    from distill.tree_choice import choose, nodes, simulate
+    from pipeline.sampling import Sampling
+
+    n = 400
+    heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+    # the target's token is the draft's second choice everywhere: a chain never gets past depth 1, a (2, 2, 2)
+    # tree accepts all three depths
+    ranks = torch.ones(n, dtype=torch.long)
+    assert simulate(ranks, heldout, everywhere, (1, 1, 1)) == 0.0
+    assert simulate(ranks, heldout, everywhere, (2, 2, 2)) == pytest.approx(3.0, abs=0.02)
+    assert simulate(ranks, heldout, everywhere, (2, 1)) == pytest.approx(1.0, abs=0.01)
+    assert nodes((3, 2, 1)) == 3 + 6 + 6
+    flat = {"settings": {"contexts": [64]},
+            "target": {"64": {"1": {"ms": 10.0, "ratio": 1.0}, "32": {"ms": 10.0, "ratio": 1.0}}}}  # free verify
+    best = choose(ranks, heldout, flat, c=0.05, candidates=[(1,), (1, 1, 1), (2, 2), (2, 2, 2)])["overall"]
+    assert best["tree"] == [2, 2, 2]
+    # the draft's argmax always right: the chain wins (a tree only adds verify cost)
+    costly = {"settings": {"contexts": [64]},
+              "target": {"64": {"1": {"ms": 10.0, "ratio": 1.0}, "32": {"ms": 40.0, "ratio": 4.0}}}}
+    best = choose(torch.zeros(n, dtype=torch.long), heldout, costly, c=0.05, candidates=[(1, 1, 1), (2, 2, 2)])
+    assert best["overall"]["tree"] == [1, 1, 1]
+
+
+def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path):
+    from pipeline.spec import SpeculativeSpec
+
+    run_stage(setup, tmp_path, "distill.serving.temperature=0", "distill.trainer.max_steps=20")
+    spec = SpeculativeSpec.read(tmp_path / "draft")
+    assert set(spec.tree) == {"chat", "code", "default"}
+    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+
+
 def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):
     from transformers import AutoModelForCausalLM
 

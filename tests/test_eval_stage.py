@@ -394,3 +394,13 @@ def test_draft_length_policies_side_by_side(tmp_path, models):
     header, rows = policy_rows(metrics)
     assert {row[1] for row in rows} == {"calibrated", "fixed", "confidence", "heuristic"}
     assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()
+
+
+def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
+    metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
+                              "eval.tree=[2,2]", "eval.gammas=[]")
+    spec = metrics["overall"]["speculative"]
+    assert spec["tree"] == [2, 2] and metrics["overall"]["greedy_match"] == 1.0
+    assert 0 < spec["drafted_per_pass"] <= 6 and spec["tokens_per_verified_node"] > 0
+    with pytest.raises(PipelineError, match="branching factor"):
+        run_stage(tmp_path / "bad", models, "eval.tree=[0,2]")
