@@ -288,31 +288,54 @@ def speculative_generate(target, draft, input_ids, max_new_tokens=128, gamma=4, 
                              draft_temperature, eos_token_id, generator, draft_vocab, draft_length)
     p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
     policy = _draft_length(gamma, draft_length).make()
-    _validate_pair(target, draft, draft_temperature, draft_vocab)
-    device = _device(target)
-    clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
-    start = clock()
-    eos = _eos_set(eos_token_id)
-    if draft_vocab is not None:
-        draft_vocab = draft_vocab.to(device)
-    q = p if draft_temperature is None else p.with_temperature(draft_temperature)
-    pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
+    run = Run.start(target, draft, input_ids, p, draft_temperature, draft_vocab, generator, DecodeStats())
 
-    seq = _prompt(input_ids, device)
-    target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        # A step yields at most γ+1 tokens; drafting past max_new_tokens would be wasted work.
-        budget = min(policy.budget(), max_new_tokens - len(out) - 1)
-        seq, new_tokens = speculative_step(pair, seq, target_cache, draft_cache, budget, policy, stats, profile)
-        hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-        out += new_tokens if hit is None else new_tokens[:hit + 1]
-        if hit is not None:
-            break
-    stats.n_generated = len(out)
-    stats.total_time = clock() - start
-    profile.resolve(stats)
-    return GenerationOutput(torch.tensor(out, dtype=torch.long), stats)
+    def step(seq, room):
+        budget = min(policy.budget(), room)
+        return speculative_step(run.pair, seq, *run.caches, budget, policy, run.stats, run.profile)
+
+    return run.decode(step, max_new_tokens, eos_token_id)
+
+
+@dataclass
+class Run:
+    """One generate call's models, caches and clocks; `decode` is the loop every drafting shape shares."""
+    pair: Pair
+    seq: torch.Tensor  # the prompt [1, T]
+    caches: tuple  # (target cache, draft cache)
+    stats: DecodeStats
+    profile: Profile
+    clock: object
+    started: float
+
+    @classmethod
+    def start(cls, target, draft, input_ids, p: Sampling, draft_temperature, draft_vocab, generator,
+              stats: DecodeStats) -> "Run":
+        _validate_pair(target, draft, draft_temperature, draft_vocab)
+        device = _device(target)
+        clock = synced_clock(device)
+        started = clock()
+        if draft_vocab is not None:
+            draft_vocab = draft_vocab.to(device)
+        q = p if draft_temperature is None else p.with_temperature(draft_temperature)
+        pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
+        caches = (DynamicCache(config=target.config), DynamicCache(config=draft.config))
+        return cls(pair, _prompt(input_ids, device), caches, stats, Profile(device), clock, started)
+
+    def decode(self, step, max_new_tokens: int, eos_token_id) -> GenerationOutput:
+        """Calls step(seq, room) -> (seq, new token ids) until max_new_tokens or an EOS; `room` is how many
+        drafts can still be used (a step yields at most drafts + 1 tokens: drafting past it would be wasted)."""
+        eos, seq, out = _eos_set(eos_token_id), self.seq, []
+        while len(out) < max_new_tokens:
+            seq, new_tokens = step(seq, max_new_tokens - len(out) - 1)
+            hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+            out += new_tokens if hit is None else new_tokens[:hit + 1]
+            if hit is not None:
+                break
+        self.stats.n_generated = len(out)
+        self.stats.total_time = self.clock() - self.started
+        self.profile.resolve(self.stats)
+        return GenerationOutput(torch.tensor(out, dtype=torch.long), self.stats)
 
 
 @torch.inference_mode()

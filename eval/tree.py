@@ -19,13 +19,11 @@ from functools import cached_property
 import torch
 from transformers import DynamicCache
 
-from eval.speculative import (DecodeStats, GenerationOutput, Pair, Profile, _device, _eos_set, _prompt,
-                              _target_sampling, _validate_pair, crop, forward)
+from eval.speculative import DecodeStats, GenerationOutput, Pair, Profile, Run, _target_sampling, crop, forward
 from pipeline import tree_sampling
 from pipeline.draft_length import DraftLength
 from pipeline.errors import PipelineError
-from pipeline.heads import head_logits, head_rows, scatter_to_vocab
-from pipeline.timing import synced_clock
+from pipeline.heads import head_logits, scatter_to_vocab
 
 MAX_TREE_NODES = 64  # the target verifies every node in one forward; past this a pass costs like a prefill
 MASK_ATTENTION = ("eager", "sdpa")  # the attention implementations that take a 4-D additive mask as given
@@ -329,32 +327,14 @@ def tree_generate(target, draft, input_ids, max_new_tokens, tree, temperature, t
     """speculative_generate with a token tree: the same arguments and stopping, `tree` instead of gamma."""
     p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
     tree = parse_tree(tree)
-    _validate_pair(target, draft, draft_temperature, draft_vocab)
-    device = _device(target)
-    clock, profile, stats = synced_clock(device), Profile(device), TreeStats()
-    start = clock()
-    eos = _eos_set(eos_token_id)
-    if draft_vocab is not None:
-        draft_vocab = draft_vocab.to(device)
-    q = p if draft_temperature is None else p.with_temperature(draft_temperature)
-    pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
-    _check_tree_options(tree, pair, draft_length)
+    run = Run.start(target, draft, input_ids, p, draft_temperature, draft_vocab, generator, TreeStats())
+    _check_tree_options(tree, run.pair, draft_length)
+    plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
 
-    seq = _prompt(input_ids, device)
-    target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    plans: dict[int, TreePlan] = {}
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        # A pass yields at most depth + 1 tokens; nodes past max_new_tokens would be wasted work.
-        depth = min(tree.depth, max_new_tokens - len(out) - 1)
+    def step(seq, room):
+        depth = min(tree.depth, room)
         if depth not in plans:
-            plans[depth] = TreePlan(tree.truncated(depth), device)
-        seq, new_tokens = tree_step(pair, seq, target_cache, draft_cache, plans[depth], stats, profile)
-        hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-        out += new_tokens if hit is None else new_tokens[:hit + 1]
-        if hit is not None:
-            break
-    stats.n_generated = len(out)
-    stats.total_time = clock() - start
-    profile.resolve(stats)
-    return GenerationOutput(torch.tensor(out, dtype=torch.long), stats)
+            plans[depth] = TreePlan(tree.truncated(depth), seq.device)
+        return tree_step(run.pair, seq, *run.caches, plans[depth], run.stats, run.profile)
+
+    return run.decode(step, max_new_tokens, eos_token_id)
