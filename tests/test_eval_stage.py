@@ -311,7 +311,7 @@ def test_draft_length_comes_from_the_calibration_unless_overridden():
                                          "default": {"policy": "fixed", "max": 3, "threshold": None}})
     draft = Draft(None, {}, spec)
     settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
-                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 12}
+                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 12, "tree": None}
     policy = lambda domain, **over: draft_plan(draft, domain, settings | over, Sampling(0.0))["draft_length"]
     assert policy("code") == DraftLength("confidence", 16, 0.3)
     assert policy("chat") == DraftLength("fixed", 3)
@@ -360,7 +360,7 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
                            draft_temperature={"code": 1.3, "default": 1.1})
     draft = Draft(None, {}, spec)
     settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
-                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 16}
+                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 16, "tree": None}
 
     def plan(*args):
         result = draft_plan(*args)
@@ -403,4 +403,4 @@ def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     assert spec["tree"] == [2, 2] and metrics["overall"]["greedy_match"] == 1.0
     assert 0 < spec["drafted_per_pass"] <= 6 and spec["tokens_per_verified_node"] > 0
     with pytest.raises(PipelineError, match="branching factor"):
-        run_stage(tmp_path / "bad", models, "eval.tree=[0,2]")
+        run_stage(tmp_path, models, "eval.tree=[0,2]")
