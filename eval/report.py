@@ -65,6 +65,13 @@ def _tau(tau, temperature: float, row: str) -> str:
     return "=T" if tau is None else _f(tau)
 
 
+def _drafting(m: dict) -> str:
+    """What drafted for a method: its token tree when it ran one, else its draft-length policy."""
+    if m.get("tree"):
+        return "tree (" + ", ".join(map(str, m["tree"])) + ")"
+    return _policy(m.get("draft_length"))
+
+
 def _policy(entry: dict | None) -> str:
     if not entry:
         return "–"
@@ -88,7 +95,7 @@ def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([name, str(d.get("n_prompts", "")), acceptance, _f(spec.get("mean_accepted_length")),
                      _f(spec.get("drafted_per_pass")), _f(ar.get("tokens_per_s"), ".1f"),
                      _f(spec.get("tokens_per_s"), ".1f"), _speedup(d), _f(d.get("greedy_match")),
-                     _tau(tau, metrics["temperature"], name), _policy(spec.get("draft_length"))])
+                     _tau(tau, metrics["temperature"], name), _drafting(spec)])
     return header, rows
 
 
@@ -108,7 +115,7 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
 def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     """Per domain and draft-length policy (eval.compare_draft_lengths): mean accepted length, drafts per pass,
     drafts wasted (proposed − accepted, per pass) and speedup with its interval."""
-    header = ["domain", "policy", "draft length", "mean acc. len", "drafts/pass", "wasted/pass", "speedup"]
+    header = ["domain", "policy", "drafting", "mean acc. len", "drafts/pass", "wasted/pass", "speedup"]
     rows = []
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method in ("speculative", "speculative_fixed", "speculative_confidence", "speculative_heuristic"):
@@ -117,7 +124,7 @@ def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
                 continue
             passes = m.get("target_passes") or 1
             rows.append([name, "calibrated" if method == "speculative" else method.removeprefix("speculative_"),
-                         _policy(m.get("draft_length")), _f(m.get("mean_accepted_length")),
+                         _drafting(m), _f(m.get("mean_accepted_length")),
                          _f(m.get("drafted_per_pass")), _f(m.get("wasted_drafts", 0) / passes), _speedup(m)])
     return header, rows
 
