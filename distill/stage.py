@@ -288,16 +288,18 @@ def snapshot(model) -> dict:
 
 def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) -> dict:
     """keep_best on the calibration part: the initial weights when training lowered held-out acceptance.
-    Returns {"selected", "after_training" (reporting part, trained weights)}."""
-    trained = _acceptances(serving_acceptance(job, job.reporting))
+    Returns {"selected", "after_training" (reporting part, trained weights), "after" (reporting part, the
+    exported weights: the initial draft's numbers are the `before` ones)}."""
+    trained_summary = serving_acceptance(job, job.reporting)
+    trained = _acceptances(trained_summary)
     after = serving_acceptance(job, job.calibration)[cal.OVERALL]["acceptance"]
     first = before["calibration"][cal.OVERALL]["acceptance"]
     if initial_weights is not None and after < first:
         log(f"held-out acceptance fell in training ({first:.3f} → {after:.3f} on the calibration part): exporting "
             "the initial draft (distill.calibration.keep_best=false ships the trained one)")
         job.draft.load_state_dict(initial_weights)
-        return {"selected": "init", "after_training": trained}
-    return {"selected": "distilled", "after_training": trained}
+        return {"selected": "init", "after_training": trained, "after": before["reporting"]}
+    return {"selected": "distilled", "after_training": trained, "after": trained_summary}
 
 
 # ---------------------------------------------------------------- calibration (calibration part)
@@ -376,7 +378,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
                calibration: dict) -> SpeculativeSpec:
     """speculative.json: the calibration, and every reported number measured on the reporting part."""
     gamma = int(job.settings.heldout.gamma)
-    after = serving_acceptance(job, job.reporting)
+    after = selected["after"]
     calibrated = cal.acceptance_at(job.draft, job.reporting, calibration["temperature"], job.vocab)
     predicted = predict_speedup(job, job.reporting, calibrated, calibration)
     calibrated_acceptance = {domain: float(calibrated[mask].mean()) if mask.any() else 0.0
