@@ -29,14 +29,13 @@ and nothing else in the distill stage draws from it, so every process makes the 
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+
 
 from distill.batch import Truncation, layout
 from distill.losses import adaspec_mask, check_loss, distillation_loss, sparse_teacher
@@ -290,60 +289,3 @@ class DistillTrainer(GKDTrainer):
         self.train_tokens += int(where.mask.sum())
         loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
         return (loss, out) if return_outputs else loss
-
-
-# ---------------------------------------------------------------- callbacks
-class AcceptanceCallback(TrainerCallback):
-    """Every `eval_steps`, runs `evaluate(model) -> {metric: value}` (the held-out acceptance simulator) on
-    the main process and logs the result with the stage's tracker; also forwards the Trainer's own logs."""
-
-    def __init__(self, evaluate, tracker, eval_steps: int, is_main: bool = True, printer=print):
-        self.evaluate, self.tracker, self.eval_steps = evaluate, tracker, max(1, int(eval_steps))
-        self.is_main, self.printer = is_main, printer
-        self.trainer = None  # set by the stage, for the training-token count
-        self.history: list[tuple[int, int, dict]] = []  # (step, train tokens, metrics)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.eval_steps == 0 and state.global_step < state.max_steps:
-            self._run(state, model, kwargs)
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        if not self.history or self.history[-1][0] != state.global_step:
-            self._run(state, model, kwargs)
-
-    def _run(self, state, model, kwargs):
-        if not self.is_main or model is None:
-            return
-        was_training = model.training
-        metrics = self.evaluate(model)
-        model.train(was_training)
-        trainer_tokens = getattr(self.trainer, "train_tokens", None)
-        self.history.append((state.global_step, trainer_tokens, metrics))
-        self.tracker.log_metrics(metrics, step=state.global_step)
-        overall = metrics.get("heldout/acceptance/overall")
-        if overall is not None:
-            self.printer(f"step {state.global_step}: held-out acceptance {overall:.3f}")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.is_main and logs:
-            self.tracker.log_metrics({f"train/{k}": v for k, v in logs.items()}, step=state.global_step)
-
-
-class TimeBudgetCallback(TrainerCallback):
-    """Stops training (with a final checkpoint) once `minutes` of training have passed."""
-
-    def __init__(self, minutes: float | None):
-        self.minutes, self.start = minutes, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self.minutes:
-            return
-        stop = torch.tensor(float(time.time() - self.start > 60 * self.minutes), device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast(stop, src=0)  # every process stops at the same step (rank 0's clock)
-        if stop.item():
-            control.should_training_stop = True
-            control.should_save = True

@@ -1,7 +1,6 @@
 """One distillation run of the stage: TrainingArguments from conf, DistillTrainer, resume, token accounting."""
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -13,8 +12,8 @@ from omegaconf import OmegaConf
 
 from distill import calibrate as cal
 from distill.draft import freeze_shared
-from distill.trainer import AcceptanceCallback, DistillConfig, DistillTrainer, TimeBudgetCallback
-from pipeline.atomic import write_json
+from distill.progress import AcceptanceCallback, ProgressCallback, RunProgress, TimeBudgetCallback
+from distill.trainer import DistillConfig, DistillTrainer
 from pipeline.heads import restore_full_head, use_subset_head
 
 
@@ -22,8 +21,8 @@ from pipeline.heads import restore_full_head, use_subset_head
 class TrainingResult:
     steps: int
     tokens: int  # completion tokens the loss saw, over the whole run (resumes included)
-    minutes: float
-    curve: list[dict]  # [{step, train_tokens, acceptance}] on the reporting part
+    minutes: float  # training minutes of the whole run (resumes included, held-out evaluation excluded)
+    curve: list[dict]  # [{step, train_tokens, train_minutes, acceptance, by_domain}] on the reporting part
 
 
 def mixed_bf16(choice, target) -> bool:
@@ -78,42 +77,35 @@ def train_draft(job, log) -> TrainingResult:
         alpha = cal.acceptance(model, job.reporting, [job.sampling.temperature], job.vocab)[0]
         return cal.heldout_metrics(cal.summarize(alpha, job.reporting, gamma), gamma)
 
-    acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps),
+    progress = RunProgress(last, job.state.num_processes)
+    acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps), progress,
                                        is_main=job.is_main, printer=log)
+    budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
     full_head = use_subset_head(job.draft, job.vocab)
     job.draft.train()
     trainer = DistillTrainer(job.draft, training_arguments(job, out_dir), job.train,
                              teacher_model=job.target, vocab=job.vocab, stop_ids=job.stops,
                              processing_class=job.tokenizer,
-                             callbacks=[acceptance_cb, TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"))])
-    acceptance_cb.trainer = trainer
+                             callbacks=[ProgressCallback(progress, job.is_main), acceptance_cb, budget])
+    progress.trainer = trainer
     log(f"training {trainable / 1e6:.1f}M parameters: loss={objective.loss}, teacher={objective.teacher}, "
         f"lmbda={objective.lmbda}, {'resuming from ' + last if last else 'from scratch'} -> {out_dir}")
-    t0, cpu0 = time.time(), time.process_time()
+    cpu0 = time.process_time()
     result = trainer.train(resume_from_checkpoint=last)
-    minutes, cpu_minutes = (time.time() - t0) / 60, (time.process_time() - cpu0) / 60
     restore_full_head(job.draft, full_head)
     job.draft.eval()
     steps = int(result.global_step)
-    tokens = _run_tokens(job, trainer, out_dir, steps, int(Path(last).name.split("-")[-1]) if last else 0)
+    tokens, minutes = _run_tokens(job, trainer, progress), progress.seconds() / 60
     job.tracker.log_metrics({"train_steps": steps, "train_tokens": tokens, "on_policy_batches": trainer.on_policy_batches})
     if job.is_main:
-        log(f"trained {steps} steps, {tokens:,} completion tokens, {minutes:.1f} min "
-            f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; {cpu_minutes:.1f} CPU-minutes)")
-    curve = [{"step": step, "train_tokens": seen, "acceptance": metrics.get(f"heldout/acceptance/{cal.OVERALL}")}
-             for step, seen, metrics in acceptance_cb.history]
-    return TrainingResult(steps, tokens, minutes, curve)
+        log(f"trained {steps} steps, {tokens:,} completion tokens, {minutes:.1f} min over the whole run "
+            f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; this process {(time.process_time() - cpu0) / 60:.1f} "
+            "CPU-minutes)")
+    return TrainingResult(steps, tokens, minutes, progress.curve)
 
 
-def _run_tokens(job, trainer, out_dir: Path, steps: int, resumed_from: int) -> int:
-    """Completion tokens of the whole run: this process group's count, scaled when the run resumed."""
+def _run_tokens(job, trainer, progress: RunProgress) -> int:
+    """Completion tokens of the whole run: the resumed checkpoint's count plus every process's own batches."""
     local = torch.tensor(float(trainer.train_tokens), device=trainer.args.device)
-    tokens = int(trainer.accelerator.reduce(local, "sum").item()) if job.state.num_processes > 1 else int(local)
-    record = out_dir / "train_tokens.json"
-    if resumed_from >= steps and record.exists():  # nothing left to train: the earlier run's count
-        tokens = json.loads(record.read_text())["train_tokens"]
-    elif resumed_from:  # a resumed run counted only its own batches: scale to the whole run by steps
-        tokens = int(tokens * steps / (steps - resumed_from))
-    if job.is_main:
-        write_json(record, {"steps": steps, "train_tokens": tokens})
-    return tokens
+    here = int(trainer.accelerator.reduce(local, "sum").item()) if job.state.num_processes > 1 else int(local)
+    return progress.tokens0 + here

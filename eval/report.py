@@ -103,12 +103,46 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     """Every method's tokens/s, latency and speedup over all domains."""
     header = ["method", "tok/s", "latency p50 (s)", "latency p95 (s)", "speedup", "greedy match"]
     rows = []
-    for method, label in METHOD_LABELS.items():
-        m = metrics["overall"].get(method)
+    for method in sorted(metrics["methods"], key=_method_order):
+        m, label = metrics["overall"].get(method), method_label(method)
         if m:
             rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
                          "1.00×" if method == "autoregressive" else _speedup(m),
                          "ref" if method == "autoregressive" else _f(m.get("greedy_match"))])
+    return header, rows
+
+
+def method_label(method: str) -> str:
+    if method in METHOD_LABELS:
+        return METHOD_LABELS[method]
+    return f"own speculative, draft `{method.removeprefix('speculative_')}`"  # eval.extra_drafts
+
+
+def _method_order(method: str) -> int:
+    order = list(METHOD_LABELS)
+    return order.index(method) if method in order else order.index("speculative_init") + 1
+
+
+def draft_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """Per domain, every own-decoder method (several drafts side by side: eval.extra_drafts): tokens/s, speedup
+    with its interval, acceptance, mean accepted length and c (draft step / target step, as measured)."""
+    header = ["domain", "method", "tok/s", "speedup", "acceptance", "mean acc. len", "c", "drafting"]
+    own = [m for m in sorted(metrics["methods"], key=_method_order) if m.startswith("speculative")]
+    rows = []
+    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
+        rows.append([name, "plain (own autoregressive)", _f(d.get("autoregressive", {}).get("tokens_per_s"), ".2f"),
+                     "1.00×", "–", "–", "–", "–"])
+        for method in own:
+            m = d.get(method)
+            if m:
+                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m),
+                             _ci(m.get("acceptance_rate"), m.get("acceptance_rate_ci95")),
+                             _f(m.get("mean_accepted_length")), _f(m.get("c")), _drafting(m)])
+        for method in sorted(metrics["methods"], key=_method_order):
+            m = d.get(method) if method.startswith("hf_") else None
+            if m:
+                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m),
+                             "–", "–", "–", "–"])
     return header, rows
 
 
@@ -298,6 +332,9 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
     ]
     if slowdown_advice(metrics):
         lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
+    if any(m.startswith("speculative_") and m != "speculative_init" and m.removeprefix("speculative_") not in
+           ("fixed", "confidence", "heuristic") for m in metrics["methods"]):
+        lines += ["## Drafts side by side (eval.extra_drafts)", "", markdown_table(*draft_rows(metrics)), ""]
     if any("speculative_fixed" in d for d in metrics["domains"].values()):
         lines += ["## Draft-length policies", "", markdown_table(*policy_rows(metrics)), ""]
     comparisons = comparison_lines(metrics)

@@ -8,14 +8,14 @@ after a warm-up, so machine drift hits all methods alike. Methods (names as in m
   autoregressive     own plain decoding (eval.speculative.autoregressive_generate)
   speculative        own speculative decoding with the tuned draft (eval.draft, default ${paths.draft})
   speculative_init   the same with the undistilled draft (${paths.draft_init}), when it exists
-  hf_generate, hf_assisted, hf_assisted_fixed   HF peers (eval/baselines.py), with eval.baselines=true
+  speculative_<name> the same with each draft of eval.extra_drafts (e.g. the pretrained draft, another export)
+  hf_generate, hf_assisted, hf_assisted_fixed, hf_assisted_calibrated   HF peers (eval/baselines.py), eval.baselines
 Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename
 (docs/architecture.md describes the artifacts).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,18 +23,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
+from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
-from eval.report import (comparison_lines, domain_rows, log_to_tracker, machine, policy_rows, slowdown_advice,
-                         text_table, write_outputs)
+from eval.report import (comparison_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
+                         slowdown_advice, text_table, write_outputs)
 from eval.speculative import autoregressive_generate, speculative_generate
-from pipeline.chat import encode_chat, messages_for, stop_token_ids
+from pipeline.chat import encode_chat, messages_for
 from pipeline.draft_length import POLICIES, DraftLength
 from pipeline.errors import PipelineError
-from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
-                             model_identity, resolve_model)
 from pipeline.sampling import Sampling, derive_seed
-from pipeline.spec import SpeculativeSpec
 from pipeline.timing import synced_clock
+
+HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
 
 
 # ---------------------------------------------------------------- settings and inputs
@@ -77,8 +77,14 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
             bad("tree", "is not a tree", "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
         from eval.tree import parse_tree
         parse_tree(tuple(settings["tree"]))  # a zero factor or too many nodes: one line
-    if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init"):
-        bad("baselines_draft", "is not a draft eval loads", "use speculative (the tuned export) or speculative_init")
+    extras = [f"speculative_{name}" for name in settings.get("extra_drafts") or {}]
+    if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init", *extras):
+        bad("baselines_draft", "is not a draft eval loads",
+            f"use one of {', '.join(['speculative', 'speculative_init', *extras])}")
+    baselines = settings["baselines"]
+    if isinstance(baselines, list) and not set(baselines) <= set(HF_METHODS):
+        bad("baselines", "names an unknown baseline", f"use true, false or a list from {', '.join(HF_METHODS)}")
+    settings["baselines"] = list(HF_METHODS) if baselines is True else list(baselines or [])
     if isinstance(settings["domains"], str):
         settings["domains"] = [settings["domains"]]
     return settings, sampling
@@ -122,131 +128,6 @@ def load_eval_prompts(cfg: DictConfig, settings: dict) -> tuple[dict[str, list[d
         by_domain.setdefault(prompt["domain"], []).append(prompt)
     limit = settings["max_prompts_per_domain"]
     return {domain: prompts[:limit] if limit else prompts for domain, prompts in by_domain.items()}, source
-
-
-# ---------------------------------------------------------------- models and drafts
-
-@dataclass
-class Draft:
-    model: torch.nn.Module
-    identity: dict
-    spec: SpeculativeSpec | None = None  # the export's speculative.json; None for a plain HF directory
-    vocab: torch.Tensor | None = None  # FR-Spec head subset (target ids)
-
-
-@dataclass
-class Evaluation:
-    """Everything the benchmark decodes with, loaded once."""
-    settings: dict
-    sampling: Sampling  # the serving distribution every method samples from
-    device: torch.device
-    dtype: torch.dtype
-    target: torch.nn.Module
-    tokenizer: object
-    target_path: Path
-    target_identity: dict
-    drafts: dict[str, Draft]  # "speculative" (evaluated), "speculative_init" (undistilled, when there is one)
-    stop: list[int]  # token ids that end a turn
-    plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_length", "draft_temperature"}}}
-    budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
-
-
-def _n_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _check_vocabulary(path: Path, role: str, model, target, tokenizer) -> None:
-    try:
-        draft_tokenizer = load_tokenizer(path)
-    except Exception:  # a weights-only directory: fall back to comparing the output heads
-        print(f"[eval] note: {path} has no tokenizer; checking only that its vocabulary size matches the target's")
-        if model.config.vocab_size != target.config.vocab_size:
-            raise PipelineError(f"{role} {path} predicts over {model.config.vocab_size:,} tokens, the target over "
-                                f"{target.config.vocab_size:,}: use a draft that shares the target's tokenizer")
-        return
-    check_compatible(tokenizer, draft_tokenizer, target, model)
-
-
-def _draft_from_dir(path: Path, role: str, target, tokenizer, device, dtype, settings: dict,
-                    target_sha: str | None) -> Draft:
-    model = load_model(path, device, dtype)
-    _check_vocabulary(path, role, model, target, tokenizer)
-    spec = SpeculativeSpec.read(path)
-    identity = {**model_identity(path), "source": str(path), "n_params": _n_params(model)}
-    if spec is None:
-        return Draft(model, identity)
-    tuned_for = spec.target.get("source_sha256")
-    if tuned_for and target_sha and tuned_for != target_sha:
-        print(f"[eval] note: {path} was distilled for another target (sha256 {tuned_for[:12]}…, "
-              f"this target {target_sha[:12]}…); its calibration may not fit")
-    vocab = None
-    if spec.vocab_subset and settings["use_vocab_subset"]:
-        vocab = torch.tensor(spec.vocab_subset, dtype=torch.long, device=device)
-    return Draft(model, identity, spec, vocab)
-
-
-def _derived(cfg: DictConfig, target) -> Draft:
-    layers = list(cfg.model.draft.derive.layers or [])
-    model = derive_draft(target, layers)
-    identity = {"source": f"derived from target layers {layers} (not distilled)",
-                "architecture": type(model).__name__, "num_hidden_layers": len(layers),
-                "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-                "n_params": _n_params(model)}
-    return Draft(model, identity)
-
-
-def _draft_source(cfg: DictConfig, settings: dict) -> tuple[Path | None, str]:
-    """(model directory, role) of the draft under evaluation; no directory means a draft derived from the target."""
-    choice, export = settings["draft"], Path(cfg.paths.draft)
-    if choice == "derive":
-        return None, "eval.draft"
-    if choice:
-        if not (Path(choice) / "config.json").exists():
-            raise PipelineError(f"eval.draft={choice} is not a model directory (no config.json): point it at a "
-                                "Hugging Face model directory, or use eval.draft=derive")
-        return Path(choice), "eval.draft"
-    if (export / "config.json").exists():
-        return export, "draft"
-    if cfg.model.draft.get("init") == "pretrained":
-        path = resolve_model(cfg.model.draft, "draft", cfg.paths)
-        print(f"[eval] note: no exported draft at {export}; evaluating the preset's pretrained draft {path}")
-        return path, "draft"
-    print(f"[eval] note: no exported draft at {export}; evaluating a draft derived from target layers "
-          f"{list(cfg.model.draft.derive.layers or [])} (run stage=distill, or set eval.draft=<dir>)")
-    return None, "draft"
-
-
-def _init_source(cfg: DictConfig, settings: dict, evaluated: Path | None) -> Path | None:
-    """The undistilled draft's directory, when there is one other than the evaluated draft."""
-    choice = settings["draft_init"]
-    if choice == "none":
-        return None
-    path = Path(choice or cfg.paths.draft_init)
-    if choice and not (path / "config.json").exists():
-        raise PipelineError(f"eval.draft_init={choice} is not a model directory (no config.json): "
-                            "point it at the undistilled draft, or use eval.draft_init=none")
-    same = evaluated is not None and path.resolve() == evaluated.resolve()
-    return path if (path / "config.json").exists() and not same else None
-
-
-def load_models(cfg: DictConfig, settings: dict, sampling: Sampling) -> Evaluation:
-    """The target, its tokenizer and stop ids, the evaluated draft and (when there is one) the undistilled draft."""
-    target, tokenizer, target_path = load_role(cfg, "target")
-    device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
-    target_identity = {**model_identity(target_path), "source": str(target_path), "n_params": _n_params(target)}
-
-    def from_dir(path: Path, role: str) -> Draft:
-        return _draft_from_dir(path, role, target, tokenizer, device, dtype, settings,
-                               target_identity.get("source_sha256"))
-
-    path, role = _draft_source(cfg, settings)
-    drafts = {"speculative": _derived(cfg, target) if path is None else from_dir(path, role)}
-    init_path = _init_source(cfg, settings, path)
-    if init_path is not None:
-        drafts["speculative_init"] = from_dir(init_path, "draft_init")
-    return Evaluation(settings=settings, sampling=sampling, device=device, dtype=dtype, target=target,
-                      tokenizer=tokenizer, target_path=target_path, target_identity=target_identity, drafts=drafts,
-                      stop=stop_token_ids(tokenizer, target))
 
 
 # ---------------------------------------------------------------- plans
@@ -303,7 +184,8 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
 # ---------------------------------------------------------------- timed decoding
 
 def _hf_methods(evaluation: Evaluation) -> dict:
-    """HF generate, and HF assisted generation with HF's defaults and with our decoder's γ on each domain."""
+    """The eval.baselines of HF generate, and HF assisted generation with HF's defaults, with a fixed γ and with our
+    calibration, each domain's γ and policy taken from the assistant draft's plan."""
     settings, sampling = evaluation.settings, evaluation.sampling
     assistant_name = settings.get("baselines_draft") or "speculative"
     if assistant_name not in evaluation.drafts:
@@ -312,7 +194,7 @@ def _hf_methods(evaluation: Evaluation) -> dict:
                             "undistilled draft exists")
     assistant = evaluation.drafts[assistant_name].model
     configs = {domain: assistant_configs(assistant, plan["gamma"], plan["draft_length"].hf_generation_config())
-               for domain, plan in evaluation.plans["speculative"].items()}
+               for domain, plan in evaluation.plans[assistant_name].items()}
 
     def hf(draft=None, which: str = "defaults"):
         def generate(ids, domain, n, seed):
@@ -322,8 +204,9 @@ def _hf_methods(evaluation: Evaluation) -> dict:
                                evaluation.stop, draft, config), None
         return generate
 
-    return {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, "fixed"),
-            "hf_assisted_calibrated": hf(assistant, "calibrated")}
+    every = {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, "fixed"),
+             "hf_assisted_calibrated": hf(assistant, "calibrated")}
+    return {name: every[name] for name in settings["baselines"]}
 
 
 def make_methods(evaluation: Evaluation) -> dict:
@@ -522,6 +405,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     print(text_table(*domain_rows(metrics)))
     if settings["compare_draft_lengths"]:
         print(text_table(*policy_rows(metrics)))
+    if settings["extra_drafts"]:
+        print(text_table(*draft_rows(metrics)))
     print("\n".join(comparison_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")

@@ -8,6 +8,8 @@ import math
 import os
 import shutil
 import subprocess
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -569,6 +571,29 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     assert "resuming from" in capsys.readouterr().out and "checkpoint-20" in str(checkpoints[0])
     uninterrupted = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
     assert result["acceptance_after"] == pytest.approx(uninterrupted["acceptance"]["after"]["overall"], abs=0.02)
+    # The run's counters continue from the checkpoint: the curve keeps its point from before the crash, the token
+    # count is the whole run's, and the time budget counts the minutes trained before the crash.
+    resumed = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert [p["step"] for p in resumed["learning_curve"]] == [p["step"] for p in uninterrupted["learning_curve"]] == [20, 40]
+    assert resumed["training"]["train_tokens"] == uninterrupted["training"]["train_tokens"]
+    assert resumed["learning_curve"][0]["train_tokens"] == uninterrupted["learning_curve"][0]["train_tokens"]
+    assert 0 < resumed["learning_curve"][0]["train_minutes"] < resumed["learning_curve"][1]["train_minutes"]
+    assert set(resumed["learning_curve"][1]["by_domain"]) == set(uninterrupted["acceptance"]["after"]) - {"overall"}
+
+
+def test_the_time_budget_counts_minutes_trained_before_a_resume(tmp_path):
+    from distill.progress import PROGRESS_FILE, RunProgress, TimeBudgetCallback
+
+    checkpoint = tmp_path / "checkpoint-20"
+    checkpoint.mkdir()
+    (checkpoint / PROGRESS_FILE).write_text(json.dumps({"step": 20, "train_tokens": 500, "train_seconds": 59.0,
+                                                        "curve": []}))
+    progress = RunProgress(checkpoint)
+    progress.started = time.time() - 2  # two more seconds trained after the resume
+    control = types.SimpleNamespace(should_training_stop=False, should_save=False)
+    TimeBudgetCallback(1.0, progress).on_step_end(types.SimpleNamespace(device="cpu"), None, control)
+    assert control.should_training_stop and control.should_save  # 59 s + 2 s > 1 minute
+    assert progress.tokens() == 500 and RunProgress(None).seconds() == 0.0
 
 
 @pytest.mark.parametrize("extra,match", [

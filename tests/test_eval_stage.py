@@ -211,6 +211,9 @@ def test_missing_default_draft_falls_back_to_derived_draft(tmp_path, models, cap
     ("eval.domains=[poetry]", "poetry"),
     ("eval.draft={bad_draft}", "tokenizers map"),
     ("eval.draft={missing}", "not a model directory"),
+    ("+eval.extra_drafts.other={missing}", "not a model directory"),
+    ("+eval.extra_drafts.fixed={bad_draft}", "name must be an identifier other than"),
+    ("eval.baselines=[hf_assisted,vllm]", "unknown baseline"),
 ])
 def test_bad_input_is_refused_and_writes_nothing(tmp_path, models, override, message):
     override = override.format(bad_draft=models["bad_draft"], missing=tmp_path / "nowhere")
@@ -339,6 +342,21 @@ def test_hf_assisted_can_run_with_the_undistilled_draft(tmp_path, models):
     assert metrics["overall"]["hf_assisted"]["greedy_match"] == 1.0
     with pytest.raises(PipelineError, match="baselines_draft"):
         run_stage(tmp_path, models, "eval.baselines_draft=other")
+
+
+def test_extra_drafts_run_side_by_side_with_their_own_calibration(tmp_path, models):
+    metrics, out, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.draft_init=none",
+                                f"+eval.extra_drafts.wide={models['draft_init']}", "eval.baselines=[hf_assisted]",
+                                "eval.baselines_draft=speculative_wide", "eval.temperature=0", "eval.gammas=[]")
+    assert set(metrics["methods"]) == {"autoregressive", "speculative", "speculative_wide", "hf_assisted"}
+    overall = metrics["overall"]
+    assert overall["speculative_wide"]["greedy_match"] == overall["hf_assisted"]["greedy_match"] == 1.0
+    # Each draft keeps its own calibration: the tuned export's γ on chat is 2, the other draft has none (default 4).
+    assert metrics["domains"]["chat"]["speculative"]["gamma"] == 2
+    assert metrics["domains"]["chat"]["speculative_wide"]["gamma"] == 4
+    assert "hf_generate" not in overall and "speculative_vs_speculative_wide" in overall["comparisons"]
+    report = (out / "report.md").read_text()
+    assert "## Drafts side by side" in report and "own speculative, draft `wide`" in report
 
 
 def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, models):
