@@ -23,6 +23,17 @@ def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, 
     return train, heldout
 
 
+def nested_subset(prompt_ids: list[str], domains: list[str], fraction: float, seed: int) -> list[int]:
+    """Row indices of the prompts a learning-curve point trains on: per domain, the first `fraction` of the
+    prompts in a fixed hash order (at least one), so a smaller fraction's prompts are always among a larger
+    one's and every point keeps the domain mix."""
+    kept = set()
+    for pids in _prompts_by_domain(prompt_ids, domains).values():
+        order = sorted(pids, key=lambda p: _hash(f"{seed}/train", p))
+        kept.update(order[:max(1, round(fraction * len(order)))])
+    return [i for i, p in enumerate(prompt_ids) if p in kept]
+
+
 def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed: int) -> tuple[list[int], list[int], bool]:
     """Held-out row indices -> (calibration, reporting, disjoint). Per domain a `share` of the prompts (by
     another hash) calibrates and the rest reports; a domain with one held-out prompt uses it for both."""

@@ -24,7 +24,7 @@ from distill.draft import build_draft, vocab_subset
 from distill.export import format_table, model_card, save_draft
 from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
-from distill.split import split_by_prompt, split_heldout
+from distill.split import nested_subset, split_by_prompt, split_heldout
 from distill import tree_choice
 from distill.policy import candidates, choose, keep_at, simulate, verify_cost
 from distill.training import TrainingResult, train_draft
@@ -138,6 +138,10 @@ def check_config(settings: DictConfig) -> None:
     if not 0.0 < float(settings.split.calibration_share) < 1.0:
         raise PipelineError(f"distill.split.calibration_share={settings.split.calibration_share} must be in (0, 1): "
                             "use e.g. 0.5")
+    fraction = settings.split.get("train_fraction")
+    if fraction is not None and not 0.0 < float(fraction) <= 1.0:
+        raise PipelineError(f"distill.split.train_fraction={settings.split.train_fraction} must be in (0, 1]: "
+                            "use e.g. 0.25 (a learning-curve point) or 1")
     if not settings.trainer.get("max_steps") and not settings.trainer.get("max_epochs"):
         raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: set at least one")
 
@@ -213,6 +217,11 @@ def split_rows(job: DistillJob) -> None:
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
+    fraction = float(split.get("train_fraction") or 1.0)
+    if fraction < 1.0:  # a learning-curve point: nested subsets of the train prompts
+        kept = nested_subset([collected["prompt_id"][i] for i in train_idx],
+                             [collected["domain"][i] for i in train_idx], fraction, int(job.cfg.seed))
+        train_idx = [train_idx[i] for i in kept]
     columns = [c for c in ("prompt_ids", "completion_ids", "topk_ids", "topk_logprobs") if c in collected.column_names]
     train = collected.select(train_idx).select_columns(columns)
     train = train.select([i for i, (p, c) in enumerate(zip(train["prompt_ids"], train["completion_ids"])) if p and c])
@@ -400,7 +409,9 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
         training={"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
                   "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
                   "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
-                  "rows": len(job.train), "fingerprint": job.fingerprint},
+                  "rows": len(job.train), "data_tokens": sum(map(len, job.train["completion_ids"])),
+                  "train_fraction": float(job.settings.split.get("train_fraction") or 1.0),
+                  "fingerprint": job.fingerprint},
         learning_curve=training.curve, heldout=job.heldout_sizes)
 
 

@@ -20,8 +20,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     per_position_acceptance  P_k per domain (the chance the first k drafts of a block are accepted)
     predicted_speedup      per domain, at the chosen γ, from the measured cost
     cost                   c, forward times, verify ratios, device, dtype
-    training               loss, teacher, steps, tokens, minutes, rows, fingerprint
-    learning_curve         [{step, train_tokens, acceptance}]
+    training               loss, teacher, steps, train_tokens, minutes, rows, data_tokens, train_fraction, ...
+    learning_curve         [{step, train_tokens, train_minutes, acceptance, by_domain}] (distill/progress.py)
     heldout                sizes of the calibration and reporting splits
 """
 from __future__ import annotations

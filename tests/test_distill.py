@@ -401,6 +401,20 @@ def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, t
     assert 0 < spec["cost"]["c"] < 5
 
 
+def test_a_learning_curve_point_trains_on_a_nested_share_and_reports_the_same_heldout(setup, distilled, tmp_path):
+    full = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    run_stage(setup, tmp_path, "distill.split.train_fraction=0.5", "distill.trainer.max_steps=4",
+              "distill.heldout.eval_steps=4", "distill.checkpoint.save_steps=4")
+    half = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert half["training"]["train_fraction"] == 0.5 and full["training"]["train_fraction"] == 1.0
+    assert 0 < half["training"]["rows"] < full["training"]["rows"]
+    assert 0 < half["training"]["data_tokens"] < full["training"]["data_tokens"]
+    assert half["heldout"] == full["heldout"]  # the same held-out prompts judge every point
+    assert half["training"]["fingerprint"] != full["training"]["fingerprint"]
+    with pytest.raises(PipelineError, match="train_fraction"):
+        run_stage(setup, tmp_path / "bad", "distill.split.train_fraction=0")
+
+
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
     """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
     comes from the reporting part, so no number is measured on the rows that chose it."""

@@ -1,0 +1,160 @@
+"""Learning curves from draft exports: how held-out acceptance grows with target tokens and training minutes.
+
+    python -m eval.learning_curve <draft dir> [<draft dir> ...] --out <dir>
+
+Two kinds of points, both from each export's speculative.json:
+  runs     one point per export: the completion tokens it trained on (`training.data_tokens`), its training
+           minutes and the trained draft's held-out acceptance per domain (reporting part, serving sampling) and
+           predicted speedup. Exports trained on nested subsets of one collect (distill.split.train_fraction,
+           experiment=curve) make the data-size curve a user sizes a collect job with.
+  in-run   each export's `learning_curve`: held-out acceptance every distill.heldout.eval_steps, against
+           completion tokens seen (later epochs see the same tokens again) and training minutes.
+Writes learning_curve.png, learning_curve.md (tables, and the gain per doubling of data) and
+learning_curve.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.spec import SpeculativeSpec
+
+OVERALL = "overall"
+
+
+def run_point(spec: SpeculativeSpec, source: str) -> dict:
+    """One export as a point of the data-size curve."""
+    training = spec.training or {}
+    trained = (spec.acceptance or {}).get("after_training") or (spec.acceptance or {}).get("after") or {}
+    predicted = spec.predicted_speedup or {}
+    return {"source": source, "data_tokens": training.get("data_tokens"), "train_fraction": training.get("train_fraction"),
+            "train_tokens": training.get("train_tokens"), "train_minutes": training.get("minutes"),
+            "acceptance": dict(trained), "before": dict((spec.acceptance or {}).get("before") or {}),
+            "predicted_speedup": predicted.get("default", predicted.get(OVERALL))}
+
+
+def load_exports(dirs: list[str]) -> list[tuple[str, SpeculativeSpec]]:
+    out = []
+    for d in dirs:
+        spec = SpeculativeSpec.read(Path(d))  # one-line errors for another version or a broken file
+        if spec is None:
+            raise PipelineError(f"{d} has no speculative.json: point at a draft export (a distill stage's paths.draft)")
+        if not spec.distilled:
+            raise PipelineError(f"{d} is an undistilled reference export (no training): point at paths.draft")
+        out.append((str(d), spec))
+    return out
+
+
+def doubling_gains(points: list[dict]) -> list[dict]:
+    """Acceptance gained per doubling of training data between successive runs: where it nears zero, more data
+    of the same kind buys little."""
+    rows = []
+    for a, b in zip(points, points[1:]):
+        if not a["data_tokens"] or not b["data_tokens"] or b["data_tokens"] <= a["data_tokens"]:
+            continue
+        doublings = math.log2(b["data_tokens"] / a["data_tokens"])
+        rows.append({"from_tokens": a["data_tokens"], "to_tokens": b["data_tokens"],
+                     "gain_per_doubling": {d: (b["acceptance"][d] - a["acceptance"][d]) / doublings
+                                           for d in b["acceptance"] if d in a["acceptance"]}})
+    return rows
+
+
+def _with_epochs(spec: SpeculativeSpec) -> list[dict]:
+    """The in-run curve with `epochs` = tokens seen / tokens of the train rows: below 1 every point is new data."""
+    data = spec.training.get("data_tokens")
+    return [c | {"epochs": c["train_tokens"] / data if data else None} for c in spec.learning_curve]
+
+
+def plot(points: list[dict], curves: list[tuple[str, list[dict]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = sorted({d for p in points for d in p["acceptance"] if d != OVERALL}) + [OVERALL]
+    several = len(points) > 1
+    fig, axes = plt.subplots(1, 3 if several else 2, figsize=(15 if several else 10, 4))
+    if several:
+        ax = axes[0]
+        for d in domains:
+            ax.plot([p["data_tokens"] for p in points], [p["acceptance"].get(d) for p in points], marker="o",
+                    label=d, linewidth=2.5 if d == OVERALL else 1.2, color="black" if d == OVERALL else None)
+        ax.set_xscale("log")
+        ax.set(xlabel="target tokens trained on (log)", ylabel="held-out acceptance", title="Data size (one run each)")
+        ax.legend(fontsize=7)
+    for ax, key, label in ((axes[-2], "train_tokens", "completion tokens seen (epochs included)"),
+                           (axes[-1], "train_minutes", "training minutes")):
+        if len(curves) == 1:  # one run: its domains
+            curve = curves[0][1]
+            for d in sorted({d for c in curve for d in c.get("by_domain", {})}):
+                ax.plot([p[key] for p in curve], [p.get("by_domain", {}).get(d) for p in curve], marker=".", label=d)
+        for name, curve in curves:
+            ax.plot([p[key] for p in curve], [p["acceptance"] for p in curve], marker=".",
+                    label=OVERALL if len(curves) == 1 else name, color="black" if len(curves) == 1 else None)
+        ax.set(xlabel=label, ylabel="held-out acceptance", title="During training")
+        if len(curves) <= 8:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _f(x, fmt=".3f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list[dict]]]) -> str:
+    domains = sorted({d for p in points for d in p["acceptance"] if d != OVERALL}) + [OVERALL]
+    lines = ["# Learning curve", "", "Held-out acceptance of the trained draft (reporting part, serving sampling).", "",
+             "| target tokens | share | train minutes | " + " | ".join(domains) + " | predicted speedup |",
+             "|" + "---|" * (len(domains) + 4)]
+    for p in points:
+        lines.append(f"| {_f(p['data_tokens'], ',')} | {_f(p['train_fraction'], '.3g')} | {_f(p['train_minutes'], '.1f')} | "
+                     + " | ".join(_f(p["acceptance"].get(d)) for d in domains) + f" | {_f(p['predicted_speedup'], '.2f')}× |")
+    if points and points[0]["before"]:
+        lines.append("| undistilled | | | " + " | ".join(_f(points[0]["before"].get(d)) for d in domains) + " | |")
+    if gains:
+        lines += ["", "Acceptance gained per doubling of the data:", "",
+                  "| from → to tokens | " + " | ".join(domains) + " |", "|" + "---|" * (len(domains) + 1)]
+        lines += [f"| {g['from_tokens']:,} → {g['to_tokens']:,} | "
+                  + " | ".join(_f(g["gain_per_doubling"].get(d), "+.3f") for d in domains) + " |" for g in gains]
+    for name, curve in curves:
+        lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | minutes | overall | "
+                  + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 4)]
+        lines += [f"| {c['step']} | {c['train_tokens']:,} | {_f(c.get('epochs'), '.2f')} | {_f(c.get('train_minutes'), '.1f')} | "
+                  f"{_f(c['acceptance'])} | "
+                  + " | ".join(_f(c.get("by_domain", {}).get(d)) for d in domains[:-1]) + " |" for c in curve]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs)")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        exports = load_exports(args.drafts)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    points = sorted((run_point(spec, src) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
+    exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
+    curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec)) for src, spec in exports
+              if spec.learning_curve]
+    gains = doubling_gains(points)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(points, curves, out / "learning_curve.png")
+    (out / "learning_curve.md").write_text(markdown(points, gains, curves))
+    (out / "learning_curve.json").write_text(json.dumps({"runs": points, "gains": gains,
+                                                         "in_run": dict(curves)}, indent=1))
+    print((out / "learning_curve.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Learning curves: nested train subsets (distill.split.train_fraction) and the report built from draft exports."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distill.split import nested_subset
+from eval.learning_curve import doubling_gains, main
+from pipeline.sampling import Sampling
+from pipeline.spec import SpeculativeSpec
+
+
+def test_nested_subsets_keep_every_domain_and_grow_by_inclusion():
+    prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(20) for _ in range(2)]  # 2 rows per prompt
+    domains = [p.split("-")[0] for p in prompt_ids]
+    subsets = {f: set(nested_subset(prompt_ids, domains, f, seed=0)) for f in (0.1, 0.25, 0.5, 1.0)}
+    assert subsets[0.1] < subsets[0.25] < subsets[0.5] < subsets[1.0] == set(range(len(prompt_ids)))
+    for f, rows in subsets.items():
+        kept = {prompt_ids[i] for i in rows}
+        assert {p.split("-")[0] for p in kept} == {"chat", "code"}
+        assert len([p for p in kept if p.startswith("chat")]) == max(1, round(f * 20))
+        assert all(i + 1 in rows for i in rows if i % 2 == 0)  # both rows of a prompt, or neither
+    assert set(nested_subset(prompt_ids, domains, 0.5, seed=1)) != subsets[0.5]  # the order follows the seed
+
+
+def _export(path, data_tokens: int, after: dict, curve: list[dict]):
+    spec = SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.7), draft={"init": "derive"},
+                           acceptance={"before": {"chat": 0.1, "overall": 0.1}, "after": after,
+                                       "after_training": after},
+                           predicted_speedup={"default": 1.0 + after["overall"]},
+                           training={"data_tokens": data_tokens, "train_fraction": data_tokens / 8000,
+                                     "train_tokens": 3 * data_tokens, "minutes": 2.0},
+                           learning_curve=curve)
+    path.mkdir()
+    spec.write(path)
+    return str(path)
+
+
+def test_report_from_exports_of_nested_runs(tmp_path):
+    curve = [{"step": 10, "train_tokens": 500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}},
+             {"step": 20, "train_tokens": 1000, "train_minutes": 1.0, "acceptance": 0.3, "by_domain": {"chat": 0.3}}]
+    dirs = [_export(tmp_path / f"share-{n}", n, {"chat": a, "overall": a}, curve)
+            for n, a in ((4000, 0.35), (1000, 0.2), (2000, 0.3), (8000, 0.36))]
+    assert main([*dirs, "--out", str(tmp_path / "report")]) == 0
+    data = json.loads((tmp_path / "report" / "learning_curve.json").read_text())
+    assert [p["data_tokens"] for p in data["runs"]] == [1000, 2000, 4000, 8000]  # sorted by data size
+    gains = [g["gain_per_doubling"]["overall"] for g in data["gains"]]
+    assert gains == pytest.approx([0.1, 0.05, 0.01])  # the curve flattens
+    assert (tmp_path / "report" / "learning_curve.png").stat().st_size > 1000
+    md = (tmp_path / "report" / "learning_curve.md").read_text()
+    assert "| 8,000 |" in md and "+0.010" in md and "During training (share-1000)" in md
+
+
+def test_doubling_gains_skip_runs_without_more_data():
+    points = [{"data_tokens": 100, "acceptance": {"overall": 0.1}}, {"data_tokens": 100, "acceptance": {"overall": 0.2}}]
+    assert doubling_gains(points) == []
+
+
+def test_a_directory_without_an_export_is_one_clear_error(tmp_path, capsys):
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no speculative.json" in err
