@@ -8,11 +8,15 @@ One target pass over the train rows computes it, together with the top-k labels 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from distill.batch import batches, completion_hidden
+from pipeline.atomic import atomic_dir
 from pipeline.heads import head_logits, head_rows
 
 
@@ -58,14 +62,34 @@ def attach_teacher_labels(job, log) -> None:
                 "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
         k = 0 if "topk_ids" in train.column_names else int(objective.topk)
         if k or job.vocab is not None:
-            t0 = time.time()
-            rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(train["prompt_ids"], train["completion_ids"])]
-            columns = teacher_labels(job.target, rows, job.truncation, k, job.vocab,
-                                     int(job.settings.heldout.batch_size), job.tokenizer.pad_token_id)
+            columns = cached_teacher_labels(job, train, k, log)
             for name, values in columns.items():
                 train = train.add_column(name, values)
-            log(f"target pass over {len(train)} train rows for {', '.join(columns)} in {time.time() - t0:.0f}s")
     truncate = job.truncation
     train = train.add_column("length", [sum(map(len, truncate(row))) for row in
                                         train.select_columns(["prompt_ids", "completion_ids"])])
     job.train = train
+
+
+def cached_teacher_labels(job, train, k: int, log) -> dict[str, list]:
+    """teacher_labels over the train rows, kept under ${paths.cache}/distill/ by what decides them (target, rows,
+    truncation, k, subset): a resumed run, or another draft trained on the same rows, skips the target pass."""
+    from datasets import Dataset, load_from_disk
+
+    rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(train["prompt_ids"], train["completion_ids"])]
+    key = hashlib.sha256(json.dumps({
+        "target": job.target_ident.get("source_sha256") or job.target_ident.get("path"), "k": k,
+        "truncation": [job.truncation.max_prompt_length, job.truncation.max_completion_length],
+        "vocab": None if job.vocab is None else job.vocab.tolist(), "rows": rows}, default=str).encode()).hexdigest()[:16]
+    path = Path(job.cfg.paths.cache) / "distill" / f"labels-{key}"
+    if path.exists():
+        log(f"teacher labels for {len(rows)} train rows from {path}")
+        return load_from_disk(str(path)).to_dict()
+    t0 = time.time()
+    columns = teacher_labels(job.target, rows, job.truncation, k, job.vocab, int(job.settings.heldout.batch_size),
+                             job.tokenizer.pad_token_id)
+    log(f"target pass over {len(rows)} train rows for {', '.join(columns)} in {time.time() - t0:.0f}s")
+    if job.is_main:
+        with atomic_dir(path) as tmp:
+            Dataset.from_dict(columns).save_to_disk(str(tmp))
+    return columns

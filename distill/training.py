@@ -81,9 +81,15 @@ def train_draft(job, log) -> TrainingResult:
     acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps), progress,
                                        is_main=job.is_main, printer=log)
     budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
+    arguments = training_arguments(job, out_dir)
+    minutes = job.settings.checkpoint.get("max_train_minutes")
+    if last and minutes and progress.seconds0 >= 60 * float(minutes):
+        # the budget was spent before the interruption (or this is a rerun to calibrate for other serving
+        # settings): load the checkpoint's weights and train no further step
+        arguments.max_steps = int(Path(last).name.split("-")[-1])
     full_head = use_subset_head(job.draft, job.vocab)
     job.draft.train()
-    trainer = DistillTrainer(job.draft, training_arguments(job, out_dir), job.train,
+    trainer = DistillTrainer(job.draft, arguments, job.train,
                              teacher_model=job.target, vocab=job.vocab, stop_ids=job.stops,
                              processing_class=job.tokenizer,
                              callbacks=[ProgressCallback(progress, job.is_main), acceptance_cb, budget])

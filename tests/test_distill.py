@@ -415,6 +415,30 @@ def test_a_learning_curve_point_trains_on_a_nested_share_and_reports_the_same_he
         run_stage(setup, tmp_path / "bad", "distill.split.train_fraction=0")
 
 
+def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, monkeypatch):
+    from datasets import Dataset
+    from omegaconf import OmegaConf
+
+    from distill import labels
+    from distill.batch import Truncation
+    from pipeline.models import load_model
+
+    target = load_model(setup["target"], torch.device("cpu"), torch.float32)
+    train = Dataset.from_dict({"prompt_ids": [[3, 4, 5], [6, 7]], "completion_ids": [[8, 9, 10, 11], [12, 13]]})
+    job = types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=Truncation(8, 8),
+                                vocab=torch.tensor([1, 8, 9, 10, 12]), is_main=True,
+                                settings=OmegaConf.create({"heldout": {"batch_size": 2}}),
+                                tokenizer=types.SimpleNamespace(pad_token_id=0),
+                                cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
+    first = labels.cached_teacher_labels(job, train, 4, print)
+    monkeypatch.setattr(labels, "teacher_labels", lambda *a, **k: pytest.fail("the target pass ran again"))
+    assert labels.cached_teacher_labels(job, train, 4, print) == first  # same rows, same subset: from disk
+    assert [len(x) for x in first["subset_logmass"]] == [4, 2]
+    job.vocab = torch.tensor([1, 8, 9])
+    with pytest.raises(pytest.fail.Exception, match="ran again"):  # another subset: other labels
+        labels.cached_teacher_labels(job, train, 4, print)
+
+
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
     """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
     comes from the reporting part, so no number is measured on the rows that chose it."""
@@ -593,6 +617,32 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     assert resumed["learning_curve"][0]["train_tokens"] == uninterrupted["learning_curve"][0]["train_tokens"]
     assert 0 < resumed["learning_curve"][0]["train_minutes"] < resumed["learning_curve"][1]["train_minutes"]
     assert set(resumed["learning_curve"][1]["by_domain"]) == set(uninterrupted["acceptance"]["after"]) - {"overall"}
+
+
+def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, monkeypatch):
+    from distill.progress import PROGRESS_FILE
+    from distill.trainer import DistillTrainer
+
+    compute = DistillTrainer.compute_loss
+    calls = {"n": 0}
+
+    def crash_at_step_30(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 30:
+            raise KeyboardInterrupt("simulated crash")
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistillTrainer, "compute_loss", crash_at_step_30)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(setup, tmp_path)
+    [checkpoint] = list((tmp_path / "distill_ckpt").glob("*/checkpoint-20"))
+    saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
+    (checkpoint / PROGRESS_FILE).write_text(json.dumps(saved | {"train_seconds": 120.0}))  # 2 minutes spent
+    monkeypatch.setattr(DistillTrainer, "compute_loss", compute)
+    run_stage(setup, tmp_path, "distill.checkpoint.max_train_minutes=1")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 20 and spec["training"]["train_tokens"] == saved["train_tokens"]
+    assert spec["learning_curve"][-1]["step"] == 20
 
 
 def test_the_time_budget_counts_minutes_trained_before_a_resume(tmp_path):
