@@ -36,7 +36,8 @@ Output contract (distill reads exactly this):
 Resume and scale-out: prompts are cut into shards (collect.shard_size prompts per domain) under
 {paths.collect}/shards/<fingerprint>/; each finished shard is written atomically and skipped on a
 rerun. The fingerprint hashes the target (weights, tokenizer, chat template), the sampling
-settings, seed, top-k, shard size and the prompts, so old shards never mix into a new setup. Each
+settings, seed, top-k and shard size, so old shards never mix into a new setup; a shard's name
+carries the hash of its own prompts, so more prompts per domain later only add shards. Each
 shard's RNG is seeded from (seed, domain, shard index, turn), so a resumed run, or one split over
 `accelerate launch --num_processes N` (shard i goes to process i % N), reproduces an
 uninterrupted single-process run row for row on CPU (given the same batch size).
@@ -236,8 +237,11 @@ class Shard:
 
     @property
     def name(self) -> str:
+        """Domain, index and a hash of the shard's own prompts: a shard is reused exactly when its prompts are
+        the same, so a larger collect.max_prompts_per_domain keeps every shard already done."""
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in self.domain)
-        return f"{safe}-{hashlib.sha256(self.domain.encode()).hexdigest()[:6]}-{self.index:05d}"
+        prompts = hashlib.sha256(json.dumps(self.prompts, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{safe}-{hashlib.sha256(self.domain.encode()).hexdigest()[:6]}-{self.index:05d}-{prompts}"
 
 
 @dataclass
@@ -340,7 +344,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
     identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
-    fingerprint = _fingerprint(identity, settings, str(dtype).removeprefix("torch."), prompts)
+    fingerprint = _fingerprint(identity, settings, str(dtype).removeprefix("torch."))
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
                       _plan(prompts, settings.shard_size), state, started)
 
@@ -374,12 +378,12 @@ def _stop_ids(path: Path, tokenizer) -> list[int]:
     return stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))
 
 
-def _fingerprint(identity: dict, settings: CollectSettings, dtype: str, prompts: dict[str, list[dict]]) -> str:
-    """Names the shard directory: any change to what decides the rows starts a fresh one."""
+def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
+    """Names the shard directory: any change to how rows are generated starts a fresh one. The prompts are not
+    part of it: each shard's name carries the hash of its own prompts (Shard.name)."""
     target = {k: v for k, v in identity.items() if k != "model"}
     target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
-    payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(),
-               "dtype": dtype, "prompts": prompts}
+    payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(), "dtype": dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

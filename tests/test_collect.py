@@ -240,6 +240,21 @@ def test_resume_after_a_crash_reproduces_an_uninterrupted_run(tmp_path, tiny_tar
     assert rows_of(crashed) == rows_of(tmp_path / "whole")
 
 
+def test_more_prompts_per_domain_later_only_add_shards(tmp_path, tiny_target, monkeypatch):
+    import data.collect as stage
+
+    write_prompts(tmp_path)
+    collect(tmp_path, tiny_target, ["collect.max_prompts_per_domain=2"])
+    real_save, redone = stage._save_shard, []
+    monkeypatch.setattr(stage, "_save_shard", lambda final, *a: (redone.append(final.name), real_save(final, *a)))
+    collect(tmp_path, tiny_target)  # every prompt: the first shard of each domain is already done
+    assert len(redone) == 3 and not any("-00000-" in name for name in redone)  # chat 2 more, code 1 more
+    fresh = tmp_path / "fresh"
+    write_prompts(fresh)
+    collect(fresh, tiny_target)
+    assert rows_of(tmp_path) == rows_of(fresh)
+
+
 def test_changed_sampling_settings_never_reuse_old_shards(tmp_path, tiny_target):
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target)
