@@ -53,11 +53,13 @@ def throughput(records: list[dict]) -> dict:
 
 def per_position_acceptance(stats_list) -> list[float]:
     """P(draft token k accepted) for k = 1..γ. A verify pass that accepted n of d drafted tokens counts
-    positions 1..d as proposed and 1..n as accepted (acceptance stops at the first rejection)."""
+    positions 1..d as proposed and 1..n as accepted (acceptance stops at the first rejection). For a token
+    tree the positions are its depths: P(the accepted path reaches depth k | the tree has depth k), unconditioned
+    on reaching k − 1 (the chain's convention; eval.tree.TreeStats.per_depth_acceptance conditions)."""
     proposed: list[int] = []
     accepted: list[int] = []
     for stats in stats_list:
-        for d, n in zip(stats.drafted, stats.accepted):
+        for d, n in zip(getattr(stats, "depths", None) or stats.drafted, stats.accepted):
             if d > len(proposed):
                 proposed += [0] * (d - len(proposed))
                 accepted += [0] * (d - len(accepted))
@@ -83,6 +85,8 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
     return {"acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": generated / passes if passes else 0.0,
             "per_position_acceptance": per_position_acceptance(stats),
+            **({"per_depth_acceptance": per_depth_acceptance(trees)} if (trees := [s for s in stats if hasattr(s, "depths")])
+               else {}),
             "n_drafted": drafted, "n_accepted": accepted, "target_passes": passes,
             "drafted_per_pass": drafted / passes if passes else 0.0, "wasted_drafts": drafted - accepted,
             # a verify pass feeds its drafted nodes and one committed token: output per token the target verified
@@ -90,6 +94,16 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
             "c": draft_s / ar_step_s if ar_step_s > 0 else 0.0,
             "c_verify": draft_s / verify_s if verify_s > 0 else 0.0,
             "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s}
+
+
+def per_depth_acceptance(stats_list) -> list[float]:
+    """Token trees: [d] = P(the accepted path reaches depth d+1 | it reached depth d and the tree goes deeper),
+    pooled over every verify pass of every request (the tree's own conditional acceptance per depth)."""
+    rates = []
+    for d in range(max((depth for s in stats_list for depth in s.depths), default=0)):
+        reached = [a for s in stats_list for a, depth in zip(s.accepted, s.depths) if a >= d and depth > d]
+        rates.append(sum(a > d for a in reached) / len(reached) if reached else 0.0)
+    return rates
 
 
 def greedy_match(records: list[dict], reference: list[dict]) -> float:

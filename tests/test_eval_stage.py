@@ -420,5 +420,11 @@ def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     spec = metrics["overall"]["speculative"]
     assert spec["tree"] == [2, 2] and metrics["overall"]["greedy_match"] == 1.0
     assert 0 < spec["drafted_per_pass"] <= 6 and spec["tokens_per_verified_node"] > 0
+    # per depth, not per node: two depths; reaching depth 2 unconditioned is at most reaching depth 1
+    depth = spec["per_depth_acceptance"]
+    assert len(depth) == 2 and len(spec["per_position_acceptance"]) == 2 and all(0 <= a <= 1 for a in depth)
+    assert spec["per_position_acceptance"][1] <= spec["per_position_acceptance"][0]
+    assert spec["per_position_acceptance"][0] == pytest.approx(depth[0])
+    assert "per_depth_acceptance" not in metrics["overall"]["autoregressive"]
     with pytest.raises(PipelineError, match="branching factor"):
         run_stage(tmp_path, models, "eval.tree=[0,2]")
