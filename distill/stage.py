@@ -333,17 +333,18 @@ def calibrate(job: DistillJob) -> dict:
     keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
     chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
-    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost["c"]),
+    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost["c"], taus),
             "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
 
 
-def choose_trees(job: DistillJob, chains: dict, c: float) -> dict[str, list | None]:
-    """Greedy serving: per domain the token tree that beats the chosen chain policy's predicted speedup on the
-    calibration part (distill/tree_choice.py), else None (the chain). Sampled serving: chains only."""
-    if not job.sampling.greedy:
+def choose_trees(job: DistillJob, chains: dict, c: float, taus: dict) -> dict[str, list | None]:
+    """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
+    (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
+    samples = int(job.settings.calibration.get("tree_samples") or 0)
+    if not job.sampling.greedy and not samples:
         return {domain: None for domain in chains}
-    ranks = tree_choice.target_ranks(job.draft, job.calibration, job.vocab)
-    trees = tree_choice.choose(ranks, job.calibration, job.cost_profile, c)
+    hits = tree_choice.hit_table(job.draft, job.calibration, job.vocab, taus, samples, int(job.cfg.seed))
+    trees = tree_choice.choose(hits, job.calibration, job.cost_profile, c)
     return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
             and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
 
@@ -367,12 +368,14 @@ def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, 
     cost, policies, trees = calibration["cost"], calibration["draft_length"], calibration["tree"]
     thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
     keep = keep_at(job.draft, heldout, calibration["temperature"], thresholds, job.vocab) if thresholds else {}
-    ranks = tree_choice.target_ranks(job.draft, heldout, job.vocab) if any(trees.values()) else None
+    hits = tree_choice.hit_table(job.draft, heldout, job.vocab, calibration["temperature"],
+                                 int(job.settings.calibration.get("tree_samples") or 0),
+                                 int(job.cfg.seed) + 1) if any(trees.values()) else None
     predicted = {}
     for domain, mask in cal.domain_index(heldout).items():
         tree = trees.get(domain, trees[cal.OVERALL])
         if tree:
-            accepted = tree_choice.simulate(ranks, heldout, mask, tuple(tree))
+            accepted = tree_choice.simulate(hits, heldout, mask, tuple(tree))
             verify = verify_ratio(job.cost_profile, tree_choice.nodes(tuple(tree)))
             predicted[domain] = round((1 + accepted) / (len(tree) * cost["c"] + verify), 3)
             continue

@@ -1,31 +1,47 @@
-"""Choosing a token-tree shape per domain (greedy serving) from held-out top-k hits and the cost profile.
+"""Choosing a token-tree shape per domain from held-out acceptance per depth and the cost profile.
 
-Under greedy serving the accepted path follows the target's argmax, so a tree with branching factors
-(b_1, …, b_D) accepts depth d of a block starting at held-out position t when the target's token at t+d−1 is
-among the draft's b_d most likely tokens there, for every depth up to d (teacher forcing keeps the draft's
-context equal to the accepted path). With hit_t(k) = 1[target argmax ∈ draft top-k at t]:
+A node with k children yields one of them with probability h_t(k) at held-out position t (teacher forcing keeps
+the draft's context equal to the accepted path):
+- greedy serving: the accepted path follows the target's argmax, so h_t(k) = 1[target argmax ∈ draft top-k at t];
+- sampled serving: the children are k draws without replacement from q_τ, verified by recursive rejection
+  sampling against p_T (pipeline/tree_sampling.py), so h_t(k) = P(one of them is accepted), estimated by Monte
+  Carlo over the draws with the rejection probabilities themselves averaged (no coin flips): for k = 1 it is
+  Σ min(p_T, q_τ), the chain's α.
+A tree with branching factors (b_1, …, b_D) then accepts, per block starting at t,
 
-    A = Σ_d Π_{i≤d} hit_{t+i−1}(b_i),   nodes N = Σ_d Π_{i≤d} b_i,
+    A = Σ_d Π_{i≤d} h_{t+i−1}(b_i),   nodes N = Σ_d Π_{i≤d} b_i,
 
 and the predicted speedup is (1 + A) / (D·c + r(N)), with D draft forwards (one per depth: the frontier is fed
 in one forward, costed as one draft step, which holds while a small draft's forward of a few tokens costs
 about one step) and r(N) the target's (N+1)-token forward over its 1-token forward from the cost profile.
-A chain (1, …, 1) is one of the candidates, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024;
+Under sampling the depths are taken as independent given the positions (the same approximation as the chain's
+Π α). A chain (1, …, 1) is one of the candidates, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024;
 Sequoia, Chen et al. 2024, choose trees from the same two ingredients: per-depth acceptance and verify cost).
-Sampled serving needs the multi-draft acceptance of recursive rejection sampling; not calibrated here.
 """
 from __future__ import annotations
 
 import torch
 
 from distill.batch import completion_hidden
-from distill.calibrate import HeldOut, domain_index
+from distill.calibrate import OVERALL, HeldOut, domain_index
 from pipeline.cost_profile import verify_ratio
 from pipeline.heads import column_map, head_logits, head_rows
+from pipeline.sampling import sample
+from pipeline.tree_sampling import rejection_update
 
 CANDIDATES = [(1,) * g for g in range(1, 9)] + [
     (2,), (2, 1), (2, 1, 1), (2, 2), (2, 2, 1), (2, 1, 1, 1), (2, 2, 1, 1), (3,), (3, 1), (3, 1, 1), (3, 2, 1),
     (3, 2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 1, 1), (2, 2, 2, 1), (3, 2, 2, 1), (4, 2, 2, 1, 1)]
+K_MAX = max(max(factors) for factors in CANDIDATES)
+
+
+def hit_table(draft, heldout: HeldOut, vocab=None, temperature_of: dict | None = None, samples: int = 8,
+              seed: int = 0) -> torch.Tensor:
+    """[N, K_MAX]: h_t(k) at column k − 1 (module docstring), for the held-out serving distribution."""
+    if heldout.sampling.greedy:
+        return (target_ranks(draft, heldout, vocab)[:, None] < torch.arange(1, K_MAX + 1)).float()
+    return sibling_acceptance(draft, heldout, temperature_of or {OVERALL: heldout.sampling.temperature}, vocab,
+                              samples, seed)
 
 
 @torch.no_grad()
@@ -50,22 +66,83 @@ def target_ranks(draft, heldout: HeldOut, vocab=None) -> torch.Tensor:
     return torch.cat(ranks)
 
 
-def simulate(ranks: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, factors: tuple) -> float:
+@torch.no_grad()
+def sibling_acceptance(draft, heldout: HeldOut, temperature_of: dict[str, float], vocab=None, samples: int = 8,
+                       seed: int = 0, chunk: int = 32) -> torch.Tensor:
+    """[N, K_MAX]: P(recursive rejection sampling accepts one of k siblings drawn without replacement from q_τ)
+    at each held-out position, k = 1..K_MAX, each position at its domain's τ. p_T's mass outside the draft's
+    vocabulary subset, and the tail beyond the held-out support, form one bucket the draft never proposes."""
+    was_training = draft.training
+    draft.eval()
+    device = next(draft.parameters()).device
+    vocab = None if vocab is None else vocab.to(device)
+    rows, column_of = head_rows(draft, vocab), column_map(vocab, draft.config.vocab_size)
+    tau = torch.full((heldout.n_positions,), float(temperature_of[OVERALL]))
+    for domain, mask in domain_index(heldout).items():
+        if domain != OVERALL:
+            tau[mask] = float(temperature_of.get(domain, temperature_of[OVERALL]))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out, start = [], 0
+    for batch, mask in heldout.batches(device):
+        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+        for s in range(0, logits.shape[0], chunk):
+            at = slice(start + s, start + min(s + chunk, logits.shape[0]))
+            q = _draft_probs(logits[s:s + chunk], tau[at].to(device), heldout.sampling)
+            p = _target_on_columns(heldout, at, column_of, q.shape[-1], device)
+            out.append(_race(p, torch.cat([q, q.new_zeros(q.shape[0], 1)], -1), samples, generator).cpu())
+        start += logits.shape[0]
+    draft.train(was_training)
+    return torch.cat(out)
+
+
+def _draft_probs(logits: torch.Tensor, tau: torch.Tensor, sampling) -> torch.Tensor:
+    q = torch.empty_like(logits, dtype=torch.float32)
+    for t in tau.unique().tolist():
+        rows = tau == t
+        q[rows] = sampling.with_temperature(t).probs(logits[rows]).float()
+    return q
+
+
+def _target_on_columns(heldout: HeldOut, at: slice, column_of, columns: int, device) -> torch.Tensor:
+    """p_T over the draft's columns plus one last bucket for what the draft cannot propose."""
+    ids, probs = heldout.p_ids[at].to(device), heldout.p_probs[at].to(device).float()
+    cols = ids if column_of is None else column_of[ids]
+    p = torch.zeros(ids.shape[0], columns + 1, device=device)
+    p.scatter_add_(1, torch.where(cols >= 0, cols, columns), probs)
+    p[:, columns] += heldout.p_tail[at].to(device).float()
+    return p
+
+
+def _race(p: torch.Tensor, q: torch.Tensor, samples: int, generator) -> torch.Tensor:
+    """[M, K_MAX] acceptance with 1..K_MAX siblings, averaged over `samples` draw sequences per row."""
+    p, q = p.repeat_interleave(samples, 0), q.repeat_interleave(samples, 0)
+    rejected = torch.ones(p.shape[0], device=p.device)
+    accepted = []
+    for _ in range(K_MAX):
+        x = sample(q, generator)
+        qx, px = q.gather(1, x[:, None]).squeeze(1), p.gather(1, x[:, None]).squeeze(1)
+        rejected = rejected * (1 - torch.where(qx > 0, (px / qx.clamp_min(1e-30)).clamp(max=1.0), 0.0))
+        accepted.append(1 - rejected)
+        p, q = rejection_update(p, q, x)
+    return torch.stack(accepted, -1).view(-1, samples, K_MAX).mean(1)
+
+
+def simulate(hits: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, factors: tuple) -> float:
     """A: expected accepted tokens per pass of the tree `factors`, averaged over block starts (module docstring);
     positions past a completion's end count as misses."""
     rows = heldout.row_of[positions]
-    chosen = ranks[positions]
+    chosen = hits[positions]
     total, count = 0.0, 0
     for row in rows.unique():
-        r = chosen[rows == row]
-        alive = torch.ones(len(r), dtype=torch.bool)
-        accepted = torch.zeros(len(r))
+        h = chosen[rows == row]
+        alive = torch.ones(len(h))
+        accepted = torch.zeros(len(h))
         for depth, width in enumerate(factors):
-            hit = torch.zeros(len(r), dtype=torch.bool)
-            hit[:len(r) - depth] = r[depth:] < width
-            alive &= hit
+            hit = torch.zeros(len(h))
+            hit[:len(h) - depth] = h[depth:, width - 1]
+            alive = alive * hit
             accepted += alive
-        total, count = total + float(accepted.sum()), count + len(r)
+        total, count = total + float(accepted.sum()), count + len(h)
     return total / max(count, 1)
 
 
@@ -77,14 +154,14 @@ def nodes(factors: tuple) -> int:
     return total
 
 
-def choose(ranks: torch.Tensor, heldout: HeldOut, profile: dict, c: float,
+def choose(hits: torch.Tensor, heldout: HeldOut, profile: dict, c: float,
            candidates: list[tuple] = CANDIDATES) -> dict[str, dict]:
     """Per domain (and overall): the candidate with the highest predicted speedup, chains included."""
     result = {}
     for domain, mask in domain_index(heldout).items():
         best = None
         for factors in candidates:
-            accepted = simulate(ranks, heldout, mask, factors)
+            accepted = simulate(hits, heldout, mask, factors)
             speedup = (1 + accepted) / (len(factors) * c + verify_ratio(profile, nodes(factors)))
             if best is None or speedup > best["predicted_speedup"]:
                 best = {"tree": list(factors), "accepted": accepted, "predicted_speedup": speedup}

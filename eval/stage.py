@@ -154,7 +154,8 @@ def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) ->
     policy = draft_length(spec, domain, settings, int(gamma))
     tree = settings["tree"] if isinstance(settings["tree"], list) else None
     if settings["tree"] is None and settings["draft_length"] is None and not settings["gamma"] and spec is not None:
-        tree = spec.for_domain("tree", domain) if sampling.greedy else None  # calibrated for greedy serving
+        # a tree is chosen for one serving distribution (greedy: top-k hits; sampled: sibling acceptance)
+        tree = spec.for_domain("tree", domain) if spec.sampling == sampling else None
     tau = settings["draft_temperature"]
     # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
     # the draft proposes its argmax (q one-hot), so no τ is used at all.

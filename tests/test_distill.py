@@ -525,29 +525,76 @@ def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when
 
 def test_tree_choice_counts_top_k_hits_per_depth_and_prefers_a_tree_where_the_argmax_misses():
     from distill.calibrate import HeldOut
-    from distill.tree_choice import choose, nodes, simulate
+    from distill.tree_choice import K_MAX, choose, nodes, simulate
     from pipeline.sampling import Sampling
 
     n = 400
     heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
                       torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
     everywhere = torch.ones(n, dtype=torch.bool)
+
+    def hits(rank: int) -> torch.Tensor:  # greedy: the target's token is the draft's (rank+1)-th choice
+        return (torch.full((n, 1), rank) < torch.arange(1, K_MAX + 1)).float()
+
     # the target's token is the draft's second choice everywhere: a chain never gets past depth 1, a (2, 2, 2)
     # tree accepts all three depths
-    ranks = torch.ones(n, dtype=torch.long)
-    assert simulate(ranks, heldout, everywhere, (1, 1, 1)) == 0.0
-    assert simulate(ranks, heldout, everywhere, (2, 2, 2)) == pytest.approx(3.0, abs=0.02)
-    assert simulate(ranks, heldout, everywhere, (2, 1)) == pytest.approx(1.0, abs=0.01)
+    assert simulate(hits(1), heldout, everywhere, (1, 1, 1)) == 0.0
+    assert simulate(hits(1), heldout, everywhere, (2, 2, 2)) == pytest.approx(3.0, abs=0.02)
+    assert simulate(hits(1), heldout, everywhere, (2, 1)) == pytest.approx(1.0, abs=0.01)
+    # sampled serving: per-depth probabilities multiply along the path
+    half = torch.full((n, K_MAX), 0.5)
+    assert simulate(half, heldout, everywhere, (2, 2)) == pytest.approx(0.5 + 0.25, abs=0.01)
     assert nodes((3, 2, 1)) == 3 + 6 + 6
     flat = {"settings": {"contexts": [64]},
             "target": {"64": {"1": {"ms": 10.0, "ratio": 1.0}, "32": {"ms": 10.0, "ratio": 1.0}}}}  # free verify
-    best = choose(ranks, heldout, flat, c=0.05, candidates=[(1,), (1, 1, 1), (2, 2), (2, 2, 2)])["overall"]
+    best = choose(hits(1), heldout, flat, c=0.05, candidates=[(1,), (1, 1, 1), (2, 2), (2, 2, 2)])["overall"]
     assert best["tree"] == [2, 2, 2]
     # the draft's argmax always right: the chain wins (a tree only adds verify cost)
     costly = {"settings": {"contexts": [64]},
               "target": {"64": {"1": {"ms": 10.0, "ratio": 1.0}, "32": {"ms": 40.0, "ratio": 4.0}}}}
-    best = choose(torch.zeros(n, dtype=torch.long), heldout, costly, c=0.05, candidates=[(1, 1, 1), (2, 2, 2)])
+    best = choose(hits(0), heldout, costly, c=0.05, candidates=[(1, 1, 1), (2, 2, 2)])
     assert best["overall"]["tree"] == [1, 1, 1]
+
+
+def _exact_sibling_acceptance(p: list[float], q: list[float], k: int, replace: bool = False) -> float:
+    """P(one of k candidates is accepted) by enumerating every draw order: recursive rejection sampling with
+    candidates drawn without replacement (q renormalised without the rejected token), or, for the wrong
+    variant, i.i.d. draws with q left as it was."""
+    def step(p, q, depth):
+        if depth == k or sum(q) == 0:
+            return 0.0
+        total = 0.0
+        for x, qx in enumerate(q):
+            if qx == 0:
+                continue
+            a = min(1.0, p[x] / qx)
+            residual = [max(0.0, pi - qi) for pi, qi in zip(p, q)]
+            mass = sum(residual)
+            p_next = [r / mass for r in residual] if mass > 0 else p
+            if replace:
+                q_next = q
+            else:
+                q_next = [0.0 if i == x else qi for i, qi in enumerate(q)]
+                q_next = [qi / sum(q_next) for qi in q_next] if sum(q_next) > 0 else q_next
+            total += qx * (a + (1 - a) * step(p_next, q_next, depth + 1))
+        return total
+
+    return step(p, q, 0)
+
+
+def test_sibling_acceptance_matches_exact_enumeration_and_rejects_iid_siblings():
+    from distill.tree_choice import K_MAX, _race
+
+    p = [0.05, 0.4, 0.3, 0.15, 0.1]  # the last column is the bucket the draft cannot propose
+    q = [0.5, 0.2, 0.25, 0.05, 0.0]
+    estimate = _race(torch.tensor([p]), torch.tensor([q]), 20000, torch.Generator().manual_seed(0))[0]
+    exact = [_exact_sibling_acceptance(p, q, k) for k in range(1, K_MAX + 1)]
+    iid = [_exact_sibling_acceptance(p, q, k, replace=True) for k in range(1, K_MAX + 1)]
+    assert exact[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # one sibling: the chain's α
+    # Monte Carlo error of a mean of 20k bounded draws: ≤ 0.5/sqrt(20000) ≈ 0.0035 per column; 4 sigma
+    assert estimate.tolist() == pytest.approx(exact, abs=0.015)
+    assert max(abs(a - b) for a, b in zip(iid[1:], exact[1:])) > 0.05  # the wrong rule is told apart
+    assert all(a <= b + 1e-9 for a, b in zip(exact, exact[1:])) and exact[-1] <= 0.9 + 1e-9  # never the bucket
 
 
 def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path):
@@ -558,6 +605,18 @@ def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path)
     assert set(spec.tree) == {"chat", "code", "default"}
     assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
     assert all(v > 0 for v in spec.predicted_speedup.values())
+
+
+def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp_path):
+    from pipeline.spec import SpeculativeSpec
+
+    run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "distill.calibration.tree_samples=4")
+    spec = SpeculativeSpec.read(tmp_path / "draft")
+    assert not spec.sampling.greedy and set(spec.tree) == {"chat", "code", "default"}
+    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+    run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "distill.calibration.tree_samples=0")
+    assert set(SpeculativeSpec.read(tmp_path / "chains" / "draft").tree.values()) == {None}
 
 
 def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):

@@ -394,6 +394,12 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
     uncalibrated = settings | {"use_calibration": False}
     assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
     assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
+    # A token tree chosen for sampled serving runs at that sampling only.
+    with_tree = Draft(None, {}, SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={},
+                                                tree={"code": [3, 1], "default": None}))
+    assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20))["tree"] == [3, 1]
+    assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20))["tree"] is None
+    assert draft_plan(with_tree, "code", settings, Sampling(0.0))["tree"] is None
 
 
 def test_draft_length_policies_side_by_side(tmp_path, models):
