@@ -25,11 +25,10 @@ from distill.export import format_table, model_card, save_draft
 from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
 from distill.split import nested_subset, split_by_prompt, split_heldout
-from distill import tree_choice
-from distill.policy import candidates, choose, keep_at, simulate, verify_cost
+from distill.serving import calibrate, predict_speedup, tree_candidates
 from distill.training import TrainingResult, train_draft
 from pipeline.chat import stop_token_ids
-from pipeline.cost_profile import FILENAME, measure_cost_profile, read_profile, summary, verify_ratio
+from pipeline.cost_profile import FILENAME
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, load_role, model_identity
 from pipeline.sampling import Sampling
@@ -311,80 +310,6 @@ def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) 
     return {"selected": "distilled", "after_training": trained, "after": trained_summary}
 
 
-# ---------------------------------------------------------------- calibration (calibration part)
-def calibrate(job: DistillJob) -> dict:
-    """Draft temperature τ per domain, cost ratio c (timed on this device, in the serving dtype), the best
-    fixed γ and the best draft-length policy per domain, all chosen on the calibration part."""
-    settings = job.settings.calibration
-    taus = cal.calibrate_temperature(job.draft, job.calibration, list(settings.tau_ratios), job.vocab,
-                                     int(settings.tau_refine))["temperature"]
-    gammas = [int(g) for g in settings.gammas]
-    lengths = settings.draft_length
-    longest = max(gammas + [int(m) for m in lengths.max_lengths])
-    job.cost_profile = cost_profile(job)
-    cost = summary(job.cost_profile, longest)
-    cost.update({key: job.cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
-    alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)
-    best = {}
-    for domain, mask in cal.domain_index(job.calibration).items():
-        per_position = cal.per_position_acceptance(alpha, job.calibration, mask, max(gammas))
-        best[domain] = cal.best_gamma(per_position, cost["c"], gammas, cost.get("verify_ratio"))[0]
-    thresholds = [float(t) for t in lengths.thresholds]
-    keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
-    options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
-    chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
-    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost["c"], taus),
-            "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
-
-
-def choose_trees(job: DistillJob, chains: dict, c: float, taus: dict) -> dict[str, list | None]:
-    """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
-    (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
-    samples = int(job.settings.calibration.get("tree_samples") or 0)
-    if not job.sampling.greedy and not samples:
-        return {domain: None for domain in chains}
-    hits = tree_choice.hit_table(job.draft, job.calibration, job.vocab, taus, samples, int(job.cfg.seed))
-    trees = tree_choice.choose(hits, job.calibration, job.cost_profile, c)
-    return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
-            and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
-
-
-def cost_profile(job: DistillJob) -> dict:
-    """The cost profile γ and the policy are chosen for: distill.calibration.cost.profile when given (another
-    device's, checked against these models' shapes), else measured here in the serving dtype."""
-    settings = job.settings.calibration.cost
-    if settings.get("profile"):
-        rows = len(job.vocab) if job.vocab is not None else None
-        profile = read_profile(settings.profile, job.target, job.draft, rows)
-        log(f"calibrating for the cost profile {settings.profile} ({profile['machine'].get('device_name')}, "
-            f"{profile['machine'].get('dtype')})")
-        return profile
-    return measure_cost_profile(job.target, job.draft, job.vocab, tuple(settings.tokens_fed), tuple(settings.contexts),
-                                repeats=int(settings.repeats), warmup=int(settings.warmup), seed=int(job.cfg.seed))
-
-
-def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: dict) -> dict:
-    """Per domain, the predicted speedup of its chosen draft-length policy on `heldout` (distill/policy.py)."""
-    cost, policies, trees = calibration["cost"], calibration["draft_length"], calibration["tree"]
-    thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
-    keep = keep_at(job.draft, heldout, calibration["temperature"], thresholds, job.vocab) if thresholds else {}
-    hits = tree_choice.hit_table(job.draft, heldout, job.vocab, calibration["temperature"],
-                                 int(job.settings.calibration.get("tree_samples") or 0),
-                                 int(job.cfg.seed) + 1) if any(trees.values()) else None
-    predicted = {}
-    for domain, mask in cal.domain_index(heldout).items():
-        tree = trees.get(domain, trees[cal.OVERALL])
-        if tree:
-            accepted = tree_choice.simulate(hits, heldout, mask, tuple(tree))
-            verify = verify_ratio(job.cost_profile, tree_choice.nodes(tuple(tree)))
-            predicted[domain] = round((1 + accepted) / (len(tree) * cost["c"] + verify), 3)
-            continue
-        policy = policies.get(domain, policies[cal.OVERALL])
-        drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
-        predicted[domain] = round((1 + accepted) / (cost["c"] * drafted + verify_cost(cost.get("verify_ratio"), drafted)), 3)
-    return predicted
-
-
 # ---------------------------------------------------------------- report (reporting part) and export
 def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected: dict,
                calibration: dict) -> SpeculativeSpec:
@@ -392,6 +317,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
     gamma = int(job.settings.heldout.gamma)
     after = selected["after"]
     calibrated = cal.acceptance_at(job.draft, job.reporting, calibration["temperature"], job.vocab)
+    calibration["tree_candidates"] = tree_candidates(job, job.reporting, calibration)
     predicted = predict_speedup(job, job.reporting, calibrated, calibration)
     calibrated_acceptance = {domain: float(calibrated[mask].mean()) if mask.any() else 0.0
                              for domain, mask in cal.domain_index(job.reporting).items()}
@@ -400,7 +326,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
         job.target_ident, job.sampling, {**job.draft_info, "parameters": sum(p.numel() for p in job.draft.parameters())},
         _vocab_list(job), distilled=True, gamma=_with_default(calibration["gamma"]),
         draft_length=_with_default({k: v.to_dict() for k, v in calibration["draft_length"].items()}),
-        tree=_with_default(calibration["tree"]),
+        tree=_with_default(calibration["tree"]), tree_candidates=_with_default(calibration["tree_candidates"]) if calibration["tree_candidates"] else {},
         draft_temperature=_with_default(calibration["temperature"]), selected=selected["selected"],
         acceptance={"before": _acceptances(before["reporting"]), "after": _acceptances(after),
                     "after_training": selected["after_training"], "after_calibrated": calibrated_acceptance},

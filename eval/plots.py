@@ -78,6 +78,34 @@ def gamma_sweep(metrics: dict, path: Path) -> str:
     return _save(fig, path)
 
 
+def tree_sweep(metrics: dict, path: Path) -> str:
+    """Measured speedup of each swept tree against distill's predicted one, and both against tree size."""
+    sweep = metrics["tree_sweep"]
+    keys = list(sweep["by_tree"])
+    points = [sweep["by_tree"][k] for k in keys]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    nodes = [p["drafted_per_pass"] for p in points]
+    right.plot(nodes, [p["speedup"] for p in points], "o", label="measured")
+    for k, p, n in zip(keys, points, nodes):
+        right.annotate(f"({k})", (n, p["speedup"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    predicted = [(p["predicted_speedup"], p["speedup"], k) for k, p in zip(keys, points) if p["predicted_speedup"]]
+    if predicted:
+        right.plot(nodes, [p["predicted_speedup"] for p in points], "s", mfc="none", label="predicted (distill)")
+        xs, ys, labels = zip(*predicted)
+        left.plot(xs, ys, "o")
+        for x, y, label in zip(xs, ys, labels):
+            left.annotate(f"({label})", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        lo, hi = min(xs + ys) * 0.95, max(xs + ys) * 1.05
+        left.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
+    left.set(xlabel="predicted speedup (held-out simulator + cost profile)", ylabel="measured speedup",
+             title="Predicted vs measured per tree")
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    right.set(xlabel="draft nodes per target pass", ylabel="speedup vs autoregressive",
+              title=f"Tree size ({sweep['n_requests']} requests)")
+    right.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def latency(records: list[dict], path: Path) -> str:
     """Per-request latency distribution of every method (all domains pooled)."""
     methods = list(dict.fromkeys(r["method"] for r in records))
@@ -96,5 +124,7 @@ def write_plots(metrics: dict, records: list[dict], out_dir: Path) -> list[str]:
              per_position(metrics, out_dir / "per_position_acceptance.png")]
     if metrics.get("gamma_sweep"):
         files.append(gamma_sweep(metrics, out_dir / "gamma_sweep.png"))
+    if metrics.get("tree_sweep"):
+        files.append(tree_sweep(metrics, out_dir / "tree_sweep.png"))
     files.append(latency(records, out_dir / "latency.png"))
     return files

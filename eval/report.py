@@ -350,6 +350,16 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
                   "per domain), evaluated draft, each γ interleaved with an autoregressive run of the same "
                   "request.", "",
                   markdown_table(["γ", "acceptance", "mean acc. len", "tok/s", "speedup"], rows), ""]
+    trees = metrics.get("tree_sweep")
+    if trees:
+        rows = [[f"({k})", _f(p["drafted_per_pass"], ".1f"), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
+                 _speedup(p), _f(p["predicted_speedup"]) + ("×" if p["predicted_speedup"] else "")]
+                for k, p in trees["by_tree"].items()]
+        lines += ["## Tree sweep", "", f"On {trees['n_requests']} requests ({trees['n_prompts_per_domain']} prompt(s) "
+                  "per domain), evaluated draft, each tree interleaved with an autoregressive run of the same "
+                  "request; predicted = distill's simulator on its reporting part with the cost profile, averaged "
+                  "over the requests' domains.", "",
+                  markdown_table(["tree", "nodes/pass", "mean acc. len", "tok/s", "speedup", "predicted"], rows), ""]
     lines += _fidelity(metrics)
     lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
     path.write_text("\n".join(lines))

@@ -24,10 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
-from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, first_prompts, fp32_recheck
+from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
                          slowdown_advice, text_table, write_outputs)
 from eval.speculative import autoregressive_generate, speculative_generate
+from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
 from pipeline.draft_length import POLICIES, DraftLength
 from pipeline.errors import PipelineError
@@ -72,11 +73,18 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
     if settings["draft_length"] not in (None, *POLICIES):
         bad("draft_length", "is not a draft-length policy", f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
     DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])  # one-line errors if bad
+    settings["trees"] = [list(tree) for tree in settings.get("trees") or []]
+    if any(not all(isinstance(b, int) for b in tree) for tree in settings["trees"]):
+        bad("trees", "holds something other than branching factors", "use e.g. eval.trees=[[1,1,1],[2,1],[3,2,1]]")
     if settings["tree"] is not None and settings["tree"] != "none":
         if not isinstance(settings["tree"], list):
             bad("tree", "is not a tree", "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
         from eval.tree import parse_tree
         parse_tree(tuple(settings["tree"]))  # a zero factor or too many nodes: one line
+    if settings["trees"]:
+        from eval.tree import parse_tree
+        for tree in settings["trees"]:
+            parse_tree(tuple(tree))
     extras = [f"speculative_{name}" for name in settings.get("extra_drafts") or {}]
     if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init", *extras):
         bad("baselines_draft", "is not a draft eval loads",
@@ -225,10 +233,11 @@ def make_methods(evaluation: Evaluation) -> dict:
     def speculative(name, draft_name=None):
         draft = evaluation.drafts[draft_name or name]
 
-        def generate(ids, domain, n, seed, gamma=None):
+        def generate(ids, domain, n, seed, gamma=None, tree=None):
             plan = evaluation.plans[name][domain]
             policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
-            tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
+            if tree is None:  # the tree sweep gives one
+                tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
             out = speculative_generate(target, draft.model, ids, n, draft_length=None if tree else policy, tree=tree,
                                        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        draft_temperature=plan["draft_temperature"], eos_token_id=stop,
@@ -243,17 +252,6 @@ def make_methods(evaluation: Evaluation) -> dict:
     if evaluation.settings["baselines"]:
         methods.update(_hf_methods(evaluation))
     return methods
-
-
-def timed(fn, ids, domain, n, seed, clock, **kw) -> tuple[list[int], object, float]:
-    start = clock()
-    tokens, stats = fn(ids, domain, n, seed, **kw)
-    return tokens, stats, clock() - start
-
-
-def rotated(names: list, k: int) -> list:
-    """Who runs first changes with every request, so drift and cache warmth favour no method."""
-    return names[k % len(names):] + names[:k % len(names)]
 
 
 def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
@@ -309,26 +307,6 @@ def decode_prompt(prompt: dict, methods: dict, names: list, evaluation: Evaluati
                             "tokens": tokens, "time_s": seconds, "stats": stats})
         own_answer = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
         answers.append(tokenizer.decode(own_answer, skip_special_tokens=True).strip())
-
-
-def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
-    """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain,
-    each γ interleaved with an autoregressive run of the same request."""
-    from tqdm.auto import tqdm
-
-    settings, clock = evaluation.settings, synced_clock(evaluation.device)
-    requests = first_prompts(contexts, settings["sweep_prompts_per_domain"])
-    runs: dict = {"ar": [], **{gamma: [] for gamma in settings["gammas"]}}
-    for k, request in enumerate(tqdm(requests, desc="γ sweep", unit="req", dynamic_ncols=True)):
-        request_seed = derive_seed(seed, "eval-gamma-sweep", k)  # other seeds than the main run's
-        for key in rotated(list(runs), k):
-            fn, kw = (methods["autoregressive"], {}) if key == "ar" else (methods["speculative"], {"gamma": key})
-            tokens, stats, seconds = timed(fn, request["ids"], request["domain"], settings["max_new_tokens"],
-                                           request_seed, clock, **kw)
-            runs[key].append({"tokens": tokens, "time_s": seconds, "stats": stats})
-    return {"gammas": settings["gammas"], "n_prompts_per_domain": settings["sweep_prompts_per_domain"],
-            "n_requests": len(requests),
-            "by_gamma": {str(gamma): M.sweep_point(runs[gamma], runs["ar"]) for gamma in settings["gammas"]}}
 
 
 # ---------------------------------------------------------------- metrics
@@ -395,6 +373,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     metrics = core_metrics(records, evaluation)
     if settings["gammas"]:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
+    if settings["trees"]:
+        metrics["tree_sweep"] = tree_sweep(contexts, methods, evaluation, cfg.seed)
     checked = fidelity(metrics, records, contexts, evaluation)
     if checked is not None:
         metrics["fidelity"] = checked

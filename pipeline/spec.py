@@ -22,6 +22,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     cost                   c, forward times, verify ratios, device, dtype
     training               loss, teacher, steps, train_tokens, minutes, rows, data_tokens, train_fraction, ...
     learning_curve         [{step, train_tokens, train_minutes, acceptance, by_domain}] (distill/progress.py)
+    tree_candidates        {domain: {"3,1": {accepted, nodes, predicted_speedup}}}: every candidate tree on the
+                           reporting part, for the serving the trees were calibrated for (empty otherwise)
     heldout                sizes of the calibration and reporting splits
 """
 from __future__ import annotations
@@ -59,6 +61,7 @@ class SpeculativeSpec:
     cost: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     learning_curve: list = field(default_factory=list)
+    tree_candidates: dict = field(default_factory=dict)  # optional: exports before it still read
     heldout: dict = field(default_factory=dict)
     version: int = VERSION
 

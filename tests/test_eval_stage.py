@@ -420,6 +420,27 @@ def test_draft_length_policies_side_by_side(tmp_path, models):
     assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()
 
 
+def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, models):
+    import shutil
+
+    draft = shutil.copytree(models["draft"], tmp_path / "draft_with_trees")
+    spec = SpeculativeSpec.read(draft)
+    spec.sampling, spec.draft_temperature = Sampling(0.0), None  # calibrated for greedy serving
+    spec.tree_candidates = {"chat": {"2,1": {"predicted_speedup": 1.2}, "1,1": {"predicted_speedup": 1.1}},
+                            "default": {"2,1": {"predicted_speedup": 1.4}, "1,1": {"predicted_speedup": 1.3}}}
+    spec.write(draft)
+    metrics, out, _ = run_stage(tmp_path, models, f"eval.draft={draft}", "eval.temperature=0", "eval.gammas=[]",
+                                "eval.baselines=false", "eval.trees=[[1,1],[2,1]]")
+    sweep = metrics["tree_sweep"]
+    assert list(sweep["by_tree"]) == ["1,1", "2,1"] and sweep["n_requests"] == 3  # chat-1 has two turns
+    # request-weighted over domains: chat's two requests at chat's prediction, code's one at the default
+    assert sweep["by_tree"]["2,1"]["predicted_speedup"] == pytest.approx((1.2 * 2 + 1.4) / 3)
+    assert 1.0 < sweep["by_tree"]["1,1"]["drafted_per_pass"] <= 2.0 < sweep["by_tree"]["2,1"]["drafted_per_pass"] <= 4.0
+    assert (out / "tree_sweep.png").exists() and "## Tree sweep" in (out / "report.md").read_text()
+    with pytest.raises(PipelineError, match="eval.trees"):
+        run_stage(tmp_path, models, "eval.trees=[[2,a]]")
+
+
 def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
                               "eval.tree=[2,2]", "eval.gammas=[]")
