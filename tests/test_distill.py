@@ -644,21 +644,30 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     assert tracker.metrics["on_policy_batches"] > 0
 
 
-def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, monkeypatch, capsys):
+def crash_at_step_30(setup, out: Path, monkeypatch):
+    """Runs the stage until its 31st loss computation raises, as a Ctrl-C would (checkpoint-20 is on disk);
+    returns the real compute_loss to put back."""
     from distill.trainer import DistillTrainer
 
     compute = DistillTrainer.compute_loss
     calls = {"n": 0}
 
-    def crash_at_step_30(self, *args, **kwargs):
+    def crashing(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] > 30:
             raise KeyboardInterrupt("simulated crash")
         return compute(self, *args, **kwargs)
 
-    monkeypatch.setattr(DistillTrainer, "compute_loss", crash_at_step_30)
+    monkeypatch.setattr(DistillTrainer, "compute_loss", crashing)
     with pytest.raises(KeyboardInterrupt):
-        run_stage(setup, tmp_path)
+        run_stage(setup, out)
+    return compute
+
+
+def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, monkeypatch, capsys):
+    from distill.trainer import DistillTrainer
+
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch)
     checkpoints = list((tmp_path / "distill_ckpt").glob("*/checkpoint-*"))
     assert [c.name for c in checkpoints] == ["checkpoint-20"]
     assert not (tmp_path / "draft").exists()  # nothing half-exported
@@ -682,18 +691,7 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
     from distill.progress import PROGRESS_FILE
     from distill.trainer import DistillTrainer
 
-    compute = DistillTrainer.compute_loss
-    calls = {"n": 0}
-
-    def crash_at_step_30(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 30:
-            raise KeyboardInterrupt("simulated crash")
-        return compute(self, *args, **kwargs)
-
-    monkeypatch.setattr(DistillTrainer, "compute_loss", crash_at_step_30)
-    with pytest.raises(KeyboardInterrupt):
-        run_stage(setup, tmp_path)
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch)
     [checkpoint] = list((tmp_path / "distill_ckpt").glob("*/checkpoint-20"))
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
     (checkpoint / PROGRESS_FILE).write_text(json.dumps(saved | {"train_seconds": 120.0}))  # 2 minutes spent
