@@ -285,3 +285,12 @@ def test_load_split_filters_domains_and_rejects_unknown_ones(built):
         load_split(out, "eval", ["code", "poetry"])
     with pytest.raises(PipelineError, match="unknown split"):
         load_split(out, "test")
+
+
+def test_the_unseen_domain_prompts_are_a_dozen_outside_every_built_domain():
+    from data.prepare import BUILTIN_DOMAINS
+    from pipeline.prompts import load_prompts
+
+    rows = load_prompts(str(REPO / "data" / "prompts" / "unseen_sql.jsonl"))
+    assert len(rows) == 12 and {r["domain"] for r in rows} == {"sql"} and "sql" not in BUILTIN_DOMAINS
+    assert len({r["turns"][0] for r in rows}) == 12
