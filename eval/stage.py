@@ -329,7 +329,8 @@ def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluatio
     if not evaluation.sampling.greedy and settings["fidelity_prompts_per_domain"]:
         result = fidelity_check(contexts, target, tuned, plans, stop, settings)
     elif "fidelity" in metrics:
-        result = metrics["fidelity"] | {"mismatches": diagnose(records, contexts, target),
+        own = tuple(m for m in metrics["methods"] if m.startswith(M.SPECULATIVE))  # every draft and policy
+        result = metrics["fidelity"] | {"mismatches": diagnose(records, contexts, target, own),
                                         "near_tie_ulps": NEAR_TIE_ULPS}
     else:
         return None
