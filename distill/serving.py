@@ -29,7 +29,7 @@ def calibrate(job: DistillJob) -> dict:
     gammas = [int(g) for g in settings.gammas]
     lengths = settings.draft_length
     longest = max(gammas + [int(m) for m in lengths.max_lengths])
-    job.cost_profile = cost_profile(job)
+    job.cost_profile = job.cost_profile or cost_profile(job)  # the draft's shape, not its weights, sets it
     cost = summary(job.cost_profile, longest)
     cost.update({key: job.cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
     alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)

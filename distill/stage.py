@@ -104,14 +104,20 @@ def _run(cfg: DictConfig, tracker) -> dict:
     split_rows(job)
     before = measure_before(job)
     attach_teacher_labels(job, log)
-    initial_weights = snapshot(job.draft) if job.is_main and job.settings.calibration.keep_best else None
+    calibration_settings = job.settings.calibration
+    initial_weights = (snapshot(job.draft) if job.is_main and (calibration_settings.keep_best
+                                                              or calibration_settings.get("calibrate_init")) else None)
     training = train_draft(job, log)
     if not job.is_main:
         return {}
     selected = select_weights(job, before, initial_weights)
     calibration = calibrate(job)
     spec = build_spec(job, before, training, selected, calibration)
+    calibration_dtype = next(job.draft.parameters()).dtype
     export(job, spec)
+    if job.settings.calibration.get("calibrate_init"):
+        export_calibrated_init(job, before, initial_weights, calibration_dtype,
+                               calibration if selected["selected"] == "init" else None)
     log(f"exported {cfg.paths.draft} (undistilled: {cfg.paths.draft_init}) in {time.time() - t_start:.0f}s")
     return {"acceptance_before": spec.acceptance["before"][cal.OVERALL],
             "acceptance_after": spec.acceptance["after"][cal.OVERALL], "c": spec.cost["c"],
@@ -302,7 +308,7 @@ def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) 
     trained = _acceptances(trained_summary)
     after = serving_acceptance(job, job.calibration)[cal.OVERALL]["acceptance"]
     first = before["calibration"][cal.OVERALL]["acceptance"]
-    if initial_weights is not None and after < first:
+    if job.settings.calibration.keep_best and initial_weights is not None and after < first:
         log(f"held-out acceptance fell in training ({first:.3f} → {after:.3f} on the calibration part): exporting "
             "the initial draft (distill.calibration.keep_best=false ships the trained one)")
         job.draft.load_state_dict(initial_weights)
@@ -312,7 +318,7 @@ def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) 
 
 # ---------------------------------------------------------------- report (reporting part) and export
 def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected: dict,
-               calibration: dict) -> SpeculativeSpec:
+               calibration: dict, distilled: bool = True) -> SpeculativeSpec:
     """speculative.json: the calibration, and every reported number measured on the reporting part."""
     gamma = int(job.settings.heldout.gamma)
     after = selected["after"]
@@ -324,7 +330,7 @@ def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected
     objective = job.settings.objective
     return SpeculativeSpec(
         job.target_ident, job.sampling, {**job.draft_info, "parameters": sum(p.numel() for p in job.draft.parameters())},
-        _vocab_list(job), distilled=True, gamma=_with_default(calibration["gamma"]),
+        _vocab_list(job), distilled=distilled, gamma=_with_default(calibration["gamma"]),
         draft_length=_with_default({k: v.to_dict() for k, v in calibration["draft_length"].items()}),
         tree=_with_default(calibration["tree"]), tree_candidates=_with_default(calibration["tree_candidates"]) if calibration["tree_candidates"] else {},
         draft_temperature=_with_default(calibration["temperature"]), selected=selected["selected"],
@@ -349,12 +355,7 @@ def export(job: DistillJob, spec: SpeculativeSpec) -> None:
     import shutil
 
     paths = job.cfg.paths
-    generation_config = copy.deepcopy(job.target.generation_config)
-    for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
-        setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
-    save_draft(job.draft.to(job.serving_dtype), job.draft_tokenizer, paths.draft, spec,
-               model_card(spec, f"{job.cfg.model.draft.name} (distilled)"), generation_config,
-               extra={FILENAME: job.cost_profile})
+    save_calibrated(job, spec, paths.draft, "distilled")
     if not job.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / job.fingerprint, ignore_errors=True)
     print(format_table(spec))
@@ -368,6 +369,30 @@ def export(job: DistillJob, spec: SpeculativeSpec) -> None:
         "c": spec.cost["c"], "train_tokens": spec.training["train_tokens"], "train_minutes": spec.training["minutes"]})
     job.tracker.log_artifact(str(Path(paths.draft) / "speculative.json"))
     job.tracker.log_artifact(str(Path(paths.draft) / "README.md"))
+
+
+def save_calibrated(job: DistillJob, spec: SpeculativeSpec, path: str, label: str) -> None:
+    generation_config = copy.deepcopy(job.target.generation_config)
+    for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
+        setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
+    save_draft(job.draft.to(job.serving_dtype), job.draft_tokenizer, path, spec,
+               model_card(spec, f"{job.cfg.model.draft.name} ({label})"), generation_config,
+               extra={FILENAME: job.cost_profile})
+
+
+def export_calibrated_init(job: DistillJob, before: dict, initial_weights: dict, dtype: torch.dtype,
+                           calibration: dict | None) -> None:
+    """${paths.draft_init} again, now with its own serving calibration (τ, γ, policy, tree for the same cost
+    profile): comparing the distilled draft against an uncalibrated one would credit distillation with what
+    calibration alone buys."""
+    job.draft.to(dtype).load_state_dict(initial_weights)  # calibrated in the dtype the distilled draft was
+    calibration = calibration or calibrate(job)  # given when keep_best shipped the initial weights anyway
+    none = TrainingResult(steps=0, tokens=0, minutes=0.0, curve=[])
+    selected = {"selected": "init", "after_training": _acceptances(before["reporting"]), "after": before["reporting"]}
+    spec = build_spec(job, before, none, selected, calibration, distilled=False)
+    save_calibrated(job, spec, job.cfg.paths.draft_init, "undistilled, calibrated")
+    log(f"exported {job.cfg.paths.draft_init} with its own calibration (predicted speedup "
+        f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
 
 
 def _acceptances(summary: dict) -> dict[str, float]:

@@ -482,6 +482,20 @@ def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     assert (out / "draft_init" / "config.json").exists() and (out / "draft" / "tokenizer.json").exists()
 
 
+def test_the_undistilled_draft_ships_with_its_own_calibration(distilled):
+    # a fair "before": the initial weights get τ, γ, policy and tree from the same calibration part and cost profile
+    from pipeline.spec import SpeculativeSpec
+
+    _, _, out = distilled
+    init, tuned = SpeculativeSpec.read(out / "draft_init"), SpeculativeSpec.read(out / "draft")
+    assert not init.distilled and init.selected == "init" and tuned.distilled
+    assert set(init.gamma) == set(init.draft_length) == {"chat", "code", "default"}
+    assert init.cost == tuned.cost  # one cost profile: the draft's shape sets it, not its weights
+    assert init.acceptance["after"] == init.acceptance["before"] == tuned.acceptance["before"]
+    assert init.predicted_speedup != tuned.predicted_speedup  # calibrated on the initial weights, not copied
+    assert (out / "draft_init" / "cost_profile.json").exists()
+
+
 def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(distilled):
     from transformers import GenerationConfig
 
