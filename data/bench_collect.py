@@ -40,10 +40,10 @@ def bench_prompts(cfg, n: int, domains: list[str], prompts_file: str | None = No
 def disk_bytes(rows: list[dict], topk: int) -> int:
     from datasets import Dataset
 
-    from data.collect import _quiet_datasets, features
+    from data.collect_rows import features, quiet_datasets
 
     keep = list(features(topk))
-    with tempfile.TemporaryDirectory() as tmp, _quiet_datasets():
+    with tempfile.TemporaryDirectory() as tmp, quiet_datasets():
         Dataset.from_list([{k: r[k] for k in keep} for r in rows], features=features(topk)).save_to_disk(tmp)
         return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
 
@@ -73,7 +73,7 @@ def load_settings(overrides: list[str], max_new_tokens: int):
     """The composed config and its collect settings, one sample per prompt at the bench's length."""
     from hydra import compose, initialize_config_dir
 
-    from data.collect import CollectSettings
+    from data.collect_rows import CollectSettings
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
@@ -97,7 +97,7 @@ def load_target(cfg) -> SimpleNamespace:
 
 def measure_batching(target, settings, prompts: list[dict]) -> list[dict]:
     """Tokens/s at batch 1 and at collect.batch_size on the same prompts; the rows of the last run."""
-    from data.collect import collect_shard
+    from data.collect_rows import collect_shard
     from data.collect_hf import HFBackend
     from pipeline.chat import encode_chat, messages_for
 

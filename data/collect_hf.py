@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from data.collect import CollectSettings, Completion
+from data.collect_rows import CollectSettings, Completion
 from pipeline.errors import PipelineError
 
 

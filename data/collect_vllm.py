@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.collect import CollectSettings, Completion
+from data.collect_rows import CollectSettings, Completion
 from pipeline.errors import PipelineError
 from pipeline.sampling import derive_seed
 

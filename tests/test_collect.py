@@ -93,7 +93,7 @@ def leftovers(collect_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- contract
 
 def test_collect_writes_the_output_contract(tmp_path, tiny_target):
-    from data.collect import features
+    from data.collect_rows import features
     from pipeline.chat import encode_chat, messages_for
     from pipeline.models import load_tokenizer
 
@@ -304,7 +304,7 @@ def test_two_accelerate_processes_produce_the_rows_of_one_cli_process(tmp_path, 
 
 def hf_settings(temperature: float, batch_size: int):
     """Backend settings of the tests below: 8 new tokens, top-4 labels."""
-    from data.collect import CollectSettings
+    from data.collect_rows import CollectSettings
     from pipeline.sampling import Sampling
 
     return CollectSettings(Sampling(temperature), max_new_tokens=8, topk=4, batch_size=batch_size)
