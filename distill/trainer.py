@@ -32,6 +32,7 @@ import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,7 +40,8 @@ from torch import nn
 
 from distill.batch import Truncation, layout
 from distill.losses import adaspec_mask, check_loss, distillation_loss, sparse_teacher
-from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
+from pipeline.errors import PipelineError
+from pipeline.heads import SubsetHead, column_map, head_logits, head_rows, use_subset_head
 
 with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
     warnings.simplefilter("ignore")
@@ -107,6 +109,7 @@ class DistillConfig(GKDConfig):
     temperature: float = _knob("GKDConfig.temperature: sampling temperature of on-policy and seq-KD generation")
     seq_kd: bool = _knob("GKDConfig.seq_kd: off-policy batches are continuations the target generates")
     adaspec_keep: float = _knob("AdaSPEC: share of completion tokens trained on per batch; None = all")
+    adaspec_reference: str = _knob("AdaSPEC's reference: a distilled draft of the same shape; None = the initial draft")
     freeze_shared: bool = _knob("freeze the embeddings and the head")
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
     max_completion_length: int = _knob("completion tokens trained on; also GKDConfig.max_new_tokens")
@@ -190,6 +193,27 @@ def _restore_forward(module, forward) -> None:
 
 
 # ---------------------------------------------------------------- trainer
+def load_reference(path: str | None, model, vocab: torch.Tensor | None):
+    """AdaSPEC's reference. The paper's is a copy of the draft distilled first on the same data (its stage 1):
+    where it fits a token and the draft does not yet, the token is learnable. Without one (None), a frozen copy of
+    the initial draft stands in: the filter then keeps the tokens the draft has improved on least."""
+    if path is None:
+        return copy.deepcopy(model)
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").exists():
+        raise PipelineError(f"distill.objective.adaspec_reference={path} is not a model directory: give a draft "
+                            "exported by an earlier distill run (e.g. its paths.draft)")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours, theirs = model.config, reference.config
+    shape = ("num_hidden_layers", "hidden_size", "vocab_size")
+    if any(getattr(ours, key) != getattr(theirs, key) for key in shape):
+        raise PipelineError(f"distill.objective.adaspec_reference={path} has another shape than the draft ("
+                            + ", ".join(f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in shape) + ")")
+    use_subset_head(reference, vocab)  # its logits over the draft's FR-Spec columns, as the draft's are
+    return reference
+
+
 class DistillTrainer(GKDTrainer):
     """GKDTrainer whose loss is one of distill/losses.py between the target (teacher) and the draft.
 
@@ -206,7 +230,7 @@ class DistillTrainer(GKDTrainer):
         collator = DistillCollator(processing_class.pad_token_id,
                                    Truncation(args.max_prompt_length, args.max_completion_length))
         if args.adaspec_keep is not None and reference_model is None:
-            reference_model = copy.deepcopy(model)
+            reference_model = load_reference(args.adaspec_reference, model, vocab)
         patched = [(m, vars(m).get("forward")) for m in (model, teacher_model)]
         super().__init__(model=model, teacher_model=teacher_model, args=args, data_collator=collator,
                          train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks)

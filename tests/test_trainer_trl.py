@@ -158,3 +158,27 @@ def test_target_runs_only_when_the_loss_needs_it_and_adaspec_trains_with_both_te
     assert len(forwards) == (2 if teacher == "online" else 0)
     assert len(kept) == 2 and all(k == 0.5 for _, k in kept)
     assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+def test_adaspec_reference_is_a_distilled_draft_from_disk_seen_through_the_draft_subset(tmp_path):
+    from distill.trainer import load_reference
+    from pipeline.errors import PipelineError
+
+    target, draft, rows = rows_and_models()
+    reference_dir = tmp_path / "reference"
+    tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=7, tie=True).save_pretrained(reference_dir)
+    trainer = build(tmp_path / "run", target, draft, rows, vocab=SUBSET, adaspec_keep=0.5,
+                    adaspec_reference=str(reference_dir))
+    reference = trainer.reference
+    assert reference is not draft and not any(p.requires_grad for p in reference.parameters())
+    ids = torch.tensor([[2, 4, 7]])
+    assert reference(ids).logits.shape[-1] == len(SUBSET)  # the draft's FR-Spec columns
+    saved = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=7, tie=True)
+    assert torch.allclose(reference(ids).logits, saved(ids).logits[..., SUBSET])  # its own weights, not the draft's
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=2, seed=7, tie=True).save_pretrained(tmp_path / "deeper")
+    with pytest.raises(PipelineError, match="another shape"):
+        load_reference(str(tmp_path / "deeper"), draft, SUBSET)
+    with pytest.raises(PipelineError, match="not a model directory"):
+        load_reference(str(tmp_path / "nowhere"), draft, SUBSET)
