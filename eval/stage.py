@@ -70,6 +70,10 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
     for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
         if settings[key] is not None and (not isinstance(settings[key], int) or settings[key] < least):
             bad(key, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+    compared = settings["compare_draft_lengths"]
+    if isinstance(compared, list) and not set(compared) <= set(POLICIES):
+        bad("compare_draft_lengths", "names an unknown policy", f"use true, false or a list from {', '.join(POLICIES)}")
+    settings["compare_draft_lengths"] = list(POLICIES) if compared is True else list(compared or [])
     if settings["draft_length"] not in (None, *POLICIES):
         bad("draft_length", "is not a draft-length policy", f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
     DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])  # one-line errors if bad
@@ -183,7 +187,7 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
     plans = {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
              for name, draft in evaluation.drafts.items()}
     if settings["compare_draft_lengths"]:  # the evaluated draft once per policy, side by side in the same run
-        for policy in POLICIES:
+        for policy in settings["compare_draft_lengths"]:
             forced = settings | {"draft_length": policy, "gamma": None}
             plans[f"speculative_{policy}"] = {domain: draft_plan(evaluation.drafts["speculative"], domain, forced,
                                                                  sampling) for domain in [*domains, "default"]}
@@ -248,7 +252,7 @@ def make_methods(evaluation: Evaluation) -> dict:
     methods = {"autoregressive": autoregressive, **{name: speculative(name) for name in evaluation.drafts}}
     if evaluation.settings["compare_draft_lengths"]:
         methods.update({f"speculative_{policy}": speculative(f"speculative_{policy}", "speculative")
-                        for policy in POLICIES})
+                        for policy in evaluation.settings["compare_draft_lengths"]})
     if evaluation.settings["baselines"]:
         methods.update(_hf_methods(evaluation))
     return methods

@@ -418,6 +418,10 @@ def test_draft_length_policies_side_by_side(tmp_path, models):
     header, rows = policy_rows(metrics)
     assert {row[1] for row in rows} == {"calibrated", "fixed", "confidence", "heuristic"}
     assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()
+    (tmp_path / "one").mkdir()
+    only, _, _ = run_stage(tmp_path / "one", models, f"eval.draft={models['draft']}", "eval.temperature=0",
+                           "eval.compare_draft_lengths=[confidence]", "eval.gammas=[]", "eval.max_prompts_per_domain=1")
+    assert {k for k in only["overall"] if k.startswith("speculative_")} == {"speculative_confidence"}
 
 
 def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, models):
