@@ -289,6 +289,30 @@ def _fidelity(metrics: dict) -> list[str]:
     return lines
 
 
+def control_lines(metrics: dict) -> list[str]:
+    """The control pair's verdict (eval/metrics.py control_check): which requests other load disturbed, and the
+    overall speedups without them."""
+    control = metrics.get("control")
+    if not control:
+        return []
+    low, high = control["band"]
+    head = (f"Control pair (own plain decoding vs HF generate, the same computation): {len(control['disturbed'])} of "
+            f"{control['n_requests']} requests outside {low}–{high}× of each other")
+    if not control["disturbed"]:
+        return [head + ": no request was disturbed by other load."]
+    names = ", ".join(f"{d} {p} turn {t}" for d, p, t in control["disturbed"])
+    clean = control["without_disturbed"]
+    speedups = "; ".join(f"{method_label(m)} {_speedup(v)}" for m, v in clean["speedup"].items())
+    return [head + f" — disturbed by other load: {names}. Overall without them: {speedups}.",
+            *[_comparison("overall without them", name.removeprefix("speculative_vs_"), c)
+              for name, c in clean["comparisons"].items()]]
+
+
+def _control(metrics: dict) -> list[str]:
+    lines = control_lines(metrics)
+    return ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
+
+
 def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
     setup = metrics["setup"]
     m = setup["machine"]
@@ -342,6 +366,7 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "
                   "requests (= ratio of their tokens/s), with a paired bootstrap 95% CI:", "",
                   *[f"- {c}" for c in comparisons], ""]
+    lines += _control(metrics)
     sweep = metrics.get("gamma_sweep")
     if sweep:
         rows = [[g, _f(p["acceptance_rate"]), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),

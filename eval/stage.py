@@ -25,7 +25,7 @@ from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
-from eval.report import (comparison_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
+from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
                          slowdown_advice, text_table, write_outputs)
 from eval.speculative import autoregressive_generate, speculative_generate
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
@@ -393,7 +393,7 @@ def run(cfg: DictConfig, tracker) -> dict:
         print(text_table(*policy_rows(metrics)))
     if settings["extra_drafts"]:
         print(text_table(*draft_rows(metrics)))
-    print("\n".join(comparison_lines(metrics)))
+    print("\n".join(comparison_lines(metrics) + control_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots")

@@ -157,3 +157,24 @@ def test_sweep_point_pairs_by_position():
     point = M.sweep_point(spec, ar)
     lo, hi = point["speedup_ci95"]
     assert lo < point["speedup"] < hi
+
+
+def test_the_control_pair_names_disturbed_requests_and_gives_the_figures_without_them():
+    from eval.report import control_lines
+
+    records = make_records(12, others={"hf_generate": 1.0, "hf_assisted": 1.2})
+    assert M.control_check(records, greedy=False)["disturbed"] == []  # 5% jitter stays inside the band
+    assert M.control_check(make_records(12), greedy=False) is None  # no HF generate: no control pair
+    disturbed = [dict(r) for r in records]
+    for r in disturbed:  # other load slows plain decoding (and only it) on request 3 threefold
+        if r["prompt_id"] == "chat-3" and r["method"] == "autoregressive":
+            r["time_s"] *= 3
+    control = M.control_check(disturbed, greedy=False)
+    assert control["disturbed"] == [["chat", "chat-3", 0]] and control["n_requests"] == 12
+    clean = control["without_disturbed"]["speedup"]["speculative"]["speedup"]
+    measured = M.summarize(disturbed, greedy=False)["speculative"]["speedup"]
+    assert clean == pytest.approx(M.summarize(records, greedy=False)["speculative"]["speedup"], rel=0.05)
+    assert measured > clean  # the slowed plain decoding inflated every measured speedup
+    lines = control_lines({"control": control})
+    assert "1 of 12 requests" in lines[0] and "chat chat-3 turn 0" in lines[0]
+    assert any(line.startswith("overall without them") for line in lines[1:])
