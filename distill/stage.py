@@ -36,6 +36,9 @@ from pipeline.spec import DEFAULT, SpeculativeSpec
 
 TEACHERS = ("online", "topk")
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
+# Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
+# adding a knob does not orphan every checkpoint trained before it.
+ADDED_LATER = {("objective", "adaspec_reference"): None}
 
 
 def log(msg: str) -> None:
@@ -207,6 +210,9 @@ def load_inputs(cfg: DictConfig, tracker) -> DistillJob:
 def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int) -> str:
     """Names the checkpoint directory: what decides the trained weights, nothing that only watches training."""
     settings = {group: OmegaConf.to_container(cfg.distill[group], resolve=True) for group in FINGERPRINTED}
+    for (group, key), off in ADDED_LATER.items():
+        if settings[group].get(key, off) == off:
+            settings[group].pop(key, None)
     blob = json.dumps({"target": target_ident.get("source_sha256") or target_ident.get("path"),
                        "draft": OmegaConf.to_container(cfg.model.draft, resolve=True), "distill": settings,
                        "collect": manifest, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)

@@ -3,6 +3,7 @@ raises held-out acceptance, temperature calibration, export round-trip (HF assis
 two processes under accelerate, and bad input refused with one line. Tiny random models; CPU; fixed seeds."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -813,3 +814,21 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
+
+
+def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set():
+    from omegaconf import OmegaConf, open_dict
+
+    from distill.stage import ADDED_LATER, fingerprint
+    from tests.conftest import REPO
+
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
+                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+    older = copy.deepcopy(cfg)
+    with open_dict(older):
+        for group, key in ADDED_LATER:
+            del older.distill[group][key]  # the config as it was before the knob existed
+    args = ({"path": "t"}, {"fingerprint": "c"}, 10)
+    assert fingerprint(cfg, *args) == fingerprint(older, *args)
+    cfg.distill.objective.adaspec_reference = "some/draft"
+    assert fingerprint(cfg, *args) != fingerprint(older, *args)
