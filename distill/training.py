@@ -5,6 +5,7 @@ import math
 import shutil
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -83,10 +84,8 @@ def train_draft(job, log) -> TrainingResult:
     budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
     arguments = training_arguments(job, out_dir)
     minutes = job.settings.checkpoint.get("max_train_minutes")
-    if last and minutes and progress.seconds0 >= 60 * float(minutes):
-        # the budget was spent before the interruption (or this is a rerun to calibrate for other serving
-        # settings): load the checkpoint's weights and train no further step
-        arguments.max_steps = int(Path(last).name.split("-")[-1])
+    # the budget was spent before the interruption (or this is a rerun to calibrate for other serving settings)
+    spent = bool(last and minutes and progress.seconds0 >= 60 * float(minutes))
     full_head = use_subset_head(job.draft, job.vocab)
     job.draft.train()
     trainer = DistillTrainer(job.draft, arguments, job.train,
@@ -97,10 +96,14 @@ def train_draft(job, log) -> TrainingResult:
     log(f"training {trainable / 1e6:.1f}M parameters: loss={objective.loss}, teacher={objective.teacher}, "
         f"lmbda={objective.lmbda}, {'resuming from ' + last if last else 'from scratch'} -> {out_dir}")
     cpu0 = time.process_time()
-    result = trainer.train(resume_from_checkpoint=last)
+    if spent:  # the checkpoint's weights, no further step (Trainer.train resumed mid-epoch would take one more)
+        trainer._load_from_checkpoint(last)
+        steps = int(Path(last).name.split("-")[-1])
+        acceptance_cb.on_train_end(arguments, SimpleNamespace(global_step=steps), None, model=job.draft)
+    else:
+        steps = int(trainer.train(resume_from_checkpoint=last).global_step)
     restore_full_head(job.draft, full_head)
     job.draft.eval()
-    steps = int(result.global_step)
     tokens, minutes = _run_tokens(job, trainer, progress), progress.seconds() / 60
     job.tracker.log_metrics({"train_steps": steps, "train_tokens": tokens, "on_policy_batches": trainer.on_policy_batches})
     if job.is_main:

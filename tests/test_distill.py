@@ -659,7 +659,7 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     assert tracker.metrics["on_policy_batches"] > 0
 
 
-def crash_at_step_30(setup, out: Path, monkeypatch):
+def crash_at_step_30(setup, out: Path, monkeypatch, *overrides: str):
     """Runs the stage until its 31st loss computation raises, as a Ctrl-C would (checkpoint-20 is on disk);
     returns the real compute_loss to put back."""
     from distill.trainer import DistillTrainer
@@ -675,7 +675,7 @@ def crash_at_step_30(setup, out: Path, monkeypatch):
 
     monkeypatch.setattr(DistillTrainer, "compute_loss", crashing)
     with pytest.raises(KeyboardInterrupt):
-        run_stage(setup, out)
+        run_stage(setup, out, *overrides)
     return compute
 
 
@@ -706,15 +706,26 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
     from distill.progress import PROGRESS_FILE
     from distill.trainer import DistillTrainer
 
-    compute = crash_at_step_30(setup, tmp_path, monkeypatch)
-    [checkpoint] = list((tmp_path / "distill_ckpt").glob("*/checkpoint-20"))
+    # checkpoints every 12 steps: the last one before the crash (24) is mid-epoch (5 steps an epoch), where
+    # Trainer.train would resume into one more step
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert checkpoint.name == "checkpoint-24"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
     (checkpoint / PROGRESS_FILE).write_text(json.dumps(saved | {"train_seconds": 120.0}))  # 2 minutes spent
-    monkeypatch.setattr(DistillTrainer, "compute_loss", compute)
-    run_stage(setup, tmp_path, "distill.checkpoint.max_train_minutes=1")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    checkpoint_weights = load_file(checkpoint / "model.safetensors")
+    calls = []
+    monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.checkpoint.max_train_minutes=1")
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
-    assert spec["training"]["steps"] == 20 and spec["training"]["train_tokens"] == saved["train_tokens"]
-    assert spec["learning_curve"][-1]["step"] == 20
+    assert not calls and spec["training"]["steps"] == 24 and spec["training"]["train_tokens"] == saved["train_tokens"]
+    assert spec["learning_curve"][-1]["step"] == 24
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").state_dict()
+    layer = next(k for k in checkpoint_weights if "layers.0.mlp.up_proj" in k)
+    assert torch.allclose(exported[layer].float(), checkpoint_weights[layer].float(), atol=1e-2)  # bf16 export
 
 
 def test_the_time_budget_counts_minutes_trained_before_a_resume(tmp_path):
