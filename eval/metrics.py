@@ -307,7 +307,7 @@ def control_check(records: list[dict], greedy: bool) -> dict | None:
     disturbed = disturbed_requests(records)
     out = {"method": CONTROL, "band": list(CONTROL_BAND), "n_requests": len(_per_request(
         [r for r in records if r["method"] == AUTOREGRESSIVE])), "disturbed": [list(k) for k in disturbed]}
-    if disturbed:
+    if disturbed and len(disturbed) < out["n_requests"]:  # every request disturbed: nothing to recompute on
         drop = set(disturbed)
         clean = summarize([r for r in records if (r["domain"], r["prompt_id"], r["turn"]) not in drop], greedy)
         out["without_disturbed"] = {

@@ -301,7 +301,9 @@ def control_lines(metrics: dict) -> list[str]:
     if not control["disturbed"]:
         return [head + ": no request was disturbed by other load."]
     names = ", ".join(f"{d} {p} turn {t}" for d, p, t in control["disturbed"])
-    clean = control["without_disturbed"]
+    clean = control.get("without_disturbed")
+    if not clean:
+        return [head + f" — every request was disturbed by other load ({names}): read no timing of this run."]
     speedups = "; ".join(f"{method_label(m)} {_speedup(v)}" for m, v in clean["speedup"].items())
     return [head + f" — disturbed by other load: {names}. Overall without them: {speedups}.",
             *[_comparison("overall without them", name.removeprefix("speculative_vs_"), c)

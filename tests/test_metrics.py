@@ -178,3 +178,9 @@ def test_the_control_pair_names_disturbed_requests_and_gives_the_figures_without
     lines = control_lines({"control": control})
     assert "1 of 12 requests" in lines[0] and "chat chat-3 turn 0" in lines[0]
     assert any(line.startswith("overall without them") for line in lines[1:])
+    for r in disturbed:  # every request disturbed: nothing left to recompute on, and the report says so
+        if r["method"] == "autoregressive":
+            r["time_s"] *= 3
+    everything = M.control_check(disturbed, greedy=False)
+    assert len(everything["disturbed"]) == 12 and "without_disturbed" not in everything
+    assert "read no timing" in control_lines({"control": everything})[0]
