@@ -34,7 +34,8 @@ def run_point(spec: SpeculativeSpec, source: str) -> dict:
     return {"source": source, "data_tokens": training.get("data_tokens"), "train_fraction": training.get("train_fraction"),
             "train_tokens": training.get("train_tokens"), "train_minutes": training.get("minutes"),
             "acceptance": dict(trained), "before": dict((spec.acceptance or {}).get("before") or {}),
-            "predicted_speedup": predicted.get("default", predicted.get(OVERALL))}
+            "predicted_speedup": predicted.get("default", predicted.get(OVERALL)),
+            "predicted_by_domain": {d: v for d, v in predicted.items() if d != "default"}}
 
 
 def load_exports(dirs: list[str]) -> list[tuple[str, SpeculativeSpec]]:
@@ -70,34 +71,36 @@ def _with_epochs(spec: SpeculativeSpec) -> list[dict]:
 
 
 def plot(points: list[dict], curves: list[tuple[str, list[dict]]], path: Path) -> None:
+    """Top: one point per run against the target tokens it trained on (held-out acceptance, predicted speedup),
+    per domain. Bottom: held-out acceptance during training against minutes and tokens seen (per domain for
+    the run with the most data, overall for every run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     domains = sorted({d for p in points for d in p["acceptance"] if d != OVERALL}) + [OVERALL]
-    several = len(points) > 1
-    fig, axes = plt.subplots(1, 3 if several else 2, figsize=(15 if several else 10, 4))
-    if several:
-        ax = axes[0]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    style = {d: {"linewidth": 2.5, "color": "black"} if d == OVERALL else {"linewidth": 1.2} for d in domains}
+    tokens = [p["data_tokens"] for p in points]
+    for ax, key, label in ((axes[0, 0], "acceptance", "held-out acceptance"),
+                           (axes[0, 1], "predicted_by_domain", "predicted speedup")):
         for d in domains:
-            ax.plot([p["data_tokens"] for p in points], [p["acceptance"].get(d) for p in points], marker="o",
-                    label=d, linewidth=2.5 if d == OVERALL else 1.2, color="black" if d == OVERALL else None)
+            ax.plot(tokens, [(p.get(key) or {}).get(d) for p in points], marker="o", label=d, **style[d])
         ax.set_xscale("log")
-        ax.set(xlabel="target tokens trained on (log)", ylabel="held-out acceptance", title="Data size (one run each)")
+        ax.set(xlabel="target tokens trained on (log)", ylabel=label, title="Data size (one run each)")
         ax.legend(fontsize=7)
-    for ax, key, label in ((axes[-2], "train_tokens", "completion tokens seen (epochs included)"),
-                           (axes[-1], "train_minutes", "training minutes")):
-        if len(curves) == 1:  # one run: its domains
-            curve = curves[0][1]
-            for d in sorted({d for c in curve for d in c.get("by_domain", {})}):
-                ax.plot([p[key] for p in curve], [p.get("by_domain", {}).get(d) for p in curve], marker=".", label=d)
+    largest = curves[-1] if curves else None
+    for ax, key, label in ((axes[1, 0], "train_minutes", "training minutes"),
+                           (axes[1, 1], "train_tokens", "completion tokens seen (epochs included)")):
+        if largest:
+            for d in domains[:-1]:
+                ax.plot([c[key] for c in largest[1]], [c.get("by_domain", {}).get(d) for c in largest[1]],
+                        linestyle="--", linewidth=1, label=f"{d} ({largest[0]})")
         for name, curve in curves:
-            ax.plot([p[key] for p in curve], [p["acceptance"] for p in curve], marker=".",
-                    label=OVERALL if len(curves) == 1 else name, color="black" if len(curves) == 1 else None)
+            ax.plot([c[key] for c in curve], [c["acceptance"] for c in curve], marker=".", label=f"overall ({name})")
         ax.set(xlabel=label, ylabel="held-out acceptance", title="During training")
-        if len(curves) <= 8:
-            ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,102 @@
+"""Compare distillation objectives ("arms") trained on one collect with one budget: which buys most acceptance.
+
+    python -m eval.arms <draft dir> [<draft dir> ...] --out <dir>
+
+Each argument is a distill export (paths.draft) of the same collect and draft; its directory name names the arm.
+Per arm, from speculative.json: the objective (loss, on-policy share λ, AdaSPEC share, teacher), the steps and
+minutes it trained, and the trained draft's held-out acceptance per domain (`acceptance.after_training`, the
+reporting part, so neither keep_best nor the calibration chose on it) at the serving sampling it was calibrated
+for, with the gain over the undistilled draft. Exports calibrated for different temperatures get a table each
+(greedy acceptance and T = 0.7 acceptance are different quantities). Writes arms.md and arms.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eval.learning_curve import OVERALL, _f, load_exports
+from pipeline.errors import PipelineError
+from pipeline.spec import SpeculativeSpec
+
+
+def objective_name(training: dict) -> str:
+    """The objective in the words of the papers: `fkl`, `on-policy λ=0.5 jsd`, `AdaSPEC 50% fkl`, ..."""
+    parts = []
+    if training.get("lmbda"):
+        parts.append(f"on-policy λ={training['lmbda']:g}")
+    if training.get("seq_kd"):
+        parts.append("seq-KD")
+    if training.get("adaspec_keep") is not None:
+        parts.append(f"AdaSPEC {training['adaspec_keep']:.0%}")
+    parts.append(str(training.get("loss")))
+    if training.get("teacher") == "online":
+        parts.append("(online teacher)")
+    return " ".join(parts)
+
+
+def arm_row(name: str, spec: SpeculativeSpec) -> dict:
+    training = spec.training or {}
+    after = dict((spec.acceptance or {}).get("after_training") or {})
+    before = dict((spec.acceptance or {}).get("before") or {})
+    gains = {d: after[d] - before[d] for d in after if d in before}
+    domain_gains = [g for d, g in gains.items() if d != OVERALL]
+    return {"arm": name, "temperature": spec.sampling.temperature, "objective": objective_name(training),
+            "steps": training.get("steps"), "minutes": training.get("minutes"),
+            "data_tokens": training.get("data_tokens"), "train_tokens": training.get("train_tokens"),
+            "acceptance": after, "before": before, "gain": gains,
+            "min_domain_gain": min(domain_gains) if domain_gains else None,
+            "predicted_speedup": (spec.predicted_speedup or {}).get(OVERALL)}
+
+
+def check_comparable(rows: list[dict]) -> None:
+    """Arms are only comparable on the same data: refuse exports of different collects or train shares."""
+    data = {r["data_tokens"] for r in rows}
+    if len(data) > 1:
+        raise PipelineError(f"the exports trained on different data ({sorted(data, key=str)} completion tokens): "
+                            "compare arms of one collect and one distill.split")
+
+
+def markdown(rows: list[dict]) -> str:
+    domains = sorted({d for r in rows for d in r["acceptance"] if d != OVERALL}) + [OVERALL]
+    lines = ["# Objective arms", "",
+             "Held-out acceptance Σmin(p, q) of each trained draft on the reporting part, at the serving sampling it "
+             "was calibrated for; the gain over the undistilled draft in points under it. Sorted by overall acceptance.",
+             ""]
+    for temperature in sorted({r["temperature"] for r in rows}):
+        group = sorted((r for r in rows if r["temperature"] == temperature),
+                       key=lambda r: -(r["acceptance"].get(OVERALL) or 0))
+        lines += [f"## Serving temperature {temperature:g}", "",
+                  "| arm | objective | steps | minutes | " + " | ".join(domains) + " | smallest domain gain | predicted speedup |",
+                  "|" + "---|" * (len(domains) + 6)]
+        for r in group:
+            lines.append(f"| {r['arm']} | {r['objective']} | {_f(r['steps'], 'd')} | {_f(r['minutes'], '.1f')} | "
+                         + " | ".join(_f(r["acceptance"].get(d)) for d in domains)
+                         + f" | {_f(r['min_domain_gain'], '+.3f')} | {_f(r['predicted_speedup'], '.2f')}× |")
+            lines.append("| | gain | | | " + " | ".join(_f(r["gain"].get(d), "+.3f") for d in domains) + " | | |")
+        lines += ["| undistilled | | | | " + " | ".join(_f(group[0]["before"].get(d)) for d in domains) + " | | |", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs), one per arm")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        rows = [arm_row(Path(src).name, spec) for src, spec in load_exports(args.drafts)]
+        check_comparable(rows)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "arms.md").write_text(markdown(rows))
+    (out / "arms.json").write_text(json.dumps(rows, indent=1))
+    print((out / "arms.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
