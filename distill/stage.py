@@ -26,7 +26,7 @@ from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
 from distill.split import nested_subset, split_by_prompt, split_heldout
 from distill.serving import calibrate, predict_speedup, tree_candidates
-from distill.training import TrainingResult, train_draft
+from distill.training import TrainingResult, generation_length, train_draft
 from pipeline.chat import stop_token_ids
 from pipeline.cost_profile import FILENAME
 from pipeline.errors import PipelineError
@@ -65,6 +65,8 @@ class DistillJob:
     vocab: torch.Tensor | None = None
     fingerprint: str = ""
     heldout_idx: list[int] = field(default_factory=list)
+    all_train: object = None  # a learning-curve point: every train row, of which it trains on the rows `share`
+    share: list[int] | None = None
     calibration: cal.HeldOut | None = None  # chooses keep_best, τ and γ
     reporting: cal.HeldOut | None = None  # gives the reported numbers
     heldout_sizes: dict = field(default_factory=dict)
@@ -213,6 +215,11 @@ def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int
     for (group, key), off in ADDED_LATER.items():
         if settings[group].get(key, off) == off:
             settings[group].pop(key, None)
+    objective = settings["objective"]
+    objective.pop("max_new_tokens", None)  # decides the weights only where the draft or target generates: then resolved
+    if float(objective.get("lmbda") or 0) > 0 or objective.get("seq_kd"):
+        objective["max_new_tokens"] = min(int(generation_length(cfg.distill.objective, manifest) or 1 << 30),
+                                          int(objective["max_completion_length"]))
     blob = json.dumps({"target": target_ident.get("source_sha256") or target_ident.get("path"),
                        "draft": OmegaConf.to_container(cfg.model.draft, resolve=True), "distill": settings,
                        "collect": manifest, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)
@@ -228,18 +235,21 @@ def split_rows(job: DistillJob) -> None:
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
-    fraction = float(split.get("train_fraction") or 1.0)
-    if fraction < 1.0:  # a learning-curve point: nested subsets of the train prompts
-        kept = nested_subset([collected["prompt_id"][i] for i in train_idx],
-                             [collected["domain"][i] for i in train_idx], fraction, int(job.cfg.seed))
-        train_idx = [train_idx[i] for i in kept]
     columns = [c for c in ("prompt_ids", "completion_ids", "topk_ids", "topk_logprobs") if c in collected.column_names]
+    ids = collected.select_columns(["prompt_ids", "completion_ids"])
+    prompts, completions = ids["prompt_ids"], ids["completion_ids"]
+    train_idx = [i for i in train_idx if prompts[i] and completions[i]]
     train = collected.select(train_idx).select_columns(columns)
-    train = train.select([i for i, (p, c) in enumerate(zip(train["prompt_ids"], train["completion_ids"])) if p and c])
     k_subset = int(job.cfg.model.draft.get("vocab_subset") or 0)
-    if k_subset:
+    if k_subset:  # from every train row, also for a learning-curve point: its points then differ only in data
         job.vocab = vocab_subset(train["completion_ids"], k_subset, job.target.config.vocab_size, job.stops,
                                  train["prompt_ids"])
+    fraction = float(split.get("train_fraction") or 1.0)
+    if fraction < 1.0:  # a learning-curve point: nested subsets of the train prompts
+        prompt_ids, domains = collected["prompt_id"], collected["domain"]
+        job.share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx], fraction,
+                                  int(job.cfg.seed))
+        job.all_train, train = train, train.select(job.share)
     job.fingerprint = fingerprint(job.cfg, job.target_ident, job.manifest, len(collected))
     scratch = Path(job.cfg.paths.cache) / "distill"
     scratch.mkdir(parents=True, exist_ok=True)

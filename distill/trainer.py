@@ -97,8 +97,7 @@ def _knob(help_text: str):
 @dataclass
 class DistillConfig(GKDConfig):
     """GKDConfig plus our knobs, named as in conf/distill/default.yaml `objective:`. lmbda, beta, temperature and
-    seq_kd are GKDConfig's own (their TRL defaults replaced by `_knob`: conf sets them); max_new_tokens, TRL's
-    generation length, is max_completion_length."""
+    seq_kd and max_new_tokens are GKDConfig's own (their TRL defaults replaced by `_knob`: conf sets them)."""
     loss: str = _knob("fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce (distill/losses.py)")
     beta: float = _knob("GKDConfig.beta: JSD interpolation β (GKD eq. 1)")
     loss_temperature: float = _knob("softmax temperature inside the loss")
@@ -112,7 +111,8 @@ class DistillConfig(GKDConfig):
     adaspec_reference: str = _knob("AdaSPEC's reference: a distilled draft of the same shape; None = the initial draft")
     freeze_shared: bool = _knob("freeze the embeddings and the head")
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
-    max_completion_length: int = _knob("completion tokens trained on; also GKDConfig.max_new_tokens")
+    max_completion_length: int = _knob("completion tokens trained on")
+    max_new_tokens: int = _knob("GKDConfig.max_new_tokens: on-policy / seq-KD length; None = max_completion_length")
     # TrainingArguments' defaults where TRL's differ (conf/distill `trainer:` sets bf16; a few-layer draft has no
     # activation memory worth recomputing).
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
@@ -123,13 +123,14 @@ class DistillConfig(GKDConfig):
                  and getattr(self, f.name) is None]
         if unset:
             raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
-        self.max_new_tokens = int(self.max_completion_length)
+        # nothing generated beyond the completion tokens the loss trains on
+        self.max_new_tokens = min(int(self.max_new_tokens or self.max_completion_length), int(self.max_completion_length))
         super().__post_init__()
 
 
 OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
-             "adaspec_keep", "freeze_shared", "max_prompt_length", "max_completion_length")
-OPTIONAL = ("adaspec_keep",)  # None is a setting (train on every token)
+             "adaspec_keep", "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
+OPTIONAL = ("adaspec_keep", "max_new_tokens")  # None is a setting (every token; as long as the completions)
 
 
 # ---------------------------------------------------------------- loss positions of either layout

@@ -40,6 +40,12 @@ def step_budget(trainer_settings: dict, n_rows: int, rows_per_step: int) -> int:
     return max_steps
 
 
+def generation_length(objective: dict, manifest: dict) -> int | None:
+    """Tokens an on-policy (or seq-KD) continuation may run: objective.max_new_tokens, else the collect's own
+    max_new_tokens, so generated and collected batches are alike."""
+    return objective.get("max_new_tokens") or manifest.get("max_new_tokens")
+
+
 def training_arguments(job, out_dir: Path) -> DistillConfig:
     """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows."""
     settings = job.settings
@@ -50,8 +56,10 @@ def training_arguments(job, out_dir: Path) -> DistillConfig:
     trainer.pop("max_epochs", None)
     trainer["bf16"] = mixed_bf16(trainer.get("bf16", "auto"), job.target)
     checkpoint = settings.checkpoint
+    objective = OmegaConf.to_container(settings.objective, resolve=True)
+    objective["max_new_tokens"] = generation_length(objective, job.manifest)
     return DistillConfig(
-        output_dir=str(out_dir), **trainer, **OmegaConf.to_container(settings.objective, resolve=True),
+        output_dir=str(out_dir), **trainer, **objective,
         save_strategy="steps", save_steps=int(checkpoint.save_steps), save_total_limit=int(checkpoint.save_total_limit),
         logging_steps=int(checkpoint.logging_steps), seed=int(job.cfg.seed), data_seed=int(job.cfg.seed),
         report_to="none",  # the stage logs to MLflow itself (AcceptanceCallback)

@@ -47,7 +47,8 @@ def arm_row(name: str, spec: SpeculativeSpec) -> dict:
             "data_tokens": training.get("data_tokens"), "train_tokens": training.get("train_tokens"),
             "acceptance": after, "before": before, "gain": gains,
             "min_domain_gain": min(domain_gains) if domain_gains else None,
-            "predicted_speedup": (spec.predicted_speedup or {}).get(OVERALL)}
+            "calibrated": ((spec.acceptance or {}).get("after_calibrated") or {}).get(OVERALL),
+            "predicted_speedup": (spec.predicted_speedup or {}).get(OVERALL), "c": (spec.cost or {}).get("c")}
 
 
 def check_comparable(rows: list[dict]) -> None:
@@ -68,14 +69,17 @@ def markdown(rows: list[dict]) -> str:
         group = sorted((r for r in rows if r["temperature"] == temperature),
                        key=lambda r: -(r["acceptance"].get(OVERALL) or 0))
         lines += [f"## Serving temperature {temperature:g}", "",
-                  "| arm | objective | steps | minutes | " + " | ".join(domains) + " | smallest domain gain | predicted speedup |",
-                  "|" + "---|" * (len(domains) + 6)]
+                  "| arm | objective | steps | minutes | " + " | ".join(domains) + " | smallest domain gain | calibrated (τ) | predicted speedup | c |",
+                  "|" + "---|" * (len(domains) + 8)]
         for r in group:
             lines.append(f"| {r['arm']} | {r['objective']} | {_f(r['steps'], 'd')} | {_f(r['minutes'], '.1f')} | "
                          + " | ".join(_f(r["acceptance"].get(d)) for d in domains)
-                         + f" | {_f(r['min_domain_gain'], '+.3f')} | {_f(r['predicted_speedup'], '.2f')}× |")
-            lines.append("| | gain | | | " + " | ".join(_f(r["gain"].get(d), "+.3f") for d in domains) + " | | |")
-        lines += ["| undistilled | | | | " + " | ".join(_f(group[0]["before"].get(d)) for d in domains) + " | | |", ""]
+                         + f" | {_f(r['min_domain_gain'], '+.3f')} | {_f(r['calibrated'])} | "
+                         f"{_f(r['predicted_speedup'], '.2f')}× | {_f(r['c'], '.3f')} |")
+            lines.append("| | gain | | | " + " | ".join(_f(r["gain"].get(d), "+.3f") for d in domains) + " | | | | |")
+        lines += ["| undistilled | | | | " + " | ".join(_f(group[0]["before"].get(d)) for d in domains) + " | | | | |",
+                  "", "Predicted speedups use each export's cost profile (c = draft step / target step): compare them "
+                  "across arms only where c agrees.", ""]
     return "\n".join(lines)
 
 

@@ -64,6 +64,26 @@ def doubling_gains(points: list[dict]) -> list[dict]:
     return rows
 
 
+def tokens_needed(points: list[dict], targets=(0.3, 0.35, 0.4, 0.5), last: int = 3) -> dict:
+    """Per domain, the target tokens at which a line through the last `last` runs (acceptance against log2 of
+    the tokens) reaches each acceptance: a sizing rule for a collect job, extrapolated past the largest run (where
+    curves flatten, so figures beyond it are optimistic). None where that line does not rise."""
+    runs = [p for p in points if p["data_tokens"]][-last:]
+    if len({p["data_tokens"] for p in runs}) < 2:
+        return {}
+    xs = [math.log2(p["data_tokens"]) for p in runs]
+    out = {}
+    for d in runs[-1]["acceptance"]:
+        ys = [p["acceptance"].get(d) for p in runs]
+        if any(y is None for y in ys):
+            continue
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        out[d] = {"gain_per_doubling": slope,
+                  "tokens": {str(t): (round(2 ** (mx + (t - my) / slope)) if slope > 0 else None) for t in targets}}
+    return out
+
+
 def _with_epochs(spec: SpeculativeSpec) -> list[dict]:
     """The in-run curve with `epochs` = tokens seen / tokens of the train rows: below 1 every point is new data."""
     data = spec.training.get("data_tokens")
@@ -110,7 +130,7 @@ def _f(x, fmt=".3f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list[dict]]]) -> str:
+def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list[dict]]], needed: dict | None = None) -> str:
     domains = sorted({d for p in points for d in p["acceptance"] if d != OVERALL}) + [OVERALL]
     lines = ["# Learning curve", "", "Held-out acceptance of the trained draft (reporting part, serving sampling).", "",
              "| target tokens | share | train minutes | " + " | ".join(domains) + " | predicted speedup |",
@@ -125,6 +145,13 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
                   "| from → to tokens | " + " | ".join(domains) + " |", "|" + "---|" * (len(domains) + 1)]
         lines += [f"| {g['from_tokens']:,} → {g['to_tokens']:,} | "
                   + " | ".join(_f(g["gain_per_doubling"].get(d), "+.3f") for d in domains) + " |" for g in gains]
+    if needed:
+        targets = list(next(iter(needed.values()))["tokens"])
+        lines += ["", "Target tokens (all domains together) for a held-out acceptance, from a line through the last runs "
+                  "against log2(tokens); beyond the largest run an extrapolation, optimistic where the curve flattens:", "",
+                  "| domain | gain per doubling | " + " | ".join(targets) + " |", "|" + "---|" * (len(targets) + 2)]
+        lines += [f"| {d} | {v['gain_per_doubling']:+.3f} | " + " | ".join(_f(v["tokens"][t], ",") for t in targets) + " |"
+                  for d, v in needed.items()]
     for name, curve in curves:
         lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | minutes | overall | "
                   + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 4)]
@@ -152,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(points, curves, out / "learning_curve.png")
-    (out / "learning_curve.md").write_text(markdown(points, gains, curves))
-    (out / "learning_curve.json").write_text(json.dumps({"runs": points, "gains": gains,
+    needed = tokens_needed(points)
+    (out / "learning_curve.md").write_text(markdown(points, gains, curves, needed))
+    (out / "learning_curve.json").write_text(json.dumps({"runs": points, "gains": gains, "tokens_needed": needed,
                                                          "in_run": dict(curves)}, indent=1))
     print((out / "learning_curve.md").read_text())
     return 0

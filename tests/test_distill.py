@@ -416,6 +416,23 @@ def test_a_learning_curve_point_trains_on_a_nested_share_and_reports_the_same_he
         run_stage(setup, tmp_path / "bad", "distill.split.train_fraction=0")
 
 
+def test_learning_curve_points_share_one_head_and_one_labelling_of_every_train_row(setup, tmp_path, monkeypatch):
+    from distill import labels
+
+    labelled = []
+    original = labels.cached_teacher_labels
+    monkeypatch.setattr(labels, "cached_teacher_labels",
+                        lambda job, train, k, log: labelled.append(len(train)) or original(job, train, k, log))
+    specs = {}
+    for share in (0.5, 1.0):
+        run_stage(setup, tmp_path / str(share), "model.draft.vocab_subset=40", f"distill.split.train_fraction={share}",
+                  "distill.trainer.max_steps=2", "distill.heldout.eval_steps=2", "distill.checkpoint.save_steps=2")
+        specs[share] = json.loads((tmp_path / str(share) / "draft" / "speculative.json").read_text())
+    assert specs[0.5]["training"]["rows"] < specs[1.0]["training"]["rows"]
+    assert labelled == [specs[1.0]["training"]["rows"]] * 2  # the half point labelled every row, not its half
+    assert specs[0.5]["vocab_subset"] == specs[1.0]["vocab_subset"]  # the same FR-Spec head for every point
+
+
 def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, monkeypatch):
     from datasets import Dataset
     from omegaconf import OmegaConf
@@ -843,3 +860,32 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
     assert fingerprint(cfg, *args) == fingerprint(older, *args)
     cfg.distill.objective.adaspec_reference = "some/draft"
     assert fingerprint(cfg, *args) != fingerprint(older, *args)
+
+
+def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_length_names_the_checkpoint():
+    from omegaconf import OmegaConf
+
+    from distill.stage import fingerprint
+    from distill.trainer import DistillConfig
+    from distill.training import generation_length
+    from tests.conftest import REPO
+
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
+                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+    manifest, ident = {"fingerprint": "c", "max_new_tokens": 96}, {"path": "t"}
+    assert generation_length(cfg.distill.objective, manifest) == 96
+
+    def print_with(**objective):
+        c = cfg.copy()
+        c.distill.objective.update(objective)
+        return fingerprint(c, ident, manifest, 10)
+
+    # off-policy: nothing is generated, so the length names nothing (older checkpoints keep their name)
+    assert print_with(max_new_tokens=64) == print_with()
+    # on-policy: the resolved length is what counts: null and an explicit 96 train alike, 64 does not
+    assert print_with(lmbda=0.5) == print_with(lmbda=0.5, max_new_tokens=96) != print_with(lmbda=0.5, max_new_tokens=64)
+    assert print_with(lmbda=0.5, max_new_tokens=400) == print_with(lmbda=0.5, max_new_tokens=256)  # capped
+    objective = {**OmegaConf.to_container(cfg.distill.objective), "max_new_tokens": 96}
+    assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 96
+    objective["max_new_tokens"] = None
+    assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 256

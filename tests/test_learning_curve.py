@@ -50,6 +50,7 @@ def test_report_from_exports_of_nested_runs(tmp_path):
     assert (tmp_path / "report" / "learning_curve.png").stat().st_size > 1000
     md = (tmp_path / "report" / "learning_curve.md").read_text()
     assert "| 8,000 |" in md and "+0.010" in md and "During training (share-1000)" in md
+    assert data["tokens_needed"]["overall"]["gain_per_doubling"] > 0
 
 
 def test_doubling_gains_skip_runs_without_more_data():
@@ -103,3 +104,14 @@ def test_arms_of_different_data_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "different data" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_tokens_needed_solves_the_log_line_through_the_last_runs():
+    from eval.learning_curve import tokens_needed
+
+    points = [{"data_tokens": n, "acceptance": {"chat": a, "flat": 0.2}}
+              for n, a in ((1000, 0.05), (2000, 0.2), (4000, 0.25), (8000, 0.3))]  # the first run is left out
+    needed = tokens_needed(points, targets=(0.3, 0.4))
+    assert needed["chat"]["gain_per_doubling"] == pytest.approx(0.05)
+    assert needed["chat"]["tokens"]["0.3"] == 8000 and needed["chat"]["tokens"]["0.4"] == 32000
+    assert needed["flat"]["tokens"]["0.4"] is None  # a curve that does not rise never gets there

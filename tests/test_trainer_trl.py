@@ -182,3 +182,17 @@ def test_adaspec_reference_is_a_distilled_draft_from_disk_seen_through_the_draft
         load_reference(str(tmp_path / "deeper"), draft, SUBSET)
     with pytest.raises(PipelineError, match="not a model directory"):
         load_reference(str(tmp_path / "nowhere"), draft, SUBSET)
+
+
+def test_teacher_labels_in_length_sorted_batches_come_back_in_row_order():
+    from distill.batch import Truncation
+    from distill.labels import teacher_labels
+
+    target, _, rows = rows_and_models(n_rows=11)  # lengths vary, so the sorted order differs from the row order
+    vocab = torch.arange(0, VOCAB, 2)
+    truncation = Truncation(384, 8)
+    batched = teacher_labels(target, rows, truncation, 4, vocab, 4, 1)
+    for i, row in enumerate(rows):
+        alone = teacher_labels(target, [row], truncation, 4, vocab, 1, 1)
+        assert batched["topk_ids"][i] == alone["topk_ids"][0]
+        assert batched["subset_logmass"][i] == pytest.approx(alone["subset_logmass"][0], abs=1e-4)
