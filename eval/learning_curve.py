@@ -64,24 +64,46 @@ def doubling_gains(points: list[dict]) -> list[dict]:
     return rows
 
 
+REACH = 16  # extrapolate at most this many times the largest run's data: further out a log-line means nothing
+
+
 def tokens_needed(points: list[dict], targets=(0.3, 0.35, 0.4, 0.5), last: int = 3) -> dict:
-    """Per domain, the target tokens at which a line through the last `last` runs (acceptance against log2 of
-    the tokens) reaches each acceptance: a sizing rule for a collect job, extrapolated past the largest run (where
-    curves flatten, so figures beyond it are optimistic). None where that line does not rise."""
-    runs = [p for p in points if p["data_tokens"]][-last:]
+    """Per domain and target acceptance, the target tokens a collect needs: `measured` (the smallest run that
+    reached it), `extrapolated` along a line through the last `last` runs (acceptance against log2 of the tokens;
+    optimistic where the curve flattens), or `out of reach` (the line rises too slowly to get there within
+    REACH times the largest run's data, or not at all)."""
+    runs = [p for p in points if p["data_tokens"]]
     if len({p["data_tokens"] for p in runs}) < 2:
         return {}
-    xs = [math.log2(p["data_tokens"]) for p in runs]
+    fit = runs[-last:]
+    xs = [math.log2(p["data_tokens"]) for p in fit]
     out = {}
     for d in runs[-1]["acceptance"]:
-        ys = [p["acceptance"].get(d) for p in runs]
+        ys = [p["acceptance"].get(d) for p in fit]
         if any(y is None for y in ys):
             continue
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        out[d] = {"gain_per_doubling": slope,
-                  "tokens": {str(t): (round(2 ** (mx + (t - my) / slope)) if slope > 0 else None) for t in targets}}
+        need = {}
+        for t in targets:
+            reached = [p["data_tokens"] for p in runs if (p["acceptance"].get(d) or 0) >= t]
+            tokens = round(2 ** (mx + (t - my) / slope)) if slope > 0 else None
+            if reached:
+                need[str(t)] = {"tokens": min(reached), "how": "measured"}
+            elif tokens is not None and tokens <= REACH * runs[-1]["data_tokens"]:
+                need[str(t)] = {"tokens": tokens, "how": "extrapolated"}
+            else:
+                need[str(t)] = {"tokens": None, "how": "out of reach"}
+        out[d] = {"gain_per_doubling": slope, "tokens": need}
     return out
+
+
+def _need(entry: dict) -> str:
+    if entry["how"] == "measured":
+        return f"≤ {entry['tokens']:,}"
+    if entry["how"] == "extrapolated":
+        return f"≈ {entry['tokens']:,}"
+    return f"> {REACH}× the largest run"
 
 
 def _with_epochs(spec: SpeculativeSpec) -> list[dict]:
@@ -147,10 +169,10 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
                   + " | ".join(_f(g["gain_per_doubling"].get(d), "+.3f") for d in domains) + " |" for g in gains]
     if needed:
         targets = list(next(iter(needed.values()))["tokens"])
-        lines += ["", "Target tokens (all domains together) for a held-out acceptance, from a line through the last runs "
-                  "against log2(tokens); beyond the largest run an extrapolation, optimistic where the curve flattens:", "",
+        lines += ["", "Target tokens (all domains together) for a held-out acceptance: ≤ a run that reached it; ≈ along a "
+                  "line through the last runs against log2(tokens), optimistic where the curve flattens:", "",
                   "| domain | gain per doubling | " + " | ".join(targets) + " |", "|" + "---|" * (len(targets) + 2)]
-        lines += [f"| {d} | {v['gain_per_doubling']:+.3f} | " + " | ".join(_f(v["tokens"][t], ",") for t in targets) + " |"
+        lines += [f"| {d} | {v['gain_per_doubling']:+.3f} | " + " | ".join(_need(v["tokens"][t]) for t in targets) + " |"
                   for d, v in needed.items()]
     for name, curve in curves:
         lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | minutes | overall | "

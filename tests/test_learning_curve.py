@@ -110,8 +110,11 @@ def test_tokens_needed_solves_the_log_line_through_the_last_runs():
     from eval.learning_curve import tokens_needed
 
     points = [{"data_tokens": n, "acceptance": {"chat": a, "flat": 0.2}}
-              for n, a in ((1000, 0.05), (2000, 0.2), (4000, 0.25), (8000, 0.3))]  # the first run is left out
-    needed = tokens_needed(points, targets=(0.3, 0.4))
+              for n, a in ((1000, 0.05), (2000, 0.2), (4000, 0.25), (8000, 0.3))]  # the first run is left out of the fit
+    needed = tokens_needed(points, targets=(0.2, 0.3, 0.4, 0.6))
     assert needed["chat"]["gain_per_doubling"] == pytest.approx(0.05)
-    assert needed["chat"]["tokens"]["0.3"] == 8000 and needed["chat"]["tokens"]["0.4"] == 32000
-    assert needed["flat"]["tokens"]["0.4"] is None  # a curve that does not rise never gets there
+    chat = needed["chat"]["tokens"]
+    assert chat["0.2"] == {"tokens": 2000, "how": "measured"} and chat["0.3"] == {"tokens": 8000, "how": "measured"}
+    assert chat["0.4"] == {"tokens": 32000, "how": "extrapolated"}
+    assert chat["0.6"]["how"] == "out of reach"  # 2^6 = 64 times the data: past what a log-line can tell
+    assert needed["flat"]["tokens"]["0.3"] == {"tokens": None, "how": "out of reach"}  # a curve that does not rise
