@@ -92,8 +92,10 @@ def train_draft(job, log) -> TrainingResult:
     budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
     arguments = training_arguments(job, out_dir)
     minutes = job.settings.checkpoint.get("max_train_minutes")
-    # the budget was spent before the interruption (or this is a rerun to calibrate for other serving settings)
-    spent = bool(last and minutes and progress.seconds0 >= 60 * float(minutes))
+    # the time or step budget was spent before the interruption (or this is a rerun to calibrate for other serving
+    # settings)
+    spent = bool(last and ((minutes and progress.seconds0 >= 60 * float(minutes))
+                           or int(Path(last).name.split("-")[-1]) >= arguments.max_steps))
     full_head = use_subset_head(job.draft, job.vocab)
     job.draft.train()
     trainer = DistillTrainer(job.draft, arguments, job.train,

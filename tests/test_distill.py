@@ -889,3 +889,19 @@ def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_leng
     assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 96
     objective["max_new_tokens"] = None
     assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 256
+
+
+def test_a_resume_from_the_last_step_trains_no_further_step(setup, tmp_path, monkeypatch):
+    """A crash after the final checkpoint (or a rerun to calibrate for other serving): the step budget is spent."""
+    import shutil
+
+    from distill.trainer import DistillTrainer
+
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    shutil.move(checkpoint, checkpoint.with_name("checkpoint-40"))  # as if saved at the last step (max_steps=40)
+    calls = []
+    monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert not calls and spec["training"]["steps"] == 40
