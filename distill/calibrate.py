@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from distill.batch import Truncation, batches, completion_hidden
+from pipeline.decoding.cost import predicted_speedup, verify_cost
 from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import Sampling, expected_acceptance
 
@@ -212,17 +213,15 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
     return result
 
 
-def predicted_speedup(per_position: list[float], c: float, gamma: int,
-                      verify_ratio: dict[int, float] | None = None) -> float:
-    """(1 + Σ_{k≤γ} P_k) / (γc + r_γ). r_γ = 1 (the default) is Leviathan et al.'s walltime formula (Thm 3.8);
-    a measured `verify_ratio` (the target's (γ+1)-token forward over its 1-token forward) accounts for
-    verification not being free on CPUs."""
-    return accepted_length(per_position, gamma) / (gamma * c + (verify_ratio or {}).get(gamma, 1.0))
+def chain_speedup(per_position: list[float], c: float, gamma: int, verify_ratio: dict[int, float] | None = None) -> float:
+    """The cost model (pipeline/decoding/cost.py) for a fixed γ: A = Σ_{k≤γ} P_k accepted drafts per pass,
+    γ draft forwards, the verify pass over γ drafts costed as measured (1 = free, Leviathan et al. Thm 3.8)."""
+    return predicted_speedup(sum(per_position[:gamma]), gamma, c, verify_cost(verify_ratio, gamma))
 
 
 def best_gamma(per_position: list[float], c: float, gammas: list[int],
                verify_ratio: dict[int, float] | None = None) -> tuple[int, dict[int, float]]:
-    """γ maximising `predicted_speedup`; returns (γ, {γ: speedup})."""
-    speedups = {int(g): predicted_speedup(per_position, c, int(g), verify_ratio)
+    """γ maximising `chain_speedup`; returns (γ, {γ: speedup})."""
+    speedups = {int(g): chain_speedup(per_position, c, int(g), verify_ratio)
                 for g in gammas if int(g) <= len(per_position)}
     return max(speedups, key=speedups.get), speedups

@@ -20,7 +20,8 @@ import torch
 
 from distill.batch import completion_hidden
 from distill.calibrate import HeldOut, domain_index
-from pipeline.draft_length import DraftLength
+from pipeline.decoding.cost import predicted_speedup, verify_cost
+from pipeline.decoding.draft_length import DraftLength
 from pipeline.heads import head_logits, head_rows
 
 
@@ -99,19 +100,6 @@ def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, p
     return float(drafted[starts].mean()), float(accepted[starts].mean())
 
 
-def verify_cost(verify_ratio: dict | None, drafted: float) -> float:
-    """r(D): the target's forward over D+1 tokens relative to one token, interpolated (1 = free)."""
-    if not verify_ratio:
-        return 1.0
-    points = sorted((int(g), float(r)) for g, r in verify_ratio.items())
-    points = [(0, 1.0)] + points
-    for (g0, r0), (g1, r1) in zip(points, points[1:]):
-        if drafted <= g1:
-            return r0 + (r1 - r0) * (drafted - g0) / max(g1 - g0, 1)
-    (g0, r0), (g1, r1) = points[-2], points[-1]  # beyond the measured range: extend the last slope
-    return r1 + (r1 - r0) / max(g1 - g0, 1) * (drafted - g1)
-
-
 def candidates(gammas: list[int], thresholds: list[float], max_lengths: list[int]) -> list[DraftLength]:
     fixed = [DraftLength("fixed", int(g)) for g in gammas]
     return fixed + [DraftLength("confidence", int(m), float(t)) for m in max_lengths for t in thresholds]
@@ -126,7 +114,7 @@ def choose(alpha: torch.Tensor, keep: dict[float, torch.Tensor], heldout: HeldOu
         for option in options:
             policy_keep = keep[option.threshold] if option.policy == "confidence" else None
             drafted, accepted = simulate(alpha, policy_keep, heldout, mask, option.max)
-            speedup = (1 + accepted) / (c * drafted + verify_cost(verify_ratio, drafted))
+            speedup = predicted_speedup(accepted, drafted, c, verify_cost(verify_ratio, drafted))
             if best is None or speedup > best["predicted_speedup"]:
                 best = {"draft_length": option, "drafted": drafted, "accepted": accepted, "predicted_speedup": speedup}
         result[domain] = best

@@ -9,8 +9,10 @@ import torch
 
 from distill import calibrate as cal
 from distill import tree_choice
-from distill.policy import candidates, choose, keep_at, simulate, verify_cost
-from pipeline.cost_profile import measure_cost_profile, read_profile, summary, verify_ratio
+from distill.policy import candidates, choose, keep_at, simulate
+from pipeline.cost_profile import measure_cost_profile, read_profile, summary
+from pipeline.decoding.cost import pass_speedup
+from pipeline.decoding.tree import nodes, tree_key
 
 if TYPE_CHECKING:  # the stage's job object; the stage imports this module
     from distill.stage import DistillJob
@@ -30,7 +32,7 @@ def calibrate(job: DistillJob) -> dict:
     lengths = settings.draft_length
     longest = max(gammas + [int(m) for m in lengths.max_lengths])
     job.cost_profile = job.cost_profile or cost_profile(job)  # the draft's shape, not its weights, sets it
-    cost = summary(job.cost_profile, longest)
+    cost = summary(job.cost_profile, max(longest, tree_choice.MAX_NODES))  # r(N) for chains and tree candidates
     cost.update({key: job.cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
     alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)
     best = {}
@@ -41,18 +43,18 @@ def calibrate(job: DistillJob) -> dict:
     keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
     chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
-    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost["c"], taus),
+    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost, taus),
             "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
 
 
-def choose_trees(job: DistillJob, chains: dict, c: float, taus: dict) -> dict[str, list | None]:
+def choose_trees(job: DistillJob, chains: dict, cost: dict, taus: dict) -> dict[str, list | None]:
     """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
     (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
     samples = int(job.settings.calibration.get("tree_samples") or 0)
     if not job.sampling.greedy and not samples:
         return {domain: None for domain in chains}
     hits = tree_choice.hit_table(job.draft, job.calibration, job.vocab, taus, samples, int(job.cfg.seed))
-    trees = tree_choice.choose(hits, job.calibration, job.cost_profile, c)
+    trees = tree_choice.choose(hits, job.calibration, cost)
     return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
             and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
 
@@ -65,20 +67,15 @@ def tree_candidates(job: DistillJob, heldout: cal.HeldOut, calibration: dict) ->
         return {}
     hits = tree_choice.hit_table(job.draft, heldout, job.vocab, calibration["temperature"], samples,
                                  int(job.cfg.seed) + 1)
-    c = calibration["cost"]["c"]
     out = {}
     for domain, mask in cal.domain_index(heldout).items():
         out[domain] = {}
         for factors in tree_choice.CANDIDATES:
             accepted = tree_choice.simulate(hits, heldout, mask, factors)
-            verify = verify_ratio(job.cost_profile, tree_choice.nodes(factors))
-            out[domain][_tree_key(factors)] = {"accepted": round(accepted, 4), "nodes": tree_choice.nodes(factors),
-                                               "predicted_speedup": round((1 + accepted) / (len(factors) * c + verify), 3)}
+            speedup = pass_speedup(accepted, len(factors), nodes(factors), calibration["cost"])
+            out[domain][tree_key(factors)] = {"accepted": round(accepted, 4), "nodes": nodes(factors),
+                                              "predicted_speedup": round(speedup, 3)}
     return out
-
-
-def _tree_key(factors) -> str:
-    return ",".join(map(str, factors))
 
 
 def cost_profile(job: DistillJob) -> dict:
@@ -104,9 +101,9 @@ def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, 
     for domain, mask in cal.domain_index(heldout).items():
         tree = trees.get(domain, trees[cal.OVERALL])
         if tree:
-            predicted[domain] = calibration["tree_candidates"][domain][_tree_key(tree)]["predicted_speedup"]
+            predicted[domain] = calibration["tree_candidates"][domain][tree_key(tree)]["predicted_speedup"]
             continue
         policy = policies.get(domain, policies[cal.OVERALL])
         drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
-        predicted[domain] = round((1 + accepted) / (cost["c"] * drafted + verify_cost(cost.get("verify_ratio"), drafted)), 3)
+        predicted[domain] = round(pass_speedup(accepted, drafted, drafted, cost), 3)
     return predicted

@@ -4,7 +4,7 @@ A node with k children yields one of them with probability h_t(k) at held-out po
 the draft's context equal to the accepted path):
 - greedy serving: the accepted path follows the target's argmax, so h_t(k) = 1[target argmax ∈ draft top-k at t];
 - sampled serving: the children are k draws without replacement from q_τ, verified by recursive rejection
-  sampling against p_T (pipeline/tree_sampling.py), so h_t(k) = P(one of them is accepted), estimated by Monte
+  sampling against p_T (pipeline/decoding/tree_sampling.py), so h_t(k) = P(one of them is accepted), estimated by Monte
   Carlo over the draws with the rejection probabilities themselves averaged (no coin flips): for k = 1 it is
   Σ min(p_T, q_τ), the chain's α.
 A tree with branching factors (b_1, …, b_D) then accepts, per block starting at t,
@@ -24,15 +24,17 @@ import torch
 
 from distill.batch import completion_hidden
 from distill.calibrate import OVERALL, HeldOut, domain_index
-from pipeline.cost_profile import verify_ratio
+from pipeline.decoding.cost import pass_speedup
+from pipeline.decoding.tree import nodes
 from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import sample
-from pipeline.tree_sampling import rejection_update
+from pipeline.decoding.tree_sampling import rejection_update
 
 CANDIDATES = [(1,) * g for g in range(1, 9)] + [
     (2,), (2, 1), (2, 1, 1), (2, 2), (2, 2, 1), (2, 1, 1, 1), (2, 2, 1, 1), (3,), (3, 1), (3, 1, 1), (3, 2, 1),
     (3, 2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 1, 1), (2, 2, 2, 1), (3, 2, 2, 1), (4, 2, 2, 1, 1)]
 K_MAX = max(max(factors) for factors in CANDIDATES)
+MAX_NODES = max(nodes(factors) for factors in CANDIDATES)
 
 
 def hit_table(draft, heldout: HeldOut, vocab=None, temperature_of: dict | None = None, samples: int = 8,
@@ -146,23 +148,15 @@ def simulate(hits: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, fact
     return total / max(count, 1)
 
 
-def nodes(factors: tuple) -> int:
-    total, width = 0, 1
-    for factor in factors:
-        width *= factor
-        total += width
-    return total
-
-
-def choose(hits: torch.Tensor, heldout: HeldOut, profile: dict, c: float,
-           candidates: list[tuple] = CANDIDATES) -> dict[str, dict]:
-    """Per domain (and overall): the candidate with the highest predicted speedup, chains included."""
+def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tuple] = CANDIDATES) -> dict[str, dict]:
+    """Per domain (and overall): the candidate with the highest predicted speedup under `cost` (a cost summary,
+    pipeline/cost_profile.py), chains included."""
     result = {}
     for domain, mask in domain_index(heldout).items():
         best = None
         for factors in candidates:
             accepted = simulate(hits, heldout, mask, factors)
-            speedup = (1 + accepted) / (len(factors) * c + verify_ratio(profile, nodes(factors)))
+            speedup = pass_speedup(accepted, len(factors), nodes(factors), cost)
             if best is None or speedup > best["predicted_speedup"]:
                 best = {"tree": list(factors), "accepted": accepted, "predicted_speedup": speedup}
         result[domain] = best

@@ -9,7 +9,7 @@ below it; the threshold itself is re-fitted during generation when scikit-learn 
 - `hf_assisted_fixed`: γ fixed like our decoder: num_assistant_tokens=γ, schedule "constant", and threshold 0,
   which disables both the early stop (ConfidenceCriteria is only added for a threshold > 0) and its re-fit.
 - `hf_assisted_calibrated`: the HF equivalent of the draft-length policy our decoder runs with on the domain
-  (pipeline/draft_length.py `hf_generation_config`), as the exported draft's generation_config carries it.
+  (pipeline/decoding/draft_length.py `hf_generation_config`), as the exported draft's generation_config carries it.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from eval.baselines import assistant_configs, hf_generate
-from eval.speculative import autoregressive_generate, speculative_generate
 from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.decoding import autoregressive_generate, speculative_generate
 from pipeline.errors import PipelineError
 from pipeline.models import derive_draft, load_model, load_tokenizer
 from pipeline.prompts import load_prompts
@@ -55,9 +55,9 @@ def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
         return out.tokens.tolist(), out.stats
 
     return {
-        "own_ar": lambda ids: own(autoregressive_generate(target, ids, n, temperature=0, eos_token_id=stop)),
+        "own_ar": lambda ids: own(autoregressive_generate(target, ids, max_new_tokens=n, eos_token_id=stop)),
         "hf_generate": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop), None),
-        "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, n, gamma=gamma, temperature=0,
+        "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, drafting=gamma, max_new_tokens=n,
                                                                 eos_token_id=stop)),
         "hf_assisted": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop, draft, fixed_gamma), None),
     }

@@ -14,7 +14,7 @@ import math
 import torch
 
 from eval import metrics as M
-from eval.speculative import autoregressive_generate, speculative_generate
+from pipeline.decoding import autoregressive_generate, speculative_generate
 
 # A gap up to this many units in the last place of the top logit counts as a near-tie: the two forward
 # shapes accumulate a 30-layer residual stream in different orders, so a few ulps of drift are expected.
@@ -54,10 +54,10 @@ def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
     ar, spec, mismatches = [], [], []
     for c in first_prompts(contexts, s["fidelity_prompts_per_domain"]):
         key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
-        a = autoregressive_generate(target, c["ids"], s["max_new_tokens"], temperature=0, eos_token_id=stop)
-        b = speculative_generate(target, draft.model, c["ids"], s["max_new_tokens"], temperature=0,
-                                 draft_length=None if plans[c["domain"]].get("tree") else plans[c["domain"]]["draft_length"],
-                                 tree=tuple(plans[c["domain"]]["tree"]) if plans[c["domain"]].get("tree") else None,
+        plan = plans[c["domain"]]
+        a = autoregressive_generate(target, c["ids"], max_new_tokens=s["max_new_tokens"], eos_token_id=stop)
+        b = speculative_generate(target, draft.model, c["ids"], max_new_tokens=s["max_new_tokens"],
+                                 drafting=tuple(plan["tree"]) if plan.get("tree") else plan["draft_length"],
                                  eos_token_id=stop, draft_vocab=draft.vocab)
         ar.append(key | {"tokens": a.tokens.tolist()})
         spec.append(key | {"tokens": b.tokens.tolist()})

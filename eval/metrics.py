@@ -3,7 +3,7 @@ docs/architecture.md has the metrics.json schema).
 
 A *record* is one timed request: one user turn of one prompt, decoded by one method. It is a dict
     {"method", "domain", "prompt_id", "turn", "tokens": [ids], "time_s": wall seconds incl. prefill,
-     "stats": DecodeStats of eval.speculative, or None for HF baselines}
+     "stats": DecodeStats of pipeline.decoding, or None for HF baselines}
 Definitions, pooled over a domain's requests (vLLM pools counters the same way):
 - acceptance_rate       = accepted draft tokens / proposed draft tokens
 - mean_accepted_length  = generated tokens / target passes, prefill excluded (bonus/correction token
@@ -55,7 +55,7 @@ def per_position_acceptance(stats_list) -> list[float]:
     """P(draft token k accepted) for k = 1..γ. A verify pass that accepted n of d drafted tokens counts
     positions 1..d as proposed and 1..n as accepted (acceptance stops at the first rejection). For a token
     tree the positions are its depths: P(the accepted path reaches depth k | the tree has depth k), unconditioned
-    on reaching k − 1 (the chain's convention; eval.tree.TreeStats.per_depth_acceptance conditions)."""
+    on reaching k − 1 (the chain's convention; pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
     proposed: list[int] = []
     accepted: list[int] = []
     for stats in stats_list:

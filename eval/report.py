@@ -11,6 +11,8 @@ import torch
 from eval.metrics import N_RESAMPLES, flat_metrics
 from eval.plots import write_plots
 from pipeline.atomic import atomic_dir, write_json
+from pipeline.decoding.cost import predicted_speedup
+from pipeline.machine import cpu_name
 
 CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RESAMPLES:,} resamples, BCa, "
            "percentile where BCa degenerates), each resample taking the same requests for a method and for the "
@@ -27,15 +29,9 @@ METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own spe
 
 def machine() -> dict:
     """Where the numbers were measured: they mean nothing without it."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     import transformers
 
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
     if torch.cuda.is_available():
@@ -217,7 +213,7 @@ def _cost_line(spec: dict, measured: float) -> str:
     draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
     step_ms = draft_ms / c if c else 0.0
     r = verify_ms / step_ms if step_ms and verify_ms else 1.0
-    predicted = mal / (gamma * c + r) if gamma else 0.0
+    predicted = predicted_speedup(mal - 1, gamma, c, r) if gamma else 0.0
     return (f"c (draft forward / target forward) = {c:.3f} (draft {draft_ms:.1f} ms, target step {step_ms:.1f} ms, "
             f"verify pass {verify_ms:.1f} ms, r = {r:.2f}). Time model (Leviathan et al. Thm 3.8, verify costed "
             f"as measured): mean accepted length {mal:.2f} / (Dc + r) at D = {gamma:.2f} drafts per pass predicts "

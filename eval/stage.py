@@ -5,7 +5,7 @@
 Every held-out request (one user turn of one prompt, chat template applied; later turns conditioned on
 the target's own autoregressive answer) is decoded by every method back to back, in rotating order,
 after a warm-up, so machine drift hits all methods alike. Methods (names as in metrics.json):
-  autoregressive     own plain decoding (eval.speculative.autoregressive_generate)
+  autoregressive     own plain decoding (pipeline.decoding.autoregressive_generate)
   speculative        own speculative decoding with the tuned draft (eval.draft, default ${paths.draft})
   speculative_init   the same with the undistilled draft (${paths.draft_init}), when it exists
   speculative_<name> the same with each draft of eval.extra_drafts (e.g. the pretrained draft, another export)
@@ -27,10 +27,9 @@ from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: th
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
                          slowdown_advice, text_table, write_outputs)
-from eval.speculative import autoregressive_generate, speculative_generate
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
-from pipeline.draft_length import POLICIES, DraftLength
+from pipeline.decoding import POLICIES, DraftLength, autoregressive_generate, parse_tree, speculative_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
 from pipeline.timing import synced_clock
@@ -83,12 +82,9 @@ def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
     if settings["tree"] is not None and settings["tree"] != "none":
         if not isinstance(settings["tree"], list):
             bad("tree", "is not a tree", "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
-        from eval.tree import parse_tree
         parse_tree(tuple(settings["tree"]))  # a zero factor or too many nodes: one line
-    if settings["trees"]:
-        from eval.tree import parse_tree
-        for tree in settings["trees"]:
-            parse_tree(tuple(tree))
+    for tree in settings["trees"]:
+        parse_tree(tuple(tree))
     extras = [f"speculative_{name}" for name in settings.get("extra_drafts") or {}]
     if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init", *extras):
         bad("baselines_draft", "is not a draft eval loads",
@@ -230,8 +226,8 @@ def make_methods(evaluation: Evaluation) -> dict:
         return torch.Generator(device=evaluation.device).manual_seed(seed)
 
     def autoregressive(ids, domain, n, seed):
-        out = autoregressive_generate(target, ids, n, temperature=sampling.temperature, top_k=sampling.top_k,
-                                      top_p=sampling.top_p, eos_token_id=stop, generator=generator(seed))
+        out = autoregressive_generate(target, ids, sampling=sampling, max_new_tokens=n, eos_token_id=stop,
+                                      generator=generator(seed))
         return out.tokens.tolist(), out.stats
 
     def speculative(name, draft_name=None):
@@ -242,10 +238,9 @@ def make_methods(evaluation: Evaluation) -> dict:
             policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
             if tree is None:  # the tree sweep gives one
                 tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
-            out = speculative_generate(target, draft.model, ids, n, draft_length=None if tree else policy, tree=tree,
-                                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                       draft_temperature=plan["draft_temperature"], eos_token_id=stop,
-                                       generator=generator(seed), draft_vocab=draft.vocab)
+            out = speculative_generate(target, draft.model, ids, sampling=sampling, drafting=tree or policy,
+                                       max_new_tokens=n, draft_temperature=plan["draft_temperature"],
+                                       draft_vocab=draft.vocab, eos_token_id=stop, generator=generator(seed))
             return out.tokens.tolist(), out.stats
         return generate
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
@@ -27,7 +26,8 @@ import torch
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
-from pipeline.models import DTYPES
+from pipeline.machine import cpu_name
+from pipeline.models import DTYPES, converted_dir
 from pipeline.timing import synced_clock
 
 VERSION = 1
@@ -127,12 +127,7 @@ def machine(device: torch.device, dtype: torch.dtype) -> dict:
     """What the times depend on besides the shapes."""
     import transformers
 
-    name = platform.processor() or platform.machine()
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    elif os.path.exists("/proc/cpuinfo"):  # platform.processor() is empty on most Linux systems
-        lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
-        name = lines[0].split(":", 1)[1].strip() if lines else name
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": device.type, "device_name": name, "dtype": str(dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "transformers_version": transformers.__version__}
@@ -315,8 +310,7 @@ def _spec_config(spec, role: str, preset: str):
     path, package = spec.get("path"), spec.get("package")
     candidates = [Path(path).expanduser()] if path else []
     if package:
-        candidates += [base / "artifacts/models" / f"{spec.get('name') or role}-{package['sha256'][:12]}"
-                       for base in (Path.cwd(), REPO)]
+        candidates += [converted_dir(base / "artifacts/models", spec, role) for base in (Path.cwd(), REPO)]
     for directory in candidates:
         if (directory / "config.json").is_file():
             return AutoConfig.from_pretrained(str(directory), local_files_only=True)

@@ -10,7 +10,6 @@ torch version and model, next to the converted models.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,17 +17,10 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import write_json
+from pipeline.machine import cpu_name
 
 CACHE = "dtype_choice.json"
 CANDIDATES = ("float32", "bfloat16")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 @torch.inference_mode()

@@ -91,6 +91,11 @@ def _convert(load_dir: str, gguf_file: str | None, out: Path, dtype: torch.dtype
         (tmp / "source.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
+def converted_dir(models_dir: str | Path, spec: dict, role: str) -> Path:
+    """Where a packaged model's converted HF directory lives: `<models>/<name>-<sha256[:12]>`."""
+    return Path(models_dir) / f"{spec.get('name') or role}-{spec['package']['sha256'][:12]}"
+
+
 def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> Path:
     """Return a local HF-format directory for `spec`, downloading and converting once if needed."""
     spec = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
@@ -118,7 +123,7 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
     if not package:
         raise PipelineError(f"{name} has neither `path` nor `package`: set {name}.path=<dir|hub id> or pick a model preset")
     sha = package["sha256"]
-    out = models_dir / f"{spec.get('name') or name}-{sha[:12]}"
+    out = converted_dir(models_dir, spec, name)
     if (out / "config.json").exists():
         return out
     if package.get("chunks"):

@@ -148,9 +148,3 @@ def expected_accepted_length(alpha, gamma: int):
         safe = torch.where(alpha < 1, alpha, torch.zeros_like(alpha))
         return torch.where(alpha < 1, (1 - safe ** (gamma + 1)) / (1 - safe), torch.full_like(alpha, gamma + 1.0))
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def expected_walltime_improvement(alpha, gamma: int, c: float):
-    """Expected speedup over autoregressive decoding, (1 - α^(γ+1)) / ((1 - α)(γc + 1)), where c is the
-    draft/target cost ratio of one forward (Leviathan et al. 2023, Thm 3.8)."""
-    return expected_accepted_length(alpha, gamma) / (gamma * c + 1)

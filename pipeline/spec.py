@@ -11,7 +11,7 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     vocab_subset           FR-Spec target ids of the draft head, or null (weights stay full-vocabulary)
     distilled              false for the undistilled reference export (draft_init)
     gamma                  best fixed draft length γ per domain (null: not calibrated)
-    draft_length           the draft-length policy per domain: {"policy", "max", "threshold"} (pipeline/draft_length.py)
+    draft_length           the draft-length policy per domain: {"policy", "max", "threshold"} (pipeline/decoding/draft_length.py)
     tree                   per domain, the token tree's branching factors, or null for a chain (greedy serving only)
     draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
     selected               "distilled" | "init": which weights were exported (distill.keep_best)
@@ -33,7 +33,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from pipeline.atomic import write_json
-from pipeline.draft_length import DraftLength
+from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 

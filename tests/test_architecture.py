@@ -1,5 +1,6 @@
-"""The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), the
-committed params.yaml is the default composition DVC runs from, and every model preset has the same keys."""
+"""The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), no folder
+has an import circle, the speedup model lives once in the core (pipeline/decoding/cost.py), the committed
+params.yaml is the default composition DVC runs from, and every model preset has the same keys."""
 from __future__ import annotations
 
 import ast
@@ -40,8 +41,105 @@ def test_the_core_imports_no_stage():
 
 def test_the_boundary_check_sees_a_cross_stage_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from eval.speculative import speculative_generate\n")
+    bad.write_text("def f():\n    from eval.stage import run\n")
     assert "eval" in imported_packages(bad)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, folders=("pipeline", "data", "distill", "eval")) -> dict[str, set[str]]:
+    """module -> the project modules it imports (lazy imports included; `from a import b` counts b when b is
+    a module)."""
+    files = {module_name(path, root): path for folder in folders for path in (root / folder).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & set(files)
+                edges.update(subs or {node.module})
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles among modules of one folder (depth-first search; a package's __init__ re-exporting its own
+    modules is not a cycle: the package imports them, they never import it back)."""
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.split(".")[0] != node.split(".")[0]:
+                continue
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_folder_has_an_import_circle():
+    assert import_cycles(import_graph(REPO)) == []
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval/a.py").write_text("from eval.b import x\n")
+    (tmp_path / "eval/b.py").write_text("def f():\n    from eval.a import y\n")
+    assert import_cycles(import_graph(tmp_path, ("eval",))) == [["eval.a", "eval.b", "eval.a"]]
+
+
+def _names(node) -> set[str]:
+    """Every name, attribute and string subscript key inside an expression."""
+    out = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            out.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            out.add(sub.attr)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+            out.add(sub.value)
+    return out
+
+
+def speedup_formulas(path: Path) -> list[int]:
+    """Lines computing the shape of the speedup model, x / (D·c + r): a division whose denominator adds a
+    product with the cost ratio c."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            denominator = node.right
+            if isinstance(denominator, ast.BinOp) and isinstance(denominator.op, ast.Add):
+                products = [side for side in (denominator.left, denominator.right)
+                            if isinstance(side, ast.BinOp) and isinstance(side.op, ast.Mult)]
+                if any("c" in _names(product) for product in products):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_the_speedup_model_is_written_once_in_the_core():
+    core = REPO / "pipeline/decoding/cost.py"
+    offenders = {str(path.relative_to(REPO)): speedup_formulas(path) for folder in ("pipeline", *STAGES)
+                 for path in (REPO / folder).rglob("*.py") if path != core}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+    assert speedup_formulas(core), "the check no longer sees the formula where it lives"
+
+
+def test_the_formula_check_sees_a_copy(tmp_path):
+    copy = tmp_path / "copy.py"
+    copy.write_text("def f(a, cost, d, r):\n    return (1 + a) / (d * cost['c'] + r)\n")
+    assert speedup_formulas(copy) == [2]
 
 
 def _compose(*overrides):

@@ -517,7 +517,7 @@ def test_the_undistilled_draft_ships_with_its_own_calibration(distilled):
 def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(distilled):
     from transformers import GenerationConfig
 
-    from pipeline.draft_length import DraftLength
+    from pipeline.decoding.draft_length import DraftLength
     from pipeline.spec import SpeculativeSpec
 
     _, _, out = distilled
@@ -536,7 +536,7 @@ def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(disti
 def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when_unsure():
     from distill.calibrate import HeldOut
     from distill.policy import choose, simulate
-    from pipeline.draft_length import DraftLength
+    from pipeline.decoding.draft_length import DraftLength
     from pipeline.sampling import Sampling
 
     n = 400

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.draft_length import DraftLength
+from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
@@ -286,7 +286,7 @@ def test_a_greedy_mismatch_is_located_and_judged_by_the_targets_top2_gap():
 def autoregressive_tokens(model, ids, n: int) -> list[int]:
     from eval.speculative import autoregressive_generate
 
-    return autoregressive_generate(model, ids, n, temperature=0).tokens.tolist()
+    return autoregressive_generate(model, ids, max_new_tokens=n).tokens.tolist()
 
 
 def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():

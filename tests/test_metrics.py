@@ -11,7 +11,7 @@ from scipy.stats import bootstrap
 
 from eval import metrics as M
 from eval.report import comparison_lines, domain_rows, method_rows, text_table
-from eval.speculative import DecodeStats
+from pipeline.decoding import DecodeStats
 
 STEP_S = 0.01  # seconds per generated token of the autoregressive target
 

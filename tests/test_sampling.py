@@ -5,7 +5,8 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline import sampling
-from pipeline.sampling import (expected_acceptance, expected_accepted_length, expected_walltime_improvement,
+from pipeline.decoding.cost import iid_speedup
+from pipeline.sampling import (expected_acceptance, expected_accepted_length,
                            logits_to_probs, residual_distribution, sample, validate_sampling, verify_draft)
 from pipeline.errors import PipelineError
 
@@ -95,8 +96,8 @@ def test_expected_accepted_length_and_walltime_follow_leviathan_eq1():
     assert expected_accepted_length(0.0, 4) == 1.0 and expected_accepted_length(1.0, 4) == 5.0
     alphas = torch.tensor([0.0, 0.8, 1.0])
     torch.testing.assert_close(expected_accepted_length(alphas, 4), torch.tensor([1.0, 3.3616, 5.0]))
-    assert expected_walltime_improvement(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
-    assert expected_walltime_improvement(0.8, 4, 0.0) == pytest.approx(3.3616)
+    assert iid_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert iid_speedup(0.8, 4, 0.0) == pytest.approx(3.3616)
 
 
 def _random_dist(generator, size, sharpness=2.0):

@@ -8,10 +8,11 @@ from scipy.stats import chisquare
 from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from eval.speculative import (DecodeStats, Pair, Profile, autoregressive_generate, forward, speculative_generate,
-                              speculative_step, uses_sliding_window)
 from pipeline import sampling
-from pipeline.draft_length import DraftLength, HeuristicPolicy, Policy
+from pipeline.decoding import DecodeStats, DraftLength, autoregressive_generate, speculative_generate, uses_sliding_window
+from pipeline.decoding.chain import chain_step
+from pipeline.decoding.draft_length import HeuristicPolicy, Policy
+from pipeline.decoding.loop import Pair, Profile, forward
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, expected_acceptance, logits_to_probs
@@ -67,8 +68,8 @@ def random_prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
 def test_greedy_speculative_equals_autoregressive(target, drafts, draft_name, gamma):
     accepted = 0
     for prompt in random_prompts(8, seed=gamma):
-        expected = autoregressive_generate(target, prompt, 20, temperature=0).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, 20, gamma=gamma, temperature=0)
+        expected = autoregressive_generate(target, prompt, max_new_tokens=20).tokens
+        out = speculative_generate(target, drafts[draft_name], prompt, drafting=gamma, max_new_tokens=20)
         assert out.tokens.tolist() == expected.tolist()
         accepted += out.stats.n_accepted
     assert accepted > 0 or draft_name == "far"
@@ -87,8 +88,8 @@ def test_drafts_agree_often_and_rarely(target, close_draft, far_draft):
 def test_greedy_with_draft_vocab_subset_equals_autoregressive(target, close_draft):
     subset = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13])
     for prompt in random_prompts(4, seed=11):
-        expected = autoregressive_generate(target, prompt, 16, temperature=0).tokens
-        out = speculative_generate(target, close_draft, prompt, 16, gamma=3, temperature=0, draft_vocab=subset)
+        expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens
+        out = speculative_generate(target, close_draft, prompt, drafting=3, draft_vocab=subset, max_new_tokens=16)
         assert out.tokens.tolist() == expected.tolist()
 
 
@@ -96,9 +97,8 @@ def test_greedy_target_with_a_sampling_draft_equals_autoregressive(target, far_d
     """temperature 0 with draft_temperature > 0 takes the general accept/residual path with a one-hot p."""
     generator = torch.Generator().manual_seed(7)
     for prompt in random_prompts(4, seed=12):
-        expected = autoregressive_generate(target, prompt, 16, temperature=0).tokens
-        out = speculative_generate(target, far_draft, prompt, 16, gamma=3, temperature=0, draft_temperature=1.0,
-                                   generator=generator)
+        expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens
+        out = speculative_generate(target, far_draft, prompt, drafting=3, draft_temperature=1.0, generator=generator, max_new_tokens=16)
         assert out.tokens.tolist() == expected.tolist()
 
 
@@ -112,9 +112,8 @@ POLICIES = {"confidence": DraftLength("confidence", 16, 0.5), "confidence_low": 
 def test_greedy_speculative_equals_autoregressive_with_every_policy(target, drafts, draft_name, policy):
     lengths = set()
     for prompt in random_prompts(6, seed=21):
-        expected = autoregressive_generate(target, prompt, 24, temperature=0).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, 24, temperature=0,
-                                   draft_length=POLICIES[policy])
+        expected = autoregressive_generate(target, prompt, max_new_tokens=24).tokens
+        out = speculative_generate(target, drafts[draft_name], prompt, drafting=POLICIES[policy], max_new_tokens=24)
         assert out.tokens.tolist() == expected.tolist()
         lengths.update(out.stats.drafted[:-1])  # the last pass is clamped by max_new_tokens
     assert len(lengths) > 1, f"{policy} drafted a constant length {lengths}: the policy never acted"
@@ -124,8 +123,7 @@ def test_confidence_policy_stops_at_the_first_unsure_token(target, close_draft):
     """Greedy: the draft keeps proposing while its probability of its own argmax is ≥ the threshold; the
     first token below it is still proposed, then the block ends."""
     prompt = random_prompts(1, seed=3)[0]
-    out = speculative_generate(target, close_draft, prompt, 30, temperature=0,
-                               draft_length=DraftLength("confidence", 16, 0.6))
+    out = speculative_generate(target, close_draft, prompt, drafting=DraftLength("confidence", 16, 0.6), max_new_tokens=30)
     seq = torch.cat([prompt, out.tokens])
     position = len(prompt)
     with torch.inference_mode():
@@ -189,14 +187,16 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue  # exact sums for scipy
 
 
-def speculative_joint_counts(target, draft, n_samples, seed=0, **kwargs) -> np.ndarray:
+def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, top_k=0, top_p=1.0, drafting=2,
+                             **kwargs) -> np.ndarray:
     # max_new_tokens 3 with gamma 2: the first step drafts 2 tokens, so both draft positions, the
     # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
-    kwargs.setdefault("gamma", 2)
+    sampling = Sampling(temperature, top_k, top_p)
     for _ in range(n_samples):
-        x = speculative_generate(target, draft, PROMPT, 3, generator=generator, **kwargs).tokens
+        x = speculative_generate(target, draft, PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=3,
+                                 generator=generator, **kwargs).tokens
         counts[x[0], x[1]] += 1
     return counts
 
@@ -224,7 +224,7 @@ def test_speculative_samples_follow_target_distribution_with_every_policy(target
     """A stop that depends on the drafted token's own probability, and a length that depends on past
     acceptance: both still give exactly the target's distribution."""
     probs = exact_joint(target, 0.8)
-    counts = speculative_joint_counts(target, drafts["close"], N_SAMPLES, temperature=0.8, draft_length=policy)
+    counts = speculative_joint_counts(target, drafts["close"], N_SAMPLES, temperature=0.8, drafting=policy)
     assert chi_square_pvalue(counts, probs) > 1e-3
 
 
@@ -243,7 +243,7 @@ def run_one_step(target, draft, prompt, gamma, temperature, generator):
     pair = Pair(target, draft, head_rows(target), head_rows(draft), p, p, generator=generator)
     stats = DecodeStats()
     with torch.inference_mode():
-        seq, new = speculative_step(pair, seq, *caches, gamma, Policy(gamma), stats, Profile("cpu"))
+        seq, new = chain_step(pair, seq, caches, gamma, Policy(gamma), stats, Profile("cpu"))
     return seq, caches, (pair.target_head, pair.draft_head), new, stats.accepted[0]
 
 
@@ -276,7 +276,7 @@ def test_caches_hold_exactly_the_accepted_prefix(target, drafts, draft_name, tem
 # ---- stopping exactly where autoregressive decoding stops ----
 
 def greedy_reference(target, prompt, n):
-    return autoregressive_generate(target, prompt, n, temperature=0).tokens.tolist()
+    return autoregressive_generate(target, prompt, max_new_tokens=n).tokens.tolist()
 
 
 def test_eos_inside_an_accepted_block_ends_generation_there(target):
@@ -284,10 +284,10 @@ def test_eos_inside_an_accepted_block_ends_generation_there(target):
     reference = greedy_reference(target, prompt, 30)
     eos = reference[2]
     stop = reference.index(eos)  # first occurrence, inside the first block of γ+1 = 6 tokens
-    out = speculative_generate(target, target, prompt, 30, gamma=5, temperature=0, eos_token_id=eos)
+    out = speculative_generate(target, target, prompt, drafting=5, eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
     assert out.stats.accepted[0] > stop  # the EOS was an accepted draft token, not the bonus token
-    ar = autoregressive_generate(target, prompt, 30, temperature=0, eos_token_id=eos)
+    ar = autoregressive_generate(target, prompt, eos_token_id=eos, max_new_tokens=30)
     assert ar.tokens.tolist() == reference[:stop + 1]
 
 
@@ -296,17 +296,16 @@ def test_eos_as_a_list_stops_at_the_first_of_any(target, close_draft):
     reference = greedy_reference(target, prompt, 30)
     eos = [reference[9], reference[5]]
     stop = min(reference.index(e) for e in eos)
-    out = speculative_generate(target, close_draft, prompt, 30, gamma=3, temperature=0, eos_token_id=eos)
+    out = speculative_generate(target, close_draft, prompt, drafting=3, eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
-    sampled = speculative_generate(target, close_draft, prompt, 200, gamma=3, temperature=1.0, eos_token_id=eos,
-                                   generator=torch.Generator().manual_seed(0)).tokens.tolist()
+    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=3, eos_token_id=eos, generator=torch.Generator().manual_seed(0), max_new_tokens=200).tokens.tolist()
     assert sampled[-1] in eos and not set(sampled[:-1]) & set(eos)
 
 
 @pytest.mark.parametrize("max_new_tokens,gamma", [(8, 5), (3, 10), (1, 4), (7, 3)])
 def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, gamma):
     prompt = torch.tensor([5, 6, 7])
-    out = speculative_generate(target, target, prompt, max_new_tokens, gamma=gamma, temperature=0)
+    out = speculative_generate(target, target, prompt, drafting=gamma, max_new_tokens=max_new_tokens)
     assert out.tokens.tolist() == greedy_reference(target, prompt, max_new_tokens)
     assert len(out.tokens) == max_new_tokens
     # The identical draft accepts everything, so each step drafts exactly what still fits before the bonus.
@@ -323,8 +322,7 @@ def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, ga
 def test_stats_are_consistent(target, close_draft, eos_token_id):
     generator = torch.Generator().manual_seed(1)
     for prompt in random_prompts(5, seed=31):
-        out = speculative_generate(target, close_draft, prompt, 40, gamma=4, temperature=1.0,
-                                   eos_token_id=eos_token_id, generator=generator)
+        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=4, eos_token_id=eos_token_id, generator=generator, max_new_tokens=40)
         s = out.stats
         assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted)) and s.n_accepted <= s.n_drafted
         # Each model's first forward (the one reading the prompt) is timed as prefill, not as a step.
@@ -340,20 +338,19 @@ def test_stats_are_consistent(target, close_draft, eos_token_id):
 
 def test_stats_carry_per_forward_times_on_cpu(target, close_draft):
     """Stopwatch marks resolve after the call into one time per forward (first ones as prefill), in seconds."""
-    out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), 16, gamma=3, temperature=0)
+    out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=16)
     s = out.stats
     assert len(s.target_times) == s.target_passes - 1 and len(s.draft_times) == s.n_drafted - 1
     assert all(0 < t < 60 for t in s.draft_times + s.target_times) and s.prefill_time > 0
     assert s.sampling_time > 0 and s.cache_time > 0 and s.total_time < 60
     parts = s.prefill_time + sum(s.draft_times) + sum(s.target_times) + s.sampling_time + s.cache_time
     assert parts <= s.total_time
-    ar = autoregressive_generate(target, torch.tensor([1, 2, 3]), 8, temperature=0).stats
+    ar = autoregressive_generate(target, torch.tensor([1, 2, 3]), max_new_tokens=8).stats
     assert len(ar.target_times) == 7 and all(t > 0 for t in ar.target_times) and ar.prefill_time > 0
 
 
 def test_autoregressive_stats_count_one_token_per_pass(target):
-    out = autoregressive_generate(target, torch.tensor([[1, 2, 3]]), 12, temperature=0.8,
-                                  generator=torch.Generator().manual_seed(0))
+    out = autoregressive_generate(target, torch.tensor([[1, 2, 3]]), sampling=Sampling(temperature=0.8), generator=torch.Generator().manual_seed(0), max_new_tokens=12)
     assert len(out.tokens) == out.stats.target_passes == len(out.stats.target_times) + 1 == 12
     assert out.stats.mean_accepted_length == 1.0
 
@@ -365,12 +362,14 @@ def other_vocab_draft():
 
 
 @pytest.mark.parametrize("case,kwargs", [
-    ("gamma", dict(gamma=0)),
+    ("gamma", dict(drafting=0)),
+    ("drafting", dict(drafting="four")),
     ("max_new_tokens", dict(max_new_tokens=0)),
-    ("temperature", dict(temperature=-1.0)),
-    ("top_p_zero", dict(top_p=0.0)),
-    ("top_p_above_one", dict(top_p=1.2)),
-    ("top_k", dict(top_k=-2)),
+    ("sampling", dict(sampling=0.7)),
+    ("temperature", dict(sampling=dict(temperature=-1.0))),
+    ("top_p_zero", dict(sampling=dict(top_p=0.0))),
+    ("top_p_above_one", dict(sampling=dict(top_p=1.2))),
+    ("top_k", dict(sampling=dict(top_k=-2))),
     ("draft_temperature", dict(draft_temperature=-0.5)),
     ("draft_vocab_range", dict(draft_vocab=torch.tensor([0, VOCAB]))),
     ("batch", dict(input_ids=torch.zeros(2, 3, dtype=torch.long))),
@@ -379,6 +378,8 @@ def other_vocab_draft():
 def test_bad_input_raises_one_line_pipeline_error(target, close_draft, case, kwargs):
     kwargs = {"input_ids": torch.tensor([1, 2]), **kwargs}
     with pytest.raises(PipelineError) as info:
+        if isinstance(kwargs.get("sampling"), dict):  # the Sampling type itself refuses a bad distribution
+            kwargs["sampling"] = Sampling(**kwargs["sampling"])
         speculative_generate(target, close_draft, **kwargs)
     assert "\n" not in str(info.value)
 
@@ -405,7 +406,7 @@ def test_sliding_window_models_are_refused(target):
     mistral = MistralForCausalLM(small_config(MistralConfig, sliding_window=8)).eval()
     for pair in ((target, mistral), (mistral, target)):
         with pytest.raises(PipelineError, match="sliding-window") as info:
-            speculative_generate(*pair, torch.tensor([1, 2]), 4, temperature=0)
+            speculative_generate(*pair, torch.tensor([1, 2]), max_new_tokens=4)
         assert "\n" not in str(info.value)
     qwen_windowed = small_config(Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert uses_sliding_window(qwen_windowed)
@@ -419,17 +420,21 @@ def test_full_attention_configs_with_a_sliding_window_field_are_accepted():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen).eval()
     prompt = torch.tensor([1, 2, 3])
-    expected = autoregressive_generate(model, prompt, 8, temperature=0).tokens
-    assert speculative_generate(model, model, prompt, 8, gamma=3, temperature=0).tokens.tolist() == expected.tolist()
+    expected = autoregressive_generate(model, prompt, max_new_tokens=8).tokens
+    assert speculative_generate(model, model, prompt, drafting=3, max_new_tokens=8).tokens.tolist() == expected.tolist()
     assert not uses_sliding_window(small_config(LlamaConfig))
     assert uses_sliding_window(small_config(MistralConfig, sliding_window=8))
     assert not uses_sliding_window(small_config(MistralConfig, sliding_window=None))
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=2.0)])
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(sampling=None), dict(temperature=-1.0),
+                                    dict(top_p=2.0)])
 def test_autoregressive_bad_input_raises_pipeline_error(target, kwargs):
     with pytest.raises(PipelineError):
-        autoregressive_generate(target, torch.tensor([1, 2]), **kwargs)
+        if "max_new_tokens" in kwargs or "sampling" in kwargs:
+            autoregressive_generate(target, torch.tensor([1, 2]), **kwargs)
+        else:
+            autoregressive_generate(target, torch.tensor([1, 2]), sampling=Sampling(**kwargs))
 
 
 # ---- real model ----
@@ -448,6 +453,6 @@ def test_greedy_speculative_equals_autoregressive_on_real_model(real_target):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        expected = autoregressive_generate(model, ids, 24, temperature=0, eos_token_id=tokenizer.eos_token_id)
-        out = speculative_generate(model, draft, ids, 24, gamma=4, temperature=0, eos_token_id=tokenizer.eos_token_id)
+        expected = autoregressive_generate(model, ids, eos_token_id=tokenizer.eos_token_id, max_new_tokens=24)
+        out = speculative_generate(model, draft, ids, drafting=4, eos_token_id=tokenizer.eos_token_id, max_new_tokens=24)
         assert out.tokens.tolist() == expected.tokens.tolist()

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from eval.speculative import Pair, Profile, autoregressive_generate, forward, speculative_generate
-from eval.tree import MAX_TREE_NODES, TreePlan, TreeStats, parse_tree, tree_forward, tree_mask, tree_step
-from pipeline import tree_sampling
-from pipeline.draft_length import DraftLength
+from pipeline.decoding import MAX_TREE_NODES, TreeStats, autoregressive_generate, parse_tree, speculative_generate
+from pipeline.decoding import tree_sampling
+from pipeline.decoding.loop import Pair, Profile, forward
+from pipeline.decoding.tree import TreePlan, tree_forward, tree_mask, tree_step
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, residual_distribution
@@ -102,14 +102,14 @@ CASES = {
 def test_tree_samples_follow_target_distribution(target, drafts, case):
     tree, draft_name, kwargs = CASES[case]
     probs = exact_joint(target, kwargs["temperature"], kwargs.get("top_k", 0), kwargs.get("top_p", 1.0))
-    counts = speculative_joint_counts(target, drafts[draft_name], N_SAMPLES, tree=tree, **kwargs)
+    counts = speculative_joint_counts(target, drafts[draft_name], N_SAMPLES, drafting=tree, **kwargs)
     assert chi_square_pvalue(counts, probs) > 1e-3
 
 
 def test_distribution_test_rejects_siblings_accepted_independently(target, far_draft, monkeypatch):
     """Each sibling tried against the unchanged p and q, the last fallback drawn from p: not the target's law."""
     monkeypatch.setattr(tree_sampling, "rejection_update", lambda p, q, x: (p, q))
-    counts = speculative_joint_counts(target, far_draft, N_SAMPLES, tree=(3, 1), temperature=1.0)
+    counts = speculative_joint_counts(target, far_draft, N_SAMPLES, drafting=(3, 1), temperature=1.0)
     assert chi_square_pvalue(counts, exact_joint(target, 1.0)) < 1e-6
 
 
@@ -120,8 +120,8 @@ def test_distribution_test_rejects_siblings_accepted_independently(target, far_d
 def test_greedy_tree_equals_autoregressive(target, drafts, tree, draft_name):
     accepted = 0
     for prompt in random_prompts(6, seed=3):
-        expected = autoregressive_generate(target, prompt, 20, temperature=0).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, 20, temperature=0, tree=tree)
+        expected = autoregressive_generate(target, prompt, max_new_tokens=20).tokens
+        out = speculative_generate(target, drafts[draft_name], prompt, drafting=tree, max_new_tokens=20)
         assert out.tokens.tolist() == expected.tolist()
         accepted += out.stats.n_accepted
     assert accepted > 0
@@ -131,18 +131,17 @@ def test_greedy_tree_with_a_vocab_subset_or_a_sampling_draft_equals_autoregressi
     subset = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13])
     generator = torch.Generator().manual_seed(7)
     for prompt in random_prompts(4, seed=11):
-        expected = autoregressive_generate(target, prompt, 16, temperature=0).tokens.tolist()
-        out = speculative_generate(target, close_draft, prompt, 16, temperature=0, draft_vocab=subset, tree=(3, 2))
+        expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens.tolist()
+        out = speculative_generate(target, close_draft, prompt, drafting=(3, 2), draft_vocab=subset, max_new_tokens=16)
         assert out.tokens.tolist() == expected
-        out = speculative_generate(target, far_draft, prompt, 16, temperature=0, draft_temperature=1.0,
-                                   generator=generator, tree=PARENTS)
+        out = speculative_generate(target, far_draft, prompt, drafting=PARENTS, draft_temperature=1.0, generator=generator, max_new_tokens=16)
         assert out.tokens.tolist() == expected
 
 
 def test_a_one_child_tree_is_the_chain(target, close_draft):
     for prompt in random_prompts(4, seed=5):
-        chain = speculative_generate(target, close_draft, prompt, 24, gamma=3, temperature=0)
-        tree = speculative_generate(target, close_draft, prompt, 24, temperature=0, tree=(1, 1, 1))
+        chain = speculative_generate(target, close_draft, prompt, drafting=3, max_new_tokens=24)
+        tree = speculative_generate(target, close_draft, prompt, drafting=(1, 1, 1), max_new_tokens=24)
         assert tree.tokens.tolist() == chain.tokens.tolist()
         assert tree.stats.accepted == chain.stats.accepted and tree.stats.drafted == chain.stats.drafted
 
@@ -151,8 +150,8 @@ def test_greedy_tree_on_qwen2_equals_autoregressive():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(small_config(Qwen2Config, use_sliding_window=False, initializer_range=0.2)).eval()
     prompt = torch.tensor([1, 2, 3])
-    expected = autoregressive_generate(model, prompt, 12, temperature=0).tokens.tolist()
-    assert speculative_generate(model, model, prompt, 12, temperature=0, tree=(2, 2)).tokens.tolist() == expected
+    expected = autoregressive_generate(model, prompt, max_new_tokens=12).tokens.tolist()
+    assert speculative_generate(model, model, prompt, drafting=(2, 2), max_new_tokens=12).tokens.tolist() == expected
 
 
 # ---- tree attention and cache state ----
@@ -182,7 +181,7 @@ def one_tree_step(target, draft, prompt, tree, temperature, generator):
     pair = Pair(target, draft, head_rows(target), head_rows(draft), p, p, generator=generator)
     stats = TreeStats()
     with torch.inference_mode():
-        seq, new = tree_step(pair, seq, *caches, TreePlan(parse_tree(tree), torch.device("cpu")), stats, Profile("cpu"))
+        seq, new = tree_step(pair, seq, caches, TreePlan(parse_tree(tree), torch.device("cpu")), stats, Profile("cpu"))
     return seq, caches, new, stats.accepted[0]
 
 
@@ -217,8 +216,8 @@ def test_caches_keep_exactly_the_accepted_path(target, close_draft, temperature)
 @pytest.mark.parametrize("max_new_tokens", [1, 3, 8])
 def test_max_new_tokens_is_exact_and_the_tree_is_truncated(target, max_new_tokens):
     prompt = torch.tensor([5, 6, 7])
-    out = speculative_generate(target, target, prompt, max_new_tokens, temperature=0, tree=(2, 2, 1))
-    assert out.tokens.tolist() == autoregressive_generate(target, prompt, max_new_tokens, temperature=0).tokens.tolist()
+    out = speculative_generate(target, target, prompt, drafting=(2, 2, 1), max_new_tokens=max_new_tokens)
+    assert out.tokens.tolist() == autoregressive_generate(target, prompt, max_new_tokens=max_new_tokens).tokens.tolist()
     remaining, depths = max_new_tokens, []
     while remaining > 0:  # the identical draft accepts a full path every pass
         depths.append(min(3, remaining - 1))
@@ -229,21 +228,19 @@ def test_max_new_tokens_is_exact_and_the_tree_is_truncated(target, max_new_token
 
 def test_eos_inside_an_accepted_path_ends_generation_there(target, close_draft):
     prompt = torch.tensor([2, 8])
-    reference = autoregressive_generate(target, prompt, 30, temperature=0).tokens.tolist()
+    reference = autoregressive_generate(target, prompt, max_new_tokens=30).tokens.tolist()
     eos = [reference[9], reference[5]]
     stop = min(reference.index(e) for e in eos)
-    out = speculative_generate(target, close_draft, prompt, 30, temperature=0, eos_token_id=eos, tree=(2, 2, 1))
+    out = speculative_generate(target, close_draft, prompt, drafting=(2, 2, 1), eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
-    sampled = speculative_generate(target, close_draft, prompt, 200, temperature=1.0, eos_token_id=eos, tree=(2, 2),
-                                   generator=torch.Generator().manual_seed(0)).tokens.tolist()
+    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=(2, 2), eos_token_id=eos, generator=torch.Generator().manual_seed(0), max_new_tokens=200).tokens.tolist()
     assert sampled[-1] in eos and not set(sampled[:-1]) & set(eos)
 
 
 def test_stats_are_consistent(target, close_draft):
     generator = torch.Generator().manual_seed(1)
     for prompt in random_prompts(4, seed=31):
-        out = speculative_generate(target, close_draft, prompt, 40, temperature=1.0, tree=(3, 2, 1),
-                                   generator=generator)
+        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=(3, 2, 1), generator=generator, max_new_tokens=40)
         s = out.stats
         assert isinstance(s, TreeStats) and s.n_generated == len(out.tokens) == sum(a + 1 for a in s.accepted)
         assert all(0 <= a <= d for a, d in zip(s.accepted, s.depths)) and s.drafted[0] == 3 + 6 + 6
@@ -258,23 +255,20 @@ def test_stats_are_consistent(target, close_draft):
 # ---- input validation ----
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(tree=(3, 0)), "branching factors must be integers >= 1"),
-    (dict(tree=()), "branching factors must be integers >= 1"),
-    (dict(tree=(8, 8)), f"more than the cap of {MAX_TREE_NODES}"),
-    (dict(tree=[-1] * (MAX_TREE_NODES + 1)), f"more than the cap of {MAX_TREE_NODES}"),
-    (dict(tree=[-1, 2, 0]), "is not a tree: parents\\[1\\] = 2"),
-    (dict(tree=[-1, 0, 1, 3]), "is not a tree: parents\\[3\\] = 3"),
-    (dict(tree=[-1, -2]), "is not a tree: parents\\[1\\] = -2"),
-    (dict(tree=[]), "parent list is empty"),
-    (dict(tree="3,2"), "tuple of branching factors or a list of parent indices"),
-    (dict(tree=(2,), draft_length=DraftLength("confidence", 16, 0.5)), "'confidence' does not apply to tree"),
-    (dict(tree=(2,), draft_length=DraftLength("heuristic", 2)), "'heuristic' does not apply to tree"),
-    (dict(tree=(5,), draft_vocab=torch.tensor([1, 2, 3, 4])), "use a narrower tree"),
-    (dict(tree=(2,), top_p=0.0), "top_p"),
+    (dict(drafting=(3, 0)), "branching factors must be integers >= 1"),
+    (dict(drafting=()), "branching factors must be integers >= 1"),
+    (dict(drafting=(8, 8)), f"more than the cap of {MAX_TREE_NODES}"),
+    (dict(drafting=[-1] * (MAX_TREE_NODES + 1)), f"more than the cap of {MAX_TREE_NODES}"),
+    (dict(drafting=[-1, 2, 0]), "is not a tree: parents\\[1\\] = 2"),
+    (dict(drafting=[-1, 0, 1, 3]), "is not a tree: parents\\[3\\] = 3"),
+    (dict(drafting=[-1, -2]), "is not a tree: parents\\[1\\] = -2"),
+    (dict(drafting=[]), "parent list is empty"),
+    (dict(drafting="3,2"), "a tuple of branching factors or a parent list"),
+    (dict(drafting=(5,), draft_vocab=torch.tensor([1, 2, 3, 4])), "use a narrower tree"),
 ])
 def test_bad_tree_input_is_one_clear_error(target, close_draft, kwargs, message):
     with pytest.raises(PipelineError, match=message) as info:
-        speculative_generate(target, close_draft, torch.tensor([1, 2]), 4, **kwargs)
+        speculative_generate(target, close_draft, torch.tensor([1, 2]), max_new_tokens=4, **kwargs)
     assert "\n" not in str(info.value)
 
 
@@ -282,5 +276,5 @@ def test_attention_without_4d_masks_is_refused(target, close_draft):
     draft = copy.deepcopy(close_draft)
     draft.config._attn_implementation = "flash_attention_2"
     with pytest.raises(PipelineError, match="attn_implementation='sdpa'") as info:
-        speculative_generate(target, draft, torch.tensor([1, 2]), 4, tree=(2,))
+        speculative_generate(target, draft, torch.tensor([1, 2]), drafting=(2,), max_new_tokens=4)
     assert "\n" not in str(info.value)

@@ -1,27 +1,28 @@
 """Token-tree speculative decoding (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024), lossless at
-every temperature. Reached through `eval.speculative.speculative_generate(..., tree=...)`.
+every temperature. Reached through `pipeline.decoding.speculative_generate(..., drafting=Tree | (3, 2, 1))`.
 
 A tree is a static shape: a tuple of branching factors per depth, or a list of parent indices (node i's
 parent is parents[i], −1 = the root, which is the newest committed token). The draft expands it one depth
 per forward, all frontier nodes in one forward under a tree attention mask with per-node position ids; the
 target verifies every node in one forward under a 4-D tree mask; the siblings at each node are verified by
-recursive rejection sampling (pipeline/tree_sampling.py), so the output follows exactly the target's p.
+recursive rejection sampling (pipeline/decoding/tree_sampling.py), so the output follows exactly the target's p.
 
-Caches follow the chain path's convention (eval/speculative.py): each holds a prefix of the committed tokens.
+Caches follow the chain path's convention (loop.py, chain.py): each holds a prefix of the committed tokens.
 After verification both keep exactly the accepted path, gathered along the sequence dim of every layer's keys
 and values (tree slots are not in sequence order, so a crop alone cannot do it). The draft feeds only nodes
 that have children (a leaf's own forward would predict tokens nobody proposes), so after a step it lacks
 the new token, or two tokens when the path ends in a leaf, fed together next time as on the chain path.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from transformers import DynamicCache
 
-from eval.speculative import DecodeStats, GenerationOutput, Pair, Profile, Run, _target_sampling, crop, forward
-from pipeline import tree_sampling
-from pipeline.draft_length import DraftLength
+from pipeline.decoding import tree_sampling
+from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, scatter_to_vocab
 
@@ -46,6 +47,11 @@ class Tree:
     def depth(self) -> int:
         return self.depths[-1] if self.parents else 0
 
+    @property
+    def width(self) -> int:
+        """The most children of any slot (the root included)."""
+        return max(map(len, children_of(self)))
+
     def truncated(self, max_depth: int) -> "Tree":
         """The nodes up to max_depth (a prefix, by breadth-first order)."""
         return Tree(self.parents[:sum(d <= max_depth for d in self.depths)])
@@ -64,6 +70,16 @@ class TreeStats(DecodeStats):
             reached = [a for a, depth in zip(self.accepted, self.depths) if a >= d and depth > d]
             rates.append(sum(a > d for a in reached) / len(reached) if reached else 0.0)
         return rates
+
+
+def nodes(factors: tuple) -> int:
+    """Nodes of the tree with these branching factors per depth (a chain of γ: γ)."""
+    return len(_branching_parents(tuple(factors)))
+
+
+def tree_key(factors) -> str:
+    """The key of a tree's branching factors in speculative.json's `tree_candidates` ("3,2,1")."""
+    return ",".join(map(str, factors))
 
 
 def _is_int(value) -> bool:
@@ -118,7 +134,7 @@ def parse_tree(tree) -> Tree:
     return Tree(tuple(-1 if parents[old] < 0 else new[parents[old]] for old in order))
 
 
-def _children(tree: Tree) -> list[list[int]]:
+def children_of(tree: Tree) -> list[list[int]]:
     """Node indices of each slot's children, in draw order (slot 0 = root, slot i+1 = node i)."""
     kids: list[list[int]] = [[] for _ in range(len(tree.parents) + 1)]
     for i, parent in enumerate(tree.parents):
@@ -132,7 +148,7 @@ class TreePlan:
     def __init__(self, tree: Tree, device: torch.device):
         n, parents, depths = len(tree.parents), tree.parents, tree.depths
         self.n, self.depth = n, tree.depth
-        kids = [[i + 1 for i in nodes] for nodes in _children(tree)]  # as slots
+        kids = [[i + 1 for i in nodes] for nodes in children_of(tree)]  # as slots
         ancestors = torch.zeros(n, n, dtype=torch.bool)
         for i, parent in enumerate(parents):
             if parent >= 0:
@@ -181,7 +197,7 @@ def tree_mask(n_cached: int, n_pending: int, visible: torch.Tensor, dtype: torch
 def tree_forward(model, tokens: torch.Tensor, cache: DynamicCache, head, mask: torch.Tensor,
                  positions: torch.Tensor, n_logits: int) -> torch.Tensor:
     """Feeds tokens [k] under a 4-D mask at the given positions [k], appending to `cache`; fp32 logits of the
-    last n_logits positions (only those go through the head, as `eval.speculative.forward`)."""
+    last n_logits positions (only those go through the head, as `loop.forward`)."""
     hidden = model.model(input_ids=tokens.view(1, -1), attention_mask=mask, position_ids=positions.view(1, -1),
                          cache=cache, use_cache=True).last_hidden_state
     return head_logits(hidden[0, -n_logits:], head)
@@ -219,24 +235,22 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
     qs = None
     if plan.n == 0:
         return tokens, valid, qs
-    t0 = profile.mark()
-    logits = forward(pair.draft, seq[:, cache.get_seq_length():], cache, pair.draft_head)
+    with profile.part("draft"):
+        logits = forward(pair.draft, seq[:, cache.get_seq_length():], cache, pair.draft_head)
     for depth in range(plan.depth):
-        t1 = profile.mark()
-        profile.span("draft", t0, t1)
-        children, rows, ranks = plan.assign[depth]
-        ids, ok, q = _propose(pair, logits, plan.widths[depth])
-        tokens[children], valid[children] = ids[rows, ranks], ok[rows, ranks]
-        if q is not None:
-            qs = q.new_zeros(plan.n + 1, q.shape[-1]) if qs is None else qs
-            qs[plan.frontier[depth]] = q
-        t0 = profile.mark()
-        profile.span("sampling", t1, t0)
+        with profile.part("sampling"):
+            children, rows, ranks = plan.assign[depth]
+            ids, ok, q = _propose(pair, logits, plan.widths[depth])
+            tokens[children], valid[children] = ids[rows, ranks], ok[rows, ranks]
+            if q is not None:
+                qs = q.new_zeros(plan.n + 1, q.shape[-1]) if qs is None else qs
+                qs[plan.frontier[depth]] = q
         if depth + 1 < plan.depth:
-            nodes = plan.frontier[depth + 1]
-            mask = tree_mask(committed, 0, plan.visible[depth + 1], pair.draft.dtype)
-            positions = torch.full_like(nodes, committed + depth)  # root at committed − 1, depth d at +d
-            logits = tree_forward(pair.draft, tokens[nodes], cache, pair.draft_head, mask, positions, len(nodes))
+            with profile.part("draft"):
+                nodes = plan.frontier[depth + 1]
+                mask = tree_mask(committed, 0, plan.visible[depth + 1], pair.draft.dtype)
+                positions = torch.full_like(nodes, committed + depth)  # root at committed − 1, depth d at +d
+                logits = tree_forward(pair.draft, tokens[nodes], cache, pair.draft_head, mask, positions, len(nodes))
     return tokens, valid, qs
 
 
@@ -275,28 +289,26 @@ def _walk(result: list[int], n: int) -> tuple[list[int], int]:
     return path, fallback[slot]
 
 
-def tree_step(pair: Pair, seq: torch.Tensor, target_cache: DynamicCache, draft_cache: DynamicCache,
-              plan: TreePlan, stats: TreeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
+def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, DynamicCache], plan: TreePlan,
+              stats: TreeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
     """Drafts the tree, verifies it in one target pass, keeps the accepted path in both caches.
     seq [1, C] holds every committed token. Returns the extended seq and the new ids."""
+    target_cache, draft_cache = caches
     committed = seq.shape[1]
     tokens, valid, qs = _draft_tree(pair, seq, draft_cache, plan, profile)
-    t0 = profile.mark()
-    logits = _verify_forward(pair, seq, target_cache, plan, tokens)
-    t1 = profile.mark()
-    accepted, fallback = _verify_tree(pair, plan, logits, tokens, valid, qs)
-    result = torch.cat([accepted, fallback, tokens]).tolist()  # the one host sync of the step
-    t2 = profile.mark()
-    path, next_token = _walk(result, plan.n)
-    new_tokens = [result[2 * plan.n + 2 + slot] for slot in path] + [next_token]
-    seq = torch.cat([seq, torch.tensor(new_tokens, device=seq.device).view(1, -1)], 1)
-    keep_path(target_cache, committed, [committed + slot - 1 for slot in path])
-    if plan.n:  # an empty tree ran no draft forward: the draft cache is as it was
-        fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
-        keep_path(draft_cache, committed, [committed + k for k in fed])
-    profile.span("cache", t2, profile.mark())
-    profile.span("target", t0, t1)
-    profile.span("sampling", t1, t2)
+    with profile.part("target"):
+        logits = _verify_forward(pair, seq, target_cache, plan, tokens)
+    with profile.part("sampling"):
+        accepted, fallback = _verify_tree(pair, plan, logits, tokens, valid, qs)
+        result = torch.cat([accepted, fallback, tokens]).tolist()  # the one host sync of the step
+    with profile.part("cache"):
+        path, next_token = _walk(result, plan.n)
+        new_tokens = [result[2 * plan.n + 2 + slot] for slot in path] + [next_token]
+        seq = torch.cat([seq, torch.tensor(new_tokens, device=seq.device).view(1, -1)], 1)
+        keep_path(target_cache, committed, [committed + slot - 1 for slot in path])
+        if plan.n:  # an empty tree ran no draft forward: the draft cache is as it was
+            fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
+            keep_path(draft_cache, committed, [committed + k for k in fed])
     stats.accepted.append(len(path))
     stats.drafted.append(plan.n)
     stats.depths.append(plan.depth)
@@ -304,37 +316,14 @@ def tree_step(pair: Pair, seq: torch.Tensor, target_cache: DynamicCache, draft_c
     return seq, new_tokens
 
 
-def _check_tree_options(tree: Tree, pair: Pair, draft_length) -> None:
-    if draft_length is not None and (not isinstance(draft_length, DraftLength) or draft_length.policy != "fixed"):
-        name = getattr(draft_length, "policy", type(draft_length).__name__)
-        raise PipelineError(f"draft_length policy {name!r} does not apply to tree speculation (the tree fixes the "
-                            "tokens drafted per pass): pass draft_length=None, or tree=None for the chain decoder")
+def check_tree(tree: Tree, pair: Pair) -> None:
+    """One-line errors for a tree these models cannot run."""
     for role, model in (("target", pair.target), ("draft", pair.draft)):
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in MASK_ATTENTION:
             raise PipelineError(f"tree speculation needs attention that takes a 4-D mask ({', '.join(MASK_ATTENTION)}),"
                                 f" the {role} uses {attention}: load it with attn_implementation='sdpa'")
-    width, rows = max(map(len, _children(tree))), pair.draft_head[0].shape[0]
-    if width > rows:
-        raise PipelineError(f"the tree gives a node {width} children but the draft proposes from only {rows} "
+    rows = pair.draft_head[0].shape[0]
+    if tree.width > rows:
+        raise PipelineError(f"the tree gives a node {tree.width} children but the draft proposes from only {rows} "
                             "tokens (draft_vocab): use a narrower tree")
-
-
-
-@torch.inference_mode()
-def tree_generate(target, draft, input_ids, max_new_tokens, tree, temperature, top_k, top_p, draft_temperature,
-                  eos_token_id, generator, draft_vocab, draft_length) -> GenerationOutput:
-    """speculative_generate with a token tree: the same arguments and stopping, `tree` instead of gamma."""
-    p = _target_sampling(max_new_tokens, temperature, top_k, top_p)
-    tree = parse_tree(tree)
-    run = Run.start(target, draft, input_ids, p, draft_temperature, draft_vocab, generator, TreeStats())
-    _check_tree_options(tree, run.pair, draft_length)
-    plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
-
-    def step(seq, room):
-        depth = min(tree.depth, room)
-        if depth not in plans:
-            plans[depth] = TreePlan(tree.truncated(depth), seq.device)
-        return tree_step(run.pair, seq, *run.caches, plans[depth], run.stats, run.profile)
-
-    return run.decode(step, max_new_tokens, eos_token_id)

@@ -1,0 +1,101 @@
+"""The decoder's public entry points: speculative decoding with a chain or a token tree, and plain decoding
+through the same forward helper and cache type (the baseline every speedup is measured against)."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.decoding.chain import chain_step
+from pipeline.decoding.draft_length import DraftLength
+from pipeline.decoding.loop import (DecodeStats, GenerationOutput, Profile, Run, check_request, eos_set, forward,
+                                    model_device, prompt_tensor)
+from pipeline.decoding.tree import Tree, TreePlan, TreeStats, check_tree, parse_tree, tree_step
+from pipeline.errors import PipelineError
+from pipeline.heads import head_rows
+from pipeline.sampling import Sampling, sample
+from pipeline.timing import synced_clock
+
+GREEDY = Sampling(0.0)
+
+
+def as_drafting(drafting) -> DraftLength | Tree:
+    """A drafting spec from what a user may pass: a DraftLength policy, an int γ (fixed), a Tree, a tuple of
+    branching factors per depth, or a list of parent indices."""
+    if isinstance(drafting, (DraftLength, Tree)):
+        return drafting
+    if isinstance(drafting, int) and not isinstance(drafting, bool):
+        if drafting < 1:
+            raise PipelineError(f"gamma (draft tokens per pass) must be >= 1, got {drafting}: use e.g. drafting=4")
+        return DraftLength("fixed", drafting)
+    if isinstance(drafting, (tuple, list)):
+        return parse_tree(drafting)
+    raise PipelineError(f"drafting must be a DraftLength, an int γ, a Tree, a tuple of branching factors or a parent "
+                        f"list, got {type(drafting).__name__}: use e.g. drafting=4 or drafting=(3, 2, 1)")
+
+
+@torch.inference_mode()
+def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREEDY,
+                         drafting: DraftLength | Tree | int | tuple | list = DraftLength("fixed", 4),
+                         max_new_tokens: int = 128, draft_temperature: float | None = None,
+                         draft_vocab: torch.Tensor | None = None, eos_token_id=None,
+                         generator: torch.Generator | None = None) -> GenerationOutput:
+    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `drafting` says:
+    a chain whose length a DraftLength policy decides, or a static token tree.
+
+    Keyword-only past the models and the prompt; each keyword is one independent serving knob.
+    draft_temperature (None = sampling's) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a 1-D
+    LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
+    must live on the models' device (it drives draft sampling and acceptance).
+    """
+    check_request(sampling, max_new_tokens)
+    drafting = as_drafting(drafting)
+    stats = TreeStats() if isinstance(drafting, Tree) else DecodeStats()
+    run = Run.start(target, draft, input_ids, sampling, draft_temperature, draft_vocab, generator, stats)
+    if isinstance(drafting, Tree):
+        check_tree(drafting, run.pair)
+        plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
+
+        def step(seq, room):
+            depth = min(drafting.depth, room)
+            if depth not in plans:
+                plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
+            return tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
+    else:
+        policy = drafting.make()
+
+        def step(seq, room):
+            budget = min(policy.budget(), room)
+            return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile)
+
+    return run.decode(step, max_new_tokens, eos_token_id)
+
+
+@torch.inference_mode()
+def autoregressive_generate(target, input_ids, *, sampling: Sampling = GREEDY, max_new_tokens: int = 128,
+                            eos_token_id=None, generator: torch.Generator | None = None) -> GenerationOutput:
+    """Plain decoding through the same forward helper and cache type as speculative_generate."""
+    check_request(sampling, max_new_tokens)
+    device = model_device(target)
+    clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
+    start = clock()
+    eos = eos_set(eos_token_id)
+    head = head_rows(target)
+    token = prompt_tensor(input_ids, device)  # the first forward feeds the whole prompt
+    cache = DynamicCache(config=target.config)
+    out = []
+    for _ in range(max_new_tokens):
+        with profile.part("target"):
+            logits = forward(target, token, cache, head)
+        with profile.part("sampling"):
+            if sampling.greedy:  # skip building a one-hot distribution just to take its argmax
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                token = sample(sampling.probs(logits), generator).view(1, 1)
+            out.append(token)
+        if eos and token.item() in eos:  # the only per-step host sync, and only when there is an EOS to check
+            break
+    stats.target_passes = stats.n_generated = len(out)
+    tokens = torch.cat(out).view(-1).cpu()
+    stats.total_time = clock() - start
+    profile.resolve(stats)
+    return GenerationOutput(tokens, stats)

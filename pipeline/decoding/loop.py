@@ -1,0 +1,226 @@
+"""The pieces every drafting shape shares: the decoded pair, one call's run (caches, clocks, the loop), the
+profile of the loop's parts, the statistics, the forward helper and the cache rollback.
+
+Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV caches for both models.
+p = target distribution, q = draft distribution (pipeline/sampling.py has the math).
+
+Caches: each model's cache holds a prefix of the committed tokens (prompt + accepted output) and the next
+forward feeds the rest. There is no separate prefill pass: the first forward of each model feeds the whole
+prompt (with the drafts, for the target), like HF generate's prefill that also yields the first token. So
+every target pass yields tokens (accepted + 1), plain decoding is exactly 1.0 token per pass, and no forward
+is spent that HF would not spend. The time of each model's first forward is reported as prefill_time, not in
+the per-forward lists, so that c compares decoding steps only.
+
+Timing: the parts of the loop are marked with a `pipeline.timing.Stopwatch` (CUDA events on GPU) and the
+marks are turned into seconds once, after the call, so profiling adds no host synchronisation to the loop;
+only `total_time` is bracketed with a synchronising clock.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.errors import PipelineError
+from pipeline.heads import head_logits, head_rows
+from pipeline.sampling import Sampling
+from pipeline.timing import Stopwatch, synced_clock
+
+
+@dataclass
+class DecodeStats:
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens, one entry per verify pass
+    drafted: list[int] = field(default_factory=list)  # draft tokens proposed per verify pass (γ, clamped at the end)
+    target_passes: int = 0  # target forwards; each yields accepted + 1 tokens (the first also reads the prompt)
+    n_generated: int = 0
+    draft_times: list[float] = field(default_factory=list)  # seconds per draft forward, the first excluded
+    target_times: list[float] = field(default_factory=list)  # seconds per target forward, the first excluded
+    sampling_time: float = 0.0  # probabilities, sampling, accept/resample, the host sync for the result
+    cache_time: float = 0.0  # cache crops and sequence bookkeeping
+    prefill_time: float = 0.0  # each model's first forward, the one that reads the prompt
+    total_time: float = 0.0
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Generated tokens per target pass (includes the bonus/correction token; 1.0 for plain decoding)."""
+        return self.n_generated / self.target_passes if self.target_passes else 0.0
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # 1-D LongTensor of generated ids, prompt excluded
+    stats: DecodeStats
+
+
+class Profile:
+    """Stopwatch spans of one generate call, grouped by loop part and resolved into DecodeStats at the end:
+    `with profile.part("draft"): ...` brackets one draft forward."""
+
+    PARTS = ("draft", "target", "sampling", "cache")
+
+    def __init__(self, device: torch.device | str):
+        self.watch = Stopwatch(device)
+        self.spans: dict[str, list] = {part: [] for part in self.PARTS}
+
+    @contextmanager
+    def part(self, name: str):
+        start = self.watch.mark()
+        yield
+        self.spans[name].append((start, self.watch.mark()))
+
+    def resolve(self, stats: DecodeStats) -> None:
+        """Seconds of every span into `stats`; each model's first forward read the prompt and counts as prefill."""
+        seconds = {part: [self.watch.elapsed(a, b) for a, b in spans] for part, spans in self.spans.items()}
+        stats.draft_times, stats.target_times = seconds["draft"], seconds["target"]
+        stats.sampling_time, stats.cache_time = sum(seconds["sampling"]), sum(seconds["cache"])
+        for times in (stats.target_times, stats.draft_times):
+            if times:
+                stats.prefill_time += times.pop(0)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """What one speculative_generate call decodes with."""
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    target_head: tuple  # (weight, bias) from pipeline.heads.head_rows
+    draft_head: tuple  # restricted to draft_vocab when there is one
+    p: Sampling  # the target's distribution
+    q: Sampling  # the draft's: p's filters at the draft temperature
+    draft_vocab: torch.Tensor | None = None  # target ids of the draft head's rows (FR-Spec)
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # Then p and q are one-hot, acceptance is "argmax matches" and the residual is p: argmaxes suffice.
+        return self.p.greedy and self.q.greedy
+
+
+def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
+    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions.
+
+    Runs the base model and applies the head only to the positions we sample from: the head is the
+    biggest matmul of a small model, and a vocabulary subset (FR-Spec) needs only some of its rows.
+    """
+    hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
+    return head_logits(hidden[0, -n_logits:], head)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    # transformers 5.x: crop(n) takes a negative count of tokens to drop (a positive max length raises).
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prompt_tensor(input_ids, device: torch.device) -> torch.Tensor:
+    prompt = torch.as_tensor(input_ids, device=device).long()
+    prompt = prompt.view(1, -1) if prompt.dim() == 1 else prompt
+    if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
+        raise PipelineError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape "
+                            f"{tuple(prompt.shape)}: batch size 1 only, one prompt per call")
+    return prompt
+
+
+def check_request(sampling: Sampling, max_new_tokens: int) -> None:
+    if not isinstance(sampling, Sampling):
+        raise PipelineError(f"sampling must be a pipeline.sampling.Sampling, got {type(sampling).__name__}: "
+                            "pass e.g. sampling=Sampling(temperature=0.7)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PipelineError(f"max_new_tokens must be >= 1, got {max_new_tokens}: ask for at least one token")
+
+
+def eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def uses_sliding_window(config) -> bool:
+    """Whether a model attends through a sliding window: its KV cache then keeps only the window, and a cache
+    that forgot tokens cannot be cropped back to the committed prefix. Qwen2 configs carry `sliding_window`
+    with `use_sliding_window: false`; those attend fully."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def check_pair(target, draft, draft_temperature, draft_vocab) -> None:
+    if draft_temperature is not None and draft_temperature < 0:
+        raise PipelineError(f"draft_temperature must be >= 0 or None, got {draft_temperature}: pass e.g. None")
+    for role, model in (("target", target), ("draft", draft)):
+        if uses_sliding_window(model.config):
+            raise PipelineError(f"the {role} ({type(model).__name__}) uses sliding-window attention, whose KV cache "
+                                "cannot be rolled back after a rejected draft: use a full-attention model")
+    target_vocab, draft_size = (m.get_output_embeddings().weight.shape[0] for m in (target, draft))
+    if target_vocab != draft_size or target.config.vocab_size != draft.config.vocab_size:
+        raise PipelineError(f"draft vocabulary ({draft_size}) differs from the target's ({target_vocab}): "
+                            "use a draft that shares the target's tokenizer")
+    if model_device(draft) != model_device(target):
+        raise PipelineError(f"draft is on {model_device(draft)} but target is on {model_device(target)}: "
+                            "move both models to the same device")
+    if draft_vocab is not None:
+        if draft_vocab.dim() != 1 or draft_vocab.numel() == 0 or draft_vocab.dtype != torch.long:
+            raise PipelineError("draft_vocab must be a non-empty 1-D LongTensor of target token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= target_vocab:
+            raise PipelineError(f"draft_vocab has ids outside [0, {target_vocab}): pass target token ids")
+
+
+@dataclass
+class Run:
+    """One generate call's models, caches and clocks; `decode` is the loop every drafting shape shares."""
+    pair: Pair
+    seq: torch.Tensor  # the prompt [1, T]
+    caches: tuple  # (target cache, draft cache)
+    stats: DecodeStats
+    profile: Profile
+    clock: object
+    started: float
+
+    @classmethod
+    def start(cls, target, draft, input_ids, p: Sampling, draft_temperature, draft_vocab, generator,
+              stats: DecodeStats) -> "Run":
+        """The pair and fresh caches for one call (each argument is one of speculative_generate's)."""
+        check_pair(target, draft, draft_temperature, draft_vocab)
+        device = model_device(target)
+        clock = synced_clock(device)
+        started = clock()
+        if draft_vocab is not None:
+            draft_vocab = draft_vocab.to(device)
+        q = p if draft_temperature is None else p.with_temperature(draft_temperature)
+        pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
+        caches = (DynamicCache(config=target.config), DynamicCache(config=draft.config))
+        return cls(pair, prompt_tensor(input_ids, device), caches, stats, Profile(device), clock, started)
+
+    def decode(self, step, max_new_tokens: int, eos_token_id) -> GenerationOutput:
+        """Calls step(seq, room) -> (seq, new token ids) until max_new_tokens or an EOS; `room` is how many
+        drafts can still be used (a step yields at most drafts + 1 tokens: drafting past it would be wasted)."""
+        eos, seq, out = eos_set(eos_token_id), self.seq, []
+        while len(out) < max_new_tokens:
+            seq, new_tokens = step(seq, max_new_tokens - len(out) - 1)
+            hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+            out += new_tokens if hit is None else new_tokens[:hit + 1]
+            if hit is not None:
+                break
+        self.stats.n_generated = len(out)
+        self.stats.total_time = self.clock() - self.started
+        self.profile.resolve(self.stats)
+        return GenerationOutput(torch.tensor(out, dtype=torch.long), self.stats)
