@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from distill.batch import batches, completion_hidden
+from distill.job import Inputs, Split
 from pipeline.atomic import atomic_dir
 from pipeline.heads import head_logits, head_rows
 
@@ -51,11 +53,11 @@ def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Te
     return {name: [values[j] for j in unsorted] for name, values in columns.items()}
 
 
-def attach_teacher_labels(job, log) -> None:
-    """Adds the label columns the objective needs to job.train (and drops those it does not use), plus the
-    `length` column the Trainer groups batches by."""
-    objective = job.settings.objective
-    train = job.train
+def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
+    """The split with the label columns the objective needs on its train rows (those it does not use dropped),
+    plus the `length` column the Trainer groups batches by."""
+    objective = inputs.settings.objective
+    train = split.train
     # seq-KD replaces the off-policy batches by the target's own continuations: cached labels would go unused
     cached_teacher = (objective.teacher == "topk" and objective.loss != "ce" and float(objective.lmbda) < 1
                       and not objective.seq_kd)
@@ -66,39 +68,40 @@ def attach_teacher_labels(job, log) -> None:
             log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={objective.loss_temperature} "
                 "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
         k = 0 if "topk_ids" in train.column_names else int(objective.topk)
-        if k or job.vocab is not None:
-            if job.share is None:
-                columns = cached_teacher_labels(job, train, k, log)
+        if k or split.vocab is not None:
+            if split.share is None:
+                columns = cached_teacher_labels(inputs, split.vocab, train, k, log)
             else:  # labelled once for every train row: the other learning-curve points reuse them
-                columns = {name: [values[i] for i in job.share]
-                           for name, values in cached_teacher_labels(job, job.all_train, k, log).items()}
+                columns = {name: [values[i] for i in split.share]
+                           for name, values in cached_teacher_labels(inputs, split.vocab, split.all_train, k, log).items()}
             for name, values in columns.items():
                 train = train.add_column(name, values)
-    truncate = job.truncation
+    truncate = inputs.truncation
     train = train.add_column("length", [sum(map(len, truncate(row))) for row in
                                         train.select_columns(["prompt_ids", "completion_ids"])])
-    job.train = train
+    return replace(split, train=train)
 
 
-def cached_teacher_labels(job, train, k: int, log) -> dict[str, list]:
+def cached_teacher_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:
     """teacher_labels over the train rows, kept under ${paths.cache}/distill/ by what decides them (target, rows,
     truncation, k, subset): a resumed run, or another draft trained on the same rows, skips the target pass."""
     from datasets import Dataset, load_from_disk
 
     rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(train["prompt_ids"], train["completion_ids"])]
+    truncation = inputs.truncation
     key = hashlib.sha256(json.dumps({
-        "target": job.target_ident.get("source_sha256") or job.target_ident.get("path"), "k": k,
-        "truncation": [job.truncation.max_prompt_length, job.truncation.max_completion_length],
-        "vocab": None if job.vocab is None else job.vocab.tolist(), "rows": rows}, default=str).encode()).hexdigest()[:16]
-    path = Path(job.cfg.paths.cache) / "distill" / f"labels-{key}"
+        "target": inputs.target_ident.get("source_sha256") or inputs.target_ident.get("path"), "k": k,
+        "truncation": [truncation.max_prompt_length, truncation.max_completion_length],
+        "vocab": None if vocab is None else vocab.tolist(), "rows": rows}, default=str).encode()).hexdigest()[:16]
+    path = Path(inputs.cfg.paths.cache) / "distill" / f"labels-{key}"
     if path.exists():
         log(f"teacher labels for {len(rows)} train rows from {path}")
         return load_from_disk(str(path)).to_dict()
     t0 = time.time()
-    columns = teacher_labels(job.target, rows, job.truncation, k, job.vocab, int(job.settings.heldout.batch_size),
-                             job.tokenizer.pad_token_id)
+    columns = teacher_labels(inputs.target, rows, truncation, k, vocab, int(inputs.settings.heldout.batch_size),
+                             inputs.tokenizer.pad_token_id)
     log(f"target pass over {len(rows)} train rows for {', '.join(columns)} in {time.time() - t0:.0f}s")
-    if job.is_main:
+    if inputs.is_main:
         with atomic_dir(path) as tmp:
             Dataset.from_dict(columns).save_to_disk(str(tmp))
     return columns

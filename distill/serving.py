@@ -3,107 +3,107 @@ cost profile and c, the best fixed γ and draft-length policy, and token trees, 
 speedups on the reporting part (distill/calibrate.py, policy.py and tree_choice.py hold the simulators)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from distill import calibrate as cal
 from distill import tree_choice
+from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
 from pipeline.cost_profile import measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
-
-if TYPE_CHECKING:  # the stage's job object; the stage imports this module
-    from distill.stage import DistillJob
 
 
 def log(msg: str) -> None:
     print(f"[distill] {msg}", flush=True)
 
 
-def calibrate(job: DistillJob) -> dict:
-    """Draft temperature τ per domain, cost ratio c (timed on this device, in the serving dtype), the best
-    fixed γ and the best draft-length policy per domain, all chosen on the calibration part."""
-    settings = job.settings.calibration
-    taus = cal.calibrate_temperature(job.draft, job.calibration, list(settings.tau_ratios), job.vocab,
+def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: dict) -> Calibration:
+    """Draft temperature τ per domain, the cost summary of `cost_profile` (c and r(N) for every chain and tree
+    considered), the best fixed γ and the best draft-length policy per domain, chosen on `heldout` (the
+    calibration part)."""
+    settings, draft, vocab = inputs.settings.calibration, inputs.draft, split.vocab
+    taus = cal.calibrate_temperature(draft, heldout, list(settings.tau_ratios), vocab,
                                      int(settings.tau_refine))["temperature"]
     gammas = [int(g) for g in settings.gammas]
     lengths = settings.draft_length
     longest = max(gammas + [int(m) for m in lengths.max_lengths])
-    job.cost_profile = job.cost_profile or cost_profile(job)  # the draft's shape, not its weights, sets it
-    cost = summary(job.cost_profile, max(longest, tree_choice.MAX_NODES))  # r(N) for chains and tree candidates
-    cost.update({key: job.cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
-    alpha = cal.acceptance_at(job.draft, job.calibration, taus, job.vocab)
+    cost = summary(cost_profile, max(longest, tree_choice.MAX_NODES))  # r(N) for chains and tree candidates
+    cost.update({key: cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
+    alpha = cal.acceptance_at(draft, heldout, taus, vocab)
     best = {}
-    for domain, mask in cal.domain_index(job.calibration).items():
-        per_position = cal.per_position_acceptance(alpha, job.calibration, mask, max(gammas))
+    for domain, mask in cal.domain_index(heldout).items():
+        per_position = cal.per_position_acceptance(alpha, heldout, mask, max(gammas))
         best[domain] = cal.best_gamma(per_position, cost["c"], gammas, cost.get("verify_ratio"))[0]
     thresholds = [float(t) for t in lengths.thresholds]
-    keep = keep_at(job.draft, job.calibration, taus, thresholds, job.vocab)
+    keep = keep_at(draft, heldout, taus, thresholds, vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
-    chosen = choose(alpha, keep, job.calibration, options, cost["c"], cost.get("verify_ratio"))
-    return {"temperature": taus, "gamma": best, "cost": cost, "tree": choose_trees(job, chosen, cost, taus),
-            "draft_length": {domain: entry["draft_length"] for domain, entry in chosen.items()}}
+    chosen = choose(alpha, keep, heldout, options, cost["c"], cost.get("verify_ratio"))
+    return Calibration(temperature=taus, gamma=best, cost=cost, tree=choose_trees(inputs, split, heldout, chosen, cost, taus),
+                       draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()})
 
 
-def choose_trees(job: DistillJob, chains: dict, cost: dict, taus: dict) -> dict[str, list | None]:
+def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dict, cost: dict,
+                 taus: dict) -> dict[str, list | None]:
     """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
     (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
-    samples = int(job.settings.calibration.get("tree_samples") or 0)
-    if not job.sampling.greedy and not samples:
+    samples = int(inputs.settings.calibration.get("tree_samples") or 0)
+    if not inputs.sampling.greedy and not samples:
         return {domain: None for domain in chains}
-    hits = tree_choice.hit_table(job.draft, job.calibration, job.vocab, taus, samples, int(job.cfg.seed))
-    trees = tree_choice.choose(hits, job.calibration, cost)
+    hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, taus, samples, int(inputs.cfg.seed))
+    trees = tree_choice.choose(hits, heldout, cost)
     return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
             and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
 
 
-def tree_candidates(job: DistillJob, heldout: cal.HeldOut, calibration: dict) -> dict[str, dict]:
+def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibration: Calibration) -> dict[str, dict]:
     """{domain: {"3,1": {accepted, nodes, predicted_speedup}}} for every candidate tree (chains included) on
     `heldout`, where trees are calibrated for this serving (eval's tree sweep sets measured beside predicted)."""
-    samples = int(job.settings.calibration.get("tree_samples") or 0)
-    if not job.sampling.greedy and not samples:
+    samples = int(inputs.settings.calibration.get("tree_samples") or 0)
+    if not inputs.sampling.greedy and not samples:
         return {}
-    hits = tree_choice.hit_table(job.draft, heldout, job.vocab, calibration["temperature"], samples,
-                                 int(job.cfg.seed) + 1)
+    hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, calibration.temperature, samples,
+                                 int(inputs.cfg.seed) + 1)
     out = {}
     for domain, mask in cal.domain_index(heldout).items():
         out[domain] = {}
         for factors in tree_choice.CANDIDATES:
             accepted = tree_choice.simulate(hits, heldout, mask, factors)
-            speedup = pass_speedup(accepted, len(factors), nodes(factors), calibration["cost"])
+            speedup = pass_speedup(accepted, len(factors), nodes(factors), calibration.cost)
             out[domain][tree_key(factors)] = {"accepted": round(accepted, 4), "nodes": nodes(factors),
                                               "predicted_speedup": round(speedup, 3)}
     return out
 
 
-def cost_profile(job: DistillJob) -> dict:
+def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
     """The cost profile γ and the policy are chosen for: distill.calibration.cost.profile when given (another
-    device's, checked against these models' shapes), else measured here in the serving dtype."""
-    settings = job.settings.calibration.cost
+    device's, checked against these models' shapes), else measured here in the serving dtype. The draft's
+    shape, not its weights, sets it."""
+    settings = inputs.settings.calibration.cost
     if settings.get("profile"):
-        rows = len(job.vocab) if job.vocab is not None else None
-        profile = read_profile(settings.profile, job.target, job.draft, rows)
+        rows = len(vocab) if vocab is not None else None
+        profile = read_profile(settings.profile, inputs.target, inputs.draft, rows)
         log(f"calibrating for the cost profile {settings.profile} ({profile['machine'].get('device_name')}, "
             f"{profile['machine'].get('dtype')})")
         return profile
-    return measure_cost_profile(job.target, job.draft, job.vocab, tuple(settings.tokens_fed), tuple(settings.contexts),
-                                repeats=int(settings.repeats), warmup=int(settings.warmup), seed=int(job.cfg.seed))
+    return measure_cost_profile(inputs.target, inputs.draft, vocab, tuple(settings.tokens_fed), tuple(settings.contexts),
+                                repeats=int(settings.repeats), warmup=int(settings.warmup), seed=int(inputs.cfg.seed))
 
 
-def predict_speedup(job: DistillJob, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: dict) -> dict:
-    """Per domain, the predicted speedup of its chosen draft-length policy on `heldout` (distill/policy.py)."""
-    cost, policies, trees = calibration["cost"], calibration["draft_length"], calibration["tree"]
+def predict_speedup(inputs: Inputs, split: Split, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: Calibration,
+                    trees: dict[str, dict]) -> dict:
+    """Per domain, the predicted speedup of its chosen drafting on `heldout`: the tree's from `trees`
+    (tree_candidates), else the draft-length policy's (distill/policy.py)."""
+    policies = calibration.draft_length
     thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
-    keep = keep_at(job.draft, heldout, calibration["temperature"], thresholds, job.vocab) if thresholds else {}
+    keep = keep_at(inputs.draft, heldout, calibration.temperature, thresholds, split.vocab) if thresholds else {}
     predicted = {}
     for domain, mask in cal.domain_index(heldout).items():
-        tree = trees.get(domain, trees[cal.OVERALL])
+        tree = calibration.tree.get(domain, calibration.tree[cal.OVERALL])
         if tree:
-            predicted[domain] = calibration["tree_candidates"][domain][tree_key(tree)]["predicted_speedup"]
+            predicted[domain] = trees[domain][tree_key(tree)]["predicted_speedup"]
             continue
         policy = policies.get(domain, policies[cal.OVERALL])
         drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
-        predicted[domain] = round(pass_speedup(accepted, drafted, drafted, cost), 3)
+        predicted[domain] = round(pass_speedup(accepted, drafted, drafted, calibration.cost), 3)
     return predicted

@@ -1,31 +1,42 @@
 """Distill stage: `python -m pipeline stage=distill` (or `accelerate launch -m pipeline stage=distill`).
 
-collected rows -> train / held-out split by prompt (held-out: a calibration part and a reporting part) ->
-draft (conf/model `draft:`) -> held-out acceptance before -> teacher labels -> distillation
-(distill/trainer.py) -> keep_best, draft temperature, cost ratio c and γ per domain, chosen on the
-calibration part (distill/calibrate.py) -> the numbers reported on the reporting part -> export to
-${paths.draft} (+ the undistilled draft to ${paths.draft_init}) -> per-domain before/after table.
+    inputs      = load_inputs(cfg)                        settings, collected rows, target, initial draft
+    split       = split_rows(inputs)                      train rows, held-out rows, FR-Spec subset, fingerprint
+    heldouts    = build_heldouts(inputs, split)           the target's serving p on the calibration and reporting parts
+    before      = measure_before(...)                     held-out acceptance of the undistilled draft
+    export_undistilled(...)                               ${paths.draft_init}, uncalibrated for now
+    split       = attach_teacher_labels(inputs, split)    the train rows with their teacher labels
+    training    = train_draft(inputs, split, ...)         distillation (distill/trainer.py), resumable
+    selected    = select_weights(...)                     keep_best on the calibration part
+    profile     = cost_profile(inputs, split.vocab)       this device's pass costs (or a given profile)
+    calibration = calibrate(inputs, split, ...)           τ, γ, draft-length policy and tree per domain
+    spec        = build_spec(...)                         speculative.json: every number on the reporting part
+    export(...)                                           ${paths.draft} + model card + the per-domain table
+    export_calibrated_init(...)                           ${paths.draft_init} again, with its own calibration
+
+Every step returns what it produces (distill/job.py holds the frozen types); only the draft's weights change
+in place, by training and by select_weights.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill import calibrate as cal
-from distill.batch import Truncation
 from distill.draft import build_draft, vocab_subset
-from distill.export import format_table, model_card, save_draft
+from distill.export import exported_weights, format_table, model_card, save_draft
+from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
 from distill.losses import check_loss
+from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
 from distill.split import nested_subset, split_by_prompt, split_heldout
-from distill.serving import calibrate, predict_speedup, tree_candidates
 from distill.training import TrainingResult, generation_length, train_draft
 from pipeline.chat import stop_token_ids
 from pipeline.cost_profile import FILENAME
@@ -45,51 +56,6 @@ def log(msg: str) -> None:
     print(f"[distill] {msg}", flush=True)
 
 
-@dataclass
-class DistillJob:
-    """What the steps of the stage share; the split and the held-out sets are filled in as it runs."""
-    cfg: DictConfig
-    tracker: object
-    state: object  # accelerate.PartialState
-    collected: object  # datasets.Dataset from the collect stage
-    manifest: dict
-    sampling: Sampling
-    target: torch.nn.Module
-    tokenizer: object
-    target_ident: dict
-    draft: torch.nn.Module
-    draft_tokenizer: object
-    draft_info: dict
-    stops: list[int]
-    train: object = None
-    vocab: torch.Tensor | None = None
-    fingerprint: str = ""
-    heldout_idx: list[int] = field(default_factory=list)
-    all_train: object = None  # a learning-curve point: every train row, of which it trains on the rows `share`
-    share: list[int] | None = None
-    calibration: cal.HeldOut | None = None  # chooses keep_best, τ and γ
-    reporting: cal.HeldOut | None = None  # gives the reported numbers
-    heldout_sizes: dict = field(default_factory=dict)
-    cost_profile: dict | None = None  # measured or given (distill.calibration.cost.profile); exported
-
-    @property
-    def settings(self) -> DictConfig:
-        return self.cfg.distill
-
-    @property
-    def is_main(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def truncation(self) -> Truncation:
-        objective = self.settings.objective
-        return Truncation(int(objective.max_prompt_length), int(objective.max_completion_length))
-
-    @property
-    def serving_dtype(self) -> torch.dtype:
-        return next(self.target.parameters()).dtype
-
-
 # ---------------------------------------------------------------- the stage
 def run(cfg: DictConfig, tracker) -> dict:
     import datasets
@@ -105,23 +71,27 @@ def run(cfg: DictConfig, tracker) -> dict:
 
 def _run(cfg: DictConfig, tracker) -> dict:
     t_start = time.time()
-    job = load_inputs(cfg, tracker)
-    split_rows(job)
-    before = measure_before(job)
-    attach_teacher_labels(job, log)
-    calibration_settings = job.settings.calibration
-    initial_weights = (snapshot(job.draft) if job.is_main and (calibration_settings.keep_best
-                                                              or calibration_settings.get("calibrate_init")) else None)
-    training = train_draft(job, log)
-    if not job.is_main:
+    inputs = load_inputs(cfg, tracker)
+    split = split_rows(inputs)
+    heldouts = build_heldouts(inputs, split) if inputs.is_main else None
+    before = measure_before(inputs, heldouts, split.vocab)
+    if inputs.is_main:
+        export_undistilled(inputs, split, heldouts, before)
+    split = attach_teacher_labels(inputs, split, log)
+    settings = inputs.settings.calibration
+    keeps_initial = inputs.is_main and (settings.keep_best or settings.get("calibrate_init"))
+    initial_weights = snapshot(inputs.draft) if keeps_initial else None
+    training = train_draft(inputs, split, heldouts.reporting if heldouts else None, log)
+    if not inputs.is_main:
         return {}
-    selected = select_weights(job, before, initial_weights)
-    calibration = calibrate(job)
-    spec = build_spec(job, before, training, selected, calibration)
-    calibration_dtype = next(job.draft.parameters()).dtype
-    export(job, spec)
-    if job.settings.calibration.get("calibrate_init"):
-        export_calibrated_init(job, before, initial_weights, calibration_dtype,
+    selected = select_weights(inputs, heldouts, split.vocab, before, initial_weights)
+    profile = cost_profile(inputs, split.vocab)
+    calibration = calibrate(inputs, split, heldouts.calibration, profile)
+    spec = build_spec(inputs, split, heldouts, before, training, selected, calibration)
+    calibration_dtype = next(inputs.draft.parameters()).dtype
+    export(inputs, split, spec, profile)
+    if settings.get("calibrate_init"):
+        export_calibrated_init(inputs, split, heldouts, before, initial_weights, calibration_dtype, profile,
                                calibration if selected["selected"] == "init" else None)
     log(f"exported {cfg.paths.draft} (undistilled: {cfg.paths.draft_init}) in {time.time() - t_start:.0f}s")
     return {"acceptance_before": spec.acceptance["before"][cal.OVERALL],
@@ -185,7 +155,7 @@ def serving_sampling(settings: DictConfig, manifest: dict) -> Sampling:
     return Sampling.from_dict(chosen)
 
 
-def load_inputs(cfg: DictConfig, tracker) -> DistillJob:
+def load_inputs(cfg: DictConfig, tracker) -> Inputs:
     """Checked settings, the collected rows, the target and the initial draft."""
     from accelerate import PartialState
 
@@ -203,7 +173,7 @@ def load_inputs(cfg: DictConfig, tracker) -> DistillJob:
     if largest_id >= target.config.vocab_size:
         raise PipelineError(f"collected token id {largest_id} is outside the target's {target.config.vocab_size:,}-token "
                             "vocabulary: the data was collected with another tokenizer; rerun stage=collect")
-    return DistillJob(cfg, tracker, state, dataset, manifest, serving_sampling(cfg.distill, manifest), target,
+    return Inputs(cfg, tracker, state, dataset, manifest, serving_sampling(cfg.distill, manifest), target,
                       tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, draft,
                       draft_tokenizer, draft_info, stop_token_ids(tokenizer, target))
 
@@ -226,12 +196,13 @@ def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def split_rows(job: DistillJob) -> None:
+def split_rows(inputs: Inputs) -> Split:
     """Train rows (materialised in our cache, never next to collect's output), held-out row indices, the
     FR-Spec subset and the checkpoint fingerprint."""
-    collected, split = job.collected, job.settings.split
+    collected, split = inputs.collected, inputs.settings.split
+    seed = int(inputs.cfg.seed)
     train_idx, held_idx = split_by_prompt(collected["prompt_id"], collected["domain"], float(split.heldout_fraction),
-                                          split.get("heldout_max_prompts_per_domain"), int(job.cfg.seed))
+                                          split.get("heldout_max_prompts_per_domain"), seed)
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
@@ -240,175 +211,186 @@ def split_rows(job: DistillJob) -> None:
     prompts, completions = ids["prompt_ids"], ids["completion_ids"]
     train_idx = [i for i in train_idx if prompts[i] and completions[i]]
     train = collected.select(train_idx).select_columns(columns)
-    k_subset = int(job.cfg.model.draft.get("vocab_subset") or 0)
+    vocab = share = all_train = None
+    k_subset = int(inputs.cfg.model.draft.get("vocab_subset") or 0)
     if k_subset:  # from every train row, also for a learning-curve point: its points then differ only in data
-        job.vocab = vocab_subset(train["completion_ids"], k_subset, job.target.config.vocab_size, job.stops,
-                                 train["prompt_ids"])
-    fraction = float(split.get("train_fraction") or 1.0)
-    if fraction < 1.0:  # a learning-curve point: nested subsets of the train prompts
+        vocab = vocab_subset(train["completion_ids"], k_subset, inputs.target.config.vocab_size, inputs.stops,
+                             train["prompt_ids"])
+    if float(split.train_fraction) < 1.0:  # a learning-curve point: nested subsets of the train prompts
         prompt_ids, domains = collected["prompt_id"], collected["domain"]
-        job.share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx], fraction,
-                                  int(job.cfg.seed))
-        job.all_train, train = train, train.select(job.share)
-    job.fingerprint = fingerprint(job.cfg, job.target_ident, job.manifest, len(collected))
-    scratch = Path(job.cfg.paths.cache) / "distill"
+        share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx],
+                              float(split.train_fraction), seed)
+        all_train, train = train, train.select(share)
+    name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected))
+    scratch = Path(inputs.cfg.paths.cache) / "distill"
     scratch.mkdir(parents=True, exist_ok=True)
     # datasets' cache files must not land in collect's folder (DVC would see its output as modified)
-    job.train = train.flatten_indices(
-        cache_file_name=str(scratch / f"train-{job.fingerprint}-rank{job.state.process_index}.arrow"))
-    job.heldout_idx = held_idx
-    log(f"{len(job.train)} train rows ({sum(map(len, job.train['completion_ids'])):,} completion tokens), "
-        f"{len(held_idx)} held-out rows; draft {job.draft_info}, "
-        f"{sum(p.numel() for p in job.draft.parameters()) / 1e6:.1f}M params; serving {job.sampling}"
-        + (f"; FR-Spec head {len(job.vocab)} tokens" if job.vocab is not None else ""))
+    train = train.flatten_indices(cache_file_name=str(scratch / f"train-{name}-rank{inputs.state.process_index}.arrow"))
+    log(f"{len(train)} train rows ({sum(map(len, train['completion_ids'])):,} completion tokens), "
+        f"{len(held_idx)} held-out rows; draft {inputs.draft_info}, "
+        f"{sum(p.numel() for p in inputs.draft.parameters()) / 1e6:.1f}M params; serving {inputs.sampling}"
+        + (f"; FR-Spec head {len(vocab)} tokens" if vocab is not None else ""))
+    return Split(train, held_idx, name, vocab, all_train, share)
 
 
 # ---------------------------------------------------------------- held-out acceptance
-def build_heldouts(job: DistillJob) -> None:
+def build_heldouts(inputs: Inputs, split: Split) -> HeldOuts:
     """The target's serving distribution on the calibration and reporting parts (main process only)."""
-    held = job.collected.select(job.heldout_idx)
+    held = inputs.collected.select(split.heldout_idx)
     calibration_idx, reporting_idx, disjoint = split_heldout(held["prompt_id"], held["domain"],
-                                                             float(job.settings.split.calibration_share),
-                                                             int(job.cfg.seed))
+                                                             float(inputs.settings.split.calibration_share),
+                                                             int(inputs.cfg.seed))
     if not disjoint:
         log("note: a domain has a single held-out prompt, used both to calibrate and to report (collect more "
             "prompts per domain for an unbiased report)")
-    heldout = job.settings.heldout
+    heldout = inputs.settings.heldout
 
     def part(indices):
-        return cal.build_heldout(job.target, [held[i] for i in indices], [held["domain"][i] for i in indices],
-                                 job.sampling, job.truncation, int(heldout.support), int(heldout.batch_size),
-                                 job.tokenizer.pad_token_id)
+        return cal.build_heldout(inputs.target, [held[i] for i in indices], [held["domain"][i] for i in indices],
+                                 inputs.sampling, inputs.truncation, int(heldout.support), int(heldout.batch_size),
+                                 inputs.tokenizer.pad_token_id)
 
-    job.calibration, job.reporting = part(calibration_idx), part(reporting_idx)
-    job.heldout_sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}
-                                                  for name, h in (("calibration", job.calibration),
-                                                                  ("reporting", job.reporting))}}
+    calibration, reporting = part(calibration_idx), part(reporting_idx)
+    sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}
+                                      for name, h in (("calibration", calibration), ("reporting", reporting))}}
+    return HeldOuts(calibration, reporting, sizes)
 
 
-def serving_acceptance(job: DistillJob, heldout: cal.HeldOut) -> dict[str, dict]:
+def serving_acceptance(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:
     """Per-domain summary of α with the draft sampling at the serving temperature."""
-    alpha = cal.acceptance(job.draft, heldout, [job.sampling.temperature], job.vocab)[0]
-    return cal.summarize(alpha, heldout, int(job.settings.heldout.gamma))
+    alpha = cal.acceptance(inputs.draft, heldout, [inputs.sampling.temperature], vocab)[0]
+    return cal.summarize(alpha, heldout, int(inputs.settings.heldout.gamma))
 
 
-def measure_before(job: DistillJob) -> dict:
-    """Held-out acceptance of the undistilled draft on both parts; exports it to ${paths.draft_init}."""
-    if not job.is_main:
+def measure_before(inputs: Inputs, heldouts: HeldOuts | None, vocab: torch.Tensor | None) -> dict:
+    """Held-out acceptance of the undistilled draft on both parts ({} off the main process)."""
+    if heldouts is None:
         return {}
-    build_heldouts(job)
-    before = {"calibration": serving_acceptance(job, job.calibration),
-              "reporting": serving_acceptance(job, job.reporting)}
-    gamma = int(job.settings.heldout.gamma)
-    job.tracker.log_metrics(cal.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
+    before = {"calibration": serving_acceptance(inputs, heldouts.calibration, vocab),
+              "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
+    gamma = int(inputs.settings.heldout.gamma)
+    inputs.tracker.log_metrics(cal.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
     log(f"held-out acceptance before: {before['reporting'][cal.OVERALL]['acceptance']:.3f} "
-        f"(reporting part, {job.reporting.n_positions} positions, p truncation ≤ "
-        f"{float(job.reporting.p_tail.mean()):.4f})")
-    spec = SpeculativeSpec(job.target_ident, job.sampling, job.draft_info, _vocab_list(job), distilled=False,
-                           selected="init", acceptance={"before": _acceptances(before["reporting"])},
-                           heldout=job.heldout_sizes)
-    save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, job.cfg.paths.draft_init,
-               spec, None, job.target.generation_config)
+        f"(reporting part, {heldouts.reporting.n_positions} positions, p truncation ≤ "
+        f"{float(heldouts.reporting.p_tail.mean()):.4f})")
     return before
+
+
+def export_undistilled(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict) -> None:
+    """${paths.draft_init}: the undistilled draft with its held-out acceptance (calibrated later, when
+    distill.calibration.calibrate_init, by export_calibrated_init)."""
+    spec = SpeculativeSpec(inputs.target_ident, inputs.sampling, inputs.draft_info, split.vocab_list, distilled=False,
+                           selected="init", acceptance={"before": _acceptances(before["reporting"])},
+                           heldout=heldouts.sizes)
+    save_draft(copy.deepcopy(inputs.draft).to(inputs.serving_dtype), inputs.draft_tokenizer, inputs.cfg.paths.draft_init,
+               spec, None, inputs.target.generation_config)
 
 
 def snapshot(model) -> dict:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
-def select_weights(job: DistillJob, before: dict, initial_weights: dict | None) -> dict:
+def select_weights(inputs: Inputs, heldouts: HeldOuts, vocab: torch.Tensor | None, before: dict,
+                   initial_weights: dict | None) -> dict:
     """keep_best on the calibration part: the initial weights when training lowered held-out acceptance.
     Returns {"selected", "after_training" (reporting part, trained weights), "after" (reporting part, the
     exported weights: the initial draft's numbers are the `before` ones)}."""
-    trained_summary = serving_acceptance(job, job.reporting)
+    trained_summary = serving_acceptance(inputs, heldouts.reporting, vocab)
     trained = _acceptances(trained_summary)
-    after = serving_acceptance(job, job.calibration)[cal.OVERALL]["acceptance"]
+    after = serving_acceptance(inputs, heldouts.calibration, vocab)[cal.OVERALL]["acceptance"]
     first = before["calibration"][cal.OVERALL]["acceptance"]
-    if job.settings.calibration.keep_best and initial_weights is not None and after < first:
+    if inputs.settings.calibration.keep_best and initial_weights is not None and after < first:
         log(f"held-out acceptance fell in training ({first:.3f} → {after:.3f} on the calibration part): exporting "
             "the initial draft (distill.calibration.keep_best=false ships the trained one)")
-        job.draft.load_state_dict(initial_weights)
+        inputs.draft.load_state_dict(initial_weights)
         return {"selected": "init", "after_training": trained, "after": before["reporting"]}
     return {"selected": "distilled", "after_training": trained, "after": trained_summary}
 
 
 # ---------------------------------------------------------------- report (reporting part) and export
-def build_spec(job: DistillJob, before: dict, training: TrainingResult, selected: dict,
-               calibration: dict, distilled: bool = True) -> SpeculativeSpec:
+def build_spec(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, training: TrainingResult,
+               selected: dict, calibration: Calibration, distilled: bool = True) -> SpeculativeSpec:
     """speculative.json: the calibration, and every reported number measured on the reporting part."""
-    gamma = int(job.settings.heldout.gamma)
-    after = selected["after"]
-    calibrated = cal.acceptance_at(job.draft, job.reporting, calibration["temperature"], job.vocab)
-    calibration["tree_candidates"] = tree_candidates(job, job.reporting, calibration)
-    predicted = predict_speedup(job, job.reporting, calibrated, calibration)
-    calibrated_acceptance = {domain: float(calibrated[mask].mean()) if mask.any() else 0.0
-                             for domain, mask in cal.domain_index(job.reporting).items()}
-    objective = job.settings.objective
+    gamma, reporting, after = int(inputs.settings.heldout.gamma), heldouts.reporting, selected["after"]
+    calibrated = cal.acceptance_at(inputs.draft, reporting, calibration.temperature, split.vocab)
+    trees = tree_candidates(inputs, split, reporting, calibration)
+    # what engines that run the exported checkpoint's full head get (export.py writes the subset into it)
+    full_head = cal.acceptance_at(exported_weights(inputs.draft, split.vocab_list), reporting, calibration.temperature)
     return SpeculativeSpec(
-        job.target_ident, job.sampling, {**job.draft_info, "parameters": sum(p.numel() for p in job.draft.parameters())},
-        _vocab_list(job), distilled=distilled, gamma=_with_default(calibration["gamma"]),
-        draft_length=_with_default({k: v.to_dict() for k, v in calibration["draft_length"].items()}),
-        tree=_with_default(calibration["tree"]), tree_candidates=_with_default(calibration["tree_candidates"]) if calibration["tree_candidates"] else {},
-        draft_temperature=_with_default(calibration["temperature"]), selected=selected["selected"],
+        inputs.target_ident, inputs.sampling,
+        {**inputs.draft_info, "parameters": sum(p.numel() for p in inputs.draft.parameters())}, split.vocab_list,
+        distilled=distilled, gamma=_with_default(calibration.gamma),
+        draft_length=_with_default({k: v.to_dict() for k, v in calibration.draft_length.items()}),
+        tree=_with_default(calibration.tree), tree_candidates=_with_default(trees) if trees else {},
+        draft_temperature=_with_default(calibration.temperature), selected=selected["selected"],
         acceptance={"before": _acceptances(before["reporting"]), "after": _acceptances(after),
-                    "after_training": selected["after_training"], "after_calibrated": calibrated_acceptance},
+                    "after_training": selected["after_training"],
+                    "after_calibrated": _per_domain(calibrated, reporting), "full_head": _per_domain(full_head, reporting)},
         mean_accepted_length={"gamma": gamma, **{name: {k: v["mean_accepted_length"] for k, v in summary.items()}
                                                  for name, summary in (("before", before["reporting"]),
                                                                        ("after", after))}},
         per_position_acceptance={k: v["per_position_acceptance"] for k, v in after.items()},
-        predicted_speedup=predicted, cost=calibration["cost"],
-        training={"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
-                  "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
-                  "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
-                  "rows": len(job.train), "data_tokens": sum(map(len, job.train["completion_ids"])),
-                  "train_fraction": float(job.settings.split.get("train_fraction") or 1.0),
-                  "fingerprint": job.fingerprint},
-        learning_curve=training.curve, heldout=job.heldout_sizes)
+        predicted_speedup=predict_speedup(inputs, split, reporting, calibrated, calibration, trees),
+        cost=calibration.cost, training=training_record(inputs, split, training), learning_curve=training.curve,
+        heldout=heldouts.sizes)
 
 
-def export(job: DistillJob, spec: SpeculativeSpec) -> None:
+def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> dict:
+    """speculative.json `training`: the objective and what the run trained on."""
+    objective = inputs.settings.objective
+    return {"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
+            "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
+            "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
+            "rows": len(split.train), "data_tokens": sum(map(len, split.train["completion_ids"])),
+            "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint}
+
+
+def export(inputs: Inputs, split: Split, spec: SpeculativeSpec, profile: dict) -> None:
     """The tuned draft in the serving dtype with speculative.json and a model card; the table; MLflow."""
-    import shutil
-
-    paths = job.cfg.paths
-    save_calibrated(job, spec, paths.draft, "distilled")
-    if not job.settings.checkpoint.keep:
-        shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / job.fingerprint, ignore_errors=True)
+    paths = inputs.cfg.paths
+    save_calibrated(inputs, spec, profile, paths.draft, "distilled")
+    if not inputs.settings.checkpoint.keep:
+        shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / split.fingerprint, ignore_errors=True)
     print(format_table(spec))
     acceptance = spec.acceptance
-    job.tracker.log_metrics({
+    inputs.tracker.log_metrics({
         **{f"heldout_after/acceptance/{k}": v for k, v in acceptance["after"].items()},
         **{f"calibrated_acceptance/{k}": v for k, v in acceptance["after_calibrated"].items()},
+        **{f"full_head_acceptance/{k}": v for k, v in acceptance["full_head"].items()},
         **{f"draft_temperature/{k}": v for k, v in spec.draft_temperature.items()},
         **{f"best_gamma/{k}": v for k, v in spec.gamma.items()},
         **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()},
         "c": spec.cost["c"], "train_tokens": spec.training["train_tokens"], "train_minutes": spec.training["minutes"]})
-    job.tracker.log_artifact(str(Path(paths.draft) / "speculative.json"))
-    job.tracker.log_artifact(str(Path(paths.draft) / "README.md"))
+    inputs.tracker.log_artifact(str(Path(paths.draft) / "speculative.json"))
+    inputs.tracker.log_artifact(str(Path(paths.draft) / "README.md"))
 
 
-def save_calibrated(job: DistillJob, spec: SpeculativeSpec, path: str, label: str) -> None:
-    generation_config = copy.deepcopy(job.target.generation_config)
+def save_calibrated(inputs: Inputs, spec: SpeculativeSpec, profile: dict, path: str, label: str) -> None:
+    generation_config = copy.deepcopy(inputs.target.generation_config)
     for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
         setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
-    save_draft(job.draft.to(job.serving_dtype), job.draft_tokenizer, path, spec,
-               model_card(spec, f"{job.cfg.model.draft.name} ({label})"), generation_config,
-               extra={FILENAME: job.cost_profile})
+    save_draft(inputs.draft.to(inputs.serving_dtype), inputs.draft_tokenizer, path, spec,
+               model_card(spec, f"{inputs.cfg.model.draft.name} ({label})"), generation_config,
+               extra={FILENAME: profile})
 
 
-def export_calibrated_init(job: DistillJob, before: dict, initial_weights: dict, dtype: torch.dtype,
-                           calibration: dict | None) -> None:
+def export_calibrated_init(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, initial_weights: dict,
+                           dtype: torch.dtype, profile: dict, calibration: Calibration | None) -> None:
     """${paths.draft_init} again, now with its own serving calibration (τ, γ, policy, tree for the same cost
     profile): comparing the distilled draft against an uncalibrated one would credit distillation with what
-    calibration alone buys."""
-    job.draft.to(dtype).load_state_dict(initial_weights)  # calibrated in the dtype the distilled draft was
-    calibration = calibration or calibrate(job)  # given when keep_best shipped the initial weights anyway
-    none = TrainingResult(steps=0, tokens=0, minutes=0.0, curve=[])
+    calibration alone buys. Each argument is an earlier step's product (the stage body)."""
+    inputs.draft.to(dtype).load_state_dict(initial_weights)  # calibrated in the dtype the distilled draft was
+    calibration = calibration or calibrate(inputs, split, heldouts.calibration, profile)  # given when keep_best
+    none = TrainingResult(steps=0, tokens=0, minutes=0.0, curve=[])                        # shipped the initial weights
     selected = {"selected": "init", "after_training": _acceptances(before["reporting"]), "after": before["reporting"]}
-    spec = build_spec(job, before, none, selected, calibration, distilled=False)
-    save_calibrated(job, spec, job.cfg.paths.draft_init, "undistilled, calibrated")
-    log(f"exported {job.cfg.paths.draft_init} with its own calibration (predicted speedup "
+    spec = build_spec(inputs, split, heldouts, before, none, selected, calibration, distilled=False)
+    save_calibrated(inputs, spec, profile, inputs.cfg.paths.draft_init, "undistilled, calibrated")
+    log(f"exported {inputs.cfg.paths.draft_init} with its own calibration (predicted speedup "
         f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
+
+
+def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:
+    return {domain: float(alpha[mask].mean()) if mask.any() else 0.0 for domain, mask in cal.domain_index(heldout).items()}
 
 
 def _acceptances(summary: dict) -> dict[str, float]:
@@ -419,7 +401,3 @@ def _with_default(per_domain: dict) -> dict:
     out = {k: v for k, v in per_domain.items() if k != cal.OVERALL}
     out[DEFAULT] = per_domain[cal.OVERALL]
     return out
-
-
-def _vocab_list(job: DistillJob) -> list[int] | None:
-    return job.vocab.tolist() if job.vocab is not None else None

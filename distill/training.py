@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from distill import calibrate as cal
+from distill.calibrate import HeldOut
 from distill.draft import freeze_shared
+from distill.job import Inputs, Split
 from distill.progress import AcceptanceCallback, ProgressCallback, RunProgress, TimeBudgetCallback
 from distill.trainer import DistillConfig, DistillTrainer
 from pipeline.heads import restore_full_head, use_subset_head
@@ -46,13 +48,13 @@ def generation_length(objective: dict, manifest: dict) -> int | None:
     return objective.get("max_new_tokens") or manifest.get("max_new_tokens")
 
 
-def training_arguments(job, out_dir: Path) -> DistillConfig:
+def training_arguments(job: Inputs, n_rows: int, out_dir: Path) -> DistillConfig:
     """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows."""
     settings = job.settings
     trainer = OmegaConf.to_container(settings.trainer, resolve=True)
     rows_per_step = (int(trainer["per_device_train_batch_size"]) * int(trainer["gradient_accumulation_steps"])
                      * job.state.num_processes)
-    trainer["max_steps"] = step_budget(trainer, len(job.train), rows_per_step)
+    trainer["max_steps"] = step_budget(trainer, n_rows, rows_per_step)
     trainer.pop("max_epochs", None)
     trainer["bf16"] = mixed_bf16(trainer.get("bf16", "auto"), job.target)
     checkpoint = settings.checkpoint
@@ -68,11 +70,12 @@ def training_arguments(job, out_dir: Path) -> DistillConfig:
         disable_tqdm=not job.is_main)
 
 
-def train_draft(job, log) -> TrainingResult:
-    """Runs DistillTrainer on job.train, resuming from the last checkpoint of this fingerprint."""
+def train_draft(job: Inputs, split: Split, reporting: HeldOut | None, log) -> TrainingResult:
+    """Runs DistillTrainer on the split's train rows, resuming from the last checkpoint of this fingerprint;
+    the main process watches held-out acceptance on `reporting`."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    out_dir = Path(job.cfg.paths.artifacts) / "distill_ckpt" / job.fingerprint
+    out_dir = Path(job.cfg.paths.artifacts) / "distill_ckpt" / split.fingerprint
     if not job.settings.checkpoint.resume and out_dir.exists() and job.is_main:
         shutil.rmtree(out_dir)
     job.state.wait_for_everyone()
@@ -83,23 +86,23 @@ def train_draft(job, log) -> TrainingResult:
     gamma = int(job.settings.heldout.gamma)
 
     def evaluate(model):
-        alpha = cal.acceptance(model, job.reporting, [job.sampling.temperature], job.vocab)[0]
-        return cal.heldout_metrics(cal.summarize(alpha, job.reporting, gamma), gamma)
+        alpha = cal.acceptance(model, reporting, [job.sampling.temperature], split.vocab)[0]
+        return cal.heldout_metrics(cal.summarize(alpha, reporting, gamma), gamma)
 
     progress = RunProgress(last, job.state.num_processes)
     acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps), progress,
                                        is_main=job.is_main, printer=log)
     budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
-    arguments = training_arguments(job, out_dir)
+    arguments = training_arguments(job, len(split.train), out_dir)
     minutes = job.settings.checkpoint.get("max_train_minutes")
     # the time or step budget was spent before the interruption (or this is a rerun to calibrate for other serving
     # settings)
     spent = bool(last and ((minutes and progress.seconds0 >= 60 * float(minutes))
                            or int(Path(last).name.split("-")[-1]) >= arguments.max_steps))
-    full_head = use_subset_head(job.draft, job.vocab)
+    full_head = use_subset_head(job.draft, split.vocab)
     job.draft.train()
-    trainer = DistillTrainer(job.draft, arguments, job.train,
-                             teacher_model=job.target, vocab=job.vocab, stop_ids=job.stops,
+    trainer = DistillTrainer(job.draft, arguments, split.train,
+                             teacher_model=job.target, vocab=split.vocab, stop_ids=job.stops,
                              processing_class=job.tokenizer,
                              callbacks=[ProgressCallback(progress, job.is_main), acceptance_cb, budget])
     progress.trainer = trainer

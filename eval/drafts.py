@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from eval.settings import EvalSettings
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
                              model_identity, resolve_model)
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
-
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Draft:
 @dataclass
 class Evaluation:
     """Everything the benchmark decodes with, loaded once."""
-    settings: dict
+    settings: EvalSettings
     sampling: Sampling  # the serving distribution every method samples from
     device: torch.device
     dtype: torch.dtype
@@ -60,7 +60,7 @@ def _check_vocabulary(path: Path, role: str, model, target, tokenizer) -> None:
     check_compatible(tokenizer, draft_tokenizer, target, model)
 
 
-def _draft_from_dir(path: Path, role: str, target, tokenizer, device, dtype, settings: dict,
+def _draft_from_dir(path: Path, role: str, target, tokenizer, device, dtype, settings: EvalSettings,
                     target_sha: str | None) -> Draft:
     model = load_model(path, device, dtype)
     _check_vocabulary(path, role, model, target, tokenizer)
@@ -73,7 +73,7 @@ def _draft_from_dir(path: Path, role: str, target, tokenizer, device, dtype, set
         print(f"[eval] note: {path} was distilled for another target (sha256 {tuned_for[:12]}…, "
               f"this target {target_sha[:12]}…); its calibration may not fit")
     vocab = None
-    if spec.vocab_subset and settings["use_vocab_subset"]:
+    if spec.vocab_subset and settings.use_vocab_subset:
         vocab = torch.tensor(spec.vocab_subset, dtype=torch.long, device=device)
     return Draft(model, identity, spec, vocab)
 
@@ -88,9 +88,9 @@ def _derived(cfg: DictConfig, target) -> Draft:
     return Draft(model, identity)
 
 
-def _draft_source(cfg: DictConfig, settings: dict) -> tuple[Path | None, str]:
+def _draft_source(cfg: DictConfig, settings: EvalSettings) -> tuple[Path | None, str]:
     """(model directory, role) of the draft under evaluation; no directory means a draft derived from the target."""
-    choice, export = settings["draft"], Path(cfg.paths.draft)
+    choice, export = settings.draft, Path(cfg.paths.draft)
     if choice == "derive":
         return None, "eval.draft"
     if choice:
@@ -109,9 +109,9 @@ def _draft_source(cfg: DictConfig, settings: dict) -> tuple[Path | None, str]:
     return None, "draft"
 
 
-def _init_source(cfg: DictConfig, settings: dict, evaluated: Path | None) -> Path | None:
+def _init_source(cfg: DictConfig, settings: EvalSettings, evaluated: Path | None) -> Path | None:
     """The undistilled draft's directory, when there is one other than the evaluated draft."""
-    choice = settings["draft_init"]
+    choice = settings.draft_init
     if choice == "none":
         return None
     path = Path(choice or cfg.paths.draft_init)
@@ -122,17 +122,12 @@ def _init_source(cfg: DictConfig, settings: dict, evaluated: Path | None) -> Pat
     return path if (path / "config.json").exists() and not same else None
 
 
-RESERVED = ("init", "fixed", "confidence", "heuristic")  # speculative_<these> name other methods
-
-
-def extra_sources(cfg: DictConfig, settings: dict) -> dict[str, Path]:
+def extra_sources(cfg: DictConfig, settings: EvalSettings) -> dict[str, Path]:
     """eval.extra_drafts {name: model directory | `pretrained`} -> {method name: directory}; checked before any
-    model loads. `pretrained` is the preset's pretrained draft as published (all layers, full head)."""
+    model loads (the names are checked by EvalSettings). `pretrained` is the preset's pretrained draft as published
+    (all layers, full head)."""
     out = {}
-    for name, choice in (settings.get("extra_drafts") or {}).items():
-        if name in RESERVED or not str(name).isidentifier():
-            raise PipelineError(f"eval.extra_drafts.{name}: a draft name must be an identifier other than "
-                                f"{', '.join(RESERVED)} (it names the method speculative_<name>)")
+    for name, choice in settings.extra_drafts.items():
         if choice == "pretrained":
             if cfg.model.draft.get("init") != "pretrained":
                 raise PipelineError(f"eval.extra_drafts.{name}=pretrained: the model preset "
@@ -146,7 +141,7 @@ def extra_sources(cfg: DictConfig, settings: dict) -> dict[str, Path]:
     return out
 
 
-def load_models(cfg: DictConfig, settings: dict, sampling: Sampling) -> Evaluation:
+def load_models(cfg: DictConfig, settings: EvalSettings, sampling: Sampling) -> Evaluation:
     """The target, its tokenizer and stop ids, the evaluated draft, the undistilled draft (when there is one) and
     the drafts of eval.extra_drafts."""
     extras = extra_sources(cfg, settings)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import torch
 
 from eval import metrics as M
+from eval.settings import EvalSettings
 from pipeline.decoding import autoregressive_generate, speculative_generate
 
 # A gap up to this many units in the last place of the top logit counts as a near-tie: the two forward
@@ -48,15 +50,15 @@ def divergence(target, ids: torch.Tensor, ar: list[int], spec: list[int]) -> dic
             "near_tie": gap <= NEAR_TIE_ULPS * spacing}
 
 
-def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
+def fidelity_check(contexts, target, draft, plans, stop, s: EvalSettings) -> dict:
     """Greedy speculative vs greedy autoregressive on the first prompts of each domain (sampled runs cannot be
     compared token for token; their exactness in distribution is the decoder tests' job)."""
     ar, spec, mismatches = [], [], []
-    for c in first_prompts(contexts, s["fidelity_prompts_per_domain"]):
+    for c in first_prompts(contexts, s.fidelity_prompts_per_domain):
         key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
         plan = plans[c["domain"]]
-        a = autoregressive_generate(target, c["ids"], max_new_tokens=s["max_new_tokens"], eos_token_id=stop)
-        b = speculative_generate(target, draft.model, c["ids"], max_new_tokens=s["max_new_tokens"],
+        a = autoregressive_generate(target, c["ids"], max_new_tokens=s.max_new_tokens, eos_token_id=stop)
+        b = speculative_generate(target, draft.model, c["ids"], max_new_tokens=s.max_new_tokens,
                                  drafting=tuple(plan["tree"]) if plan.get("tree") else plan["draft_length"],
                                  eos_token_id=stop, draft_vocab=draft.vocab)
         ar.append(key | {"tokens": a.tokens.tolist()})
@@ -64,7 +66,7 @@ def fidelity_check(contexts, target, draft, plans, stop, s: dict) -> dict:
         if ar[-1]["tokens"] != spec[-1]["tokens"]:
             mismatches.append(key | divergence(target, c["ids"], ar[-1]["tokens"], spec[-1]["tokens"]))
     domains = dict.fromkeys(r["domain"] for r in spec)
-    return {"n_prompts": s["fidelity_prompts_per_domain"], "temperature": 0.0, "share": M.greedy_match(spec, ar),
+    return {"n_prompts": s.fidelity_prompts_per_domain, "temperature": 0.0, "share": M.greedy_match(spec, ar),
             "by_domain": {d: M.greedy_match([r for r in spec if r["domain"] == d], ar) for d in domains},
             "mismatches": mismatches, "near_tie_ulps": NEAR_TIE_ULPS}
 
@@ -79,12 +81,12 @@ def diagnose(records: list[dict], contexts: list[dict], target, methods=("specul
             for key in [(r["prompt_id"], r["turn"])] if key in ar and r["tokens"] != ar[key]]
 
 
-def fp32_recheck(contexts, target, draft, plans, stop, s: dict, mismatches: list[dict]) -> dict:
+def fp32_recheck(contexts, target, draft, plans, stop, s: EvalSettings, mismatches: list[dict]) -> dict:
     """The mismatched requests again, greedy, with float32 copies of both models: equality is expected there, so
     a mismatch that persists in fp32 is a bug and one that disappears was rounding."""
     again = {m["prompt_id"] for m in mismatches}
     fp32 = copy.copy(draft)
     fp32.model = copy.deepcopy(draft.model).float()
     result = fidelity_check([c for c in contexts if c["prompt_id"] in again], copy.deepcopy(target).float(), fp32,
-                            plans, stop, {**s, "fidelity_prompts_per_domain": len(again)})
+                            plans, stop, replace(s, fidelity_prompts_per_domain=len(again)))
     return {"n_prompts": len(again), "share": result["share"], "mismatches": result["mismatches"]}

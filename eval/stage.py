@@ -16,10 +16,11 @@ Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from eval import metrics as M
 from eval.baselines import assistant_configs, hf_generate
@@ -27,76 +28,15 @@ from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: th
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
                          slowdown_advice, text_table, write_outputs)
+from eval.settings import EvalSettings
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
-from pipeline.decoding import POLICIES, DraftLength, autoregressive_generate, parse_tree, speculative_generate
+from pipeline.decoding import DraftLength, autoregressive_generate, speculative_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
 from pipeline.timing import synced_clock
 
-HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
-
-
-# ---------------------------------------------------------------- settings and inputs
-
-def settings_from(cfg: DictConfig) -> tuple[dict, Sampling]:
-    """The eval knobs and the serving distribution, checked before any model is loaded: bad input fails fast
-    and writes nothing."""
-    settings = OmegaConf.to_container(cfg.eval, resolve=True)
-
-    def bad(key: str, problem: str, fix: str):
-        raise PipelineError(f"eval.{key}={settings[key]!r} {problem}: {fix}")
-
-    try:
-        sampling = Sampling(settings["temperature"], settings["top_k"], settings["top_p"])
-    except PipelineError as e:  # the core names the field; prefix it with where it is set
-        raise PipelineError(f"eval.{e}") from None
-    if settings["gamma"] is not None and (not isinstance(settings["gamma"], int) or settings["gamma"] < 1):
-        bad("gamma", "is not a draft length >= 1", "use e.g. eval.gamma=4, or null for the calibrated γ")
-    if not isinstance(settings["default_gamma"], int) or settings["default_gamma"] < 1:
-        bad("default_gamma", "is not a draft length >= 1", "use e.g. eval.default_gamma=4")
-    settings["gammas"] = list(settings["gammas"] or [])
-    if any(not isinstance(g, int) or g < 1 for g in settings["gammas"]):
-        bad("gammas", "holds a γ < 1", "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
-    if settings["draft_temperature"] is not None and settings["draft_temperature"] < 0:
-        bad("draft_temperature", "is negative", "use a positive value, or null for the calibrated/target temperature")
-    if settings["max_minutes"] is not None and (not isinstance(settings["max_minutes"], (int, float))
-                                                or settings["max_minutes"] <= 0):
-        bad("max_minutes", "is not a positive number of minutes", "use e.g. eval.max_minutes=4, or null for no limit")
-    for key in ("max_new_tokens", "sweep_prompts_per_domain", "warmup_tokens"):
-        if not isinstance(settings[key], int) or settings[key] < 1:
-            bad(key, "is not an integer >= 1", f"set eval.{key} to a positive integer")
-    for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
-        if settings[key] is not None and (not isinstance(settings[key], int) or settings[key] < least):
-            bad(key, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
-    compared = settings["compare_draft_lengths"]
-    if isinstance(compared, list) and not set(compared) <= set(POLICIES):
-        bad("compare_draft_lengths", "names an unknown policy", f"use true, false or a list from {', '.join(POLICIES)}")
-    settings["compare_draft_lengths"] = list(POLICIES) if compared is True else list(compared or [])
-    if settings["draft_length"] not in (None, *POLICIES):
-        bad("draft_length", "is not a draft-length policy", f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
-    DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])  # one-line errors if bad
-    settings["trees"] = [list(tree) for tree in settings.get("trees") or []]
-    if any(not all(isinstance(b, int) for b in tree) for tree in settings["trees"]):
-        bad("trees", "holds something other than branching factors", "use e.g. eval.trees=[[1,1,1],[2,1],[3,2,1]]")
-    if settings["tree"] is not None and settings["tree"] != "none":
-        if not isinstance(settings["tree"], list):
-            bad("tree", "is not a tree", "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
-        parse_tree(tuple(settings["tree"]))  # a zero factor or too many nodes: one line
-    for tree in settings["trees"]:
-        parse_tree(tuple(tree))
-    extras = [f"speculative_{name}" for name in settings.get("extra_drafts") or {}]
-    if settings.get("baselines_draft", "speculative") not in ("speculative", "speculative_init", *extras):
-        bad("baselines_draft", "is not a draft eval loads",
-            f"use one of {', '.join(['speculative', 'speculative_init', *extras])}")
-    baselines = settings["baselines"]
-    if isinstance(baselines, list) and not set(baselines) <= set(HF_METHODS):
-        bad("baselines", "names an unknown baseline", f"use true, false or a list from {', '.join(HF_METHODS)}")
-    settings["baselines"] = list(HF_METHODS) if baselines is True else list(baselines or [])
-    if isinstance(settings["domains"], str):
-        settings["domains"] = [settings["domains"]]
-    return settings, sampling
-
+# ---------------------------------------------------------------- inputs
 
 def output_dir(cfg: DictConfig) -> Path:
     """${paths.eval}; under a Hydra multirun each job writes into its own job directory instead
@@ -113,13 +53,13 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.paths.eval)
 
 
-def load_eval_prompts(cfg: DictConfig, settings: dict) -> tuple[dict[str, list[dict]], str]:
+def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
     from pipeline.prompts import load_prompts, load_split
 
-    wanted = settings["domains"]
-    if settings["prompts_file"]:
-        source = str(settings["prompts_file"])
+    wanted = settings.domains
+    if settings.prompts_file:
+        source = str(settings.prompts_file)
         rows = load_prompts(source)  # our schema or Spec-Bench's; raises on an empty or malformed file
         if wanted:
             available = sorted({p["domain"] for p in rows})
@@ -134,37 +74,37 @@ def load_eval_prompts(cfg: DictConfig, settings: dict) -> tuple[dict[str, list[d
     by_domain: dict[str, list[dict]] = {}
     for prompt in rows:
         by_domain.setdefault(prompt["domain"], []).append(prompt)
-    limit = settings["max_prompts_per_domain"]
+    limit = settings.max_prompts_per_domain
     return {domain: prompts[:limit] if limit else prompts for domain, prompts in by_domain.items()}, source
 
 
 # ---------------------------------------------------------------- plans
 
-def draft_length(spec, domain: str, settings: dict, gamma: int) -> DraftLength:
+def draft_length(spec, domain: str, settings: EvalSettings, gamma: int) -> DraftLength:
     """The draft-length policy: a fixed eval.gamma; else eval.draft_length's policy (the calibrated one where
     the calibration chose that policy); else the calibrated policy; else fixed γ."""
     calibrated = spec.draft_length_for(domain) if spec is not None else None
-    wanted = "fixed" if settings["gamma"] else settings["draft_length"]
+    wanted = "fixed" if settings.gamma else settings.draft_length
     if wanted is None:
         return calibrated or DraftLength("fixed", gamma)
     if calibrated is not None and calibrated.policy == wanted:
         return calibrated
     if wanted == "confidence":
-        return DraftLength("confidence", settings["max_draft"], settings["confidence_threshold"])
+        return DraftLength("confidence", settings.max_draft, settings.confidence_threshold)
     return DraftLength(wanted, gamma)
 
 
-def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) -> dict:
+def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Sampling) -> dict:
     """γ, draft-length policy and draft temperature τ for one draft on one domain: the user's override, else
     the draft's calibration (eval.use_calibration), else eval.default_gamma and the target's temperature."""
-    spec = draft.spec if settings["use_calibration"] else None
-    gamma = settings["gamma"] or (spec and spec.for_domain("gamma", domain)) or settings["default_gamma"]
+    spec = draft.spec if settings.use_calibration else None
+    gamma = settings.gamma or (spec and spec.for_domain("gamma", domain)) or settings.default_gamma
     policy = draft_length(spec, domain, settings, int(gamma))
-    tree = settings["tree"] if isinstance(settings["tree"], list) else None
-    if settings["tree"] is None and settings["draft_length"] is None and not settings["gamma"] and spec is not None:
+    tree = list(settings.tree) if isinstance(settings.tree, tuple) else None
+    if settings.tree is None and settings.draft_length is None and not settings.gamma and spec is not None:
         # a tree is chosen for one serving distribution (greedy: top-k hits; sampled: sibling acceptance)
         tree = spec.for_domain("tree", domain) if spec.sampling == sampling else None
-    tau = settings["draft_temperature"]
+    tau = settings.draft_temperature
     # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
     # the draft proposes its argmax (q one-hot), so no τ is used at all.
     if tau is None and spec is not None and spec.sampling == sampling:
@@ -176,15 +116,15 @@ def draft_plan(draft: Draft, domain: str, settings: dict, sampling: Sampling) ->
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
     settings, sampling = evaluation.settings, evaluation.sampling
     spec = evaluation.drafts["speculative"].spec
-    if (settings["use_calibration"] and not sampling.greedy and settings["draft_temperature"] is None
+    if (settings.use_calibration and not sampling.greedy and settings.draft_temperature is None
             and spec is not None and spec.sampling != sampling):
         print(f"[eval] note: the draft's τ was calibrated for {spec.sampling}, not {sampling}; the draft samples "
               "at the eval temperature (set eval.draft_temperature to choose one)")
     plans = {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
              for name, draft in evaluation.drafts.items()}
-    if settings["compare_draft_lengths"]:  # the evaluated draft once per policy, side by side in the same run
-        for policy in settings["compare_draft_lengths"]:
-            forced = settings | {"draft_length": policy, "gamma": None}
+    if settings.compare_draft_lengths:  # the evaluated draft once per policy, side by side in the same run
+        for policy in settings.compare_draft_lengths:
+            forced = replace(settings, draft_length=policy, gamma=None)
             plans[f"speculative_{policy}"] = {domain: draft_plan(evaluation.drafts["speculative"], domain, forced,
                                                                  sampling) for domain in [*domains, "default"]}
     return plans
@@ -196,7 +136,7 @@ def _hf_methods(evaluation: Evaluation) -> dict:
     """The eval.baselines of HF generate, and HF assisted generation with HF's defaults, with a fixed γ and with our
     calibration, each domain's γ and policy taken from the assistant draft's plan."""
     settings, sampling = evaluation.settings, evaluation.sampling
-    assistant_name = settings.get("baselines_draft") or "speculative"
+    assistant_name = settings.baselines_draft
     if assistant_name not in evaluation.drafts:
         raise PipelineError(f"eval.baselines_draft={assistant_name} is not loaded here (drafts: "
                             f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
@@ -215,7 +155,7 @@ def _hf_methods(evaluation: Evaluation) -> dict:
 
     every = {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, "fixed"),
              "hf_assisted_calibrated": hf(assistant, "calibrated")}
-    return {name: every[name] for name in settings["baselines"]}
+    return {name: every[name] for name in settings.baselines}
 
 
 def make_methods(evaluation: Evaluation) -> dict:
@@ -245,10 +185,10 @@ def make_methods(evaluation: Evaluation) -> dict:
         return generate
 
     methods = {"autoregressive": autoregressive, **{name: speculative(name) for name in evaluation.drafts}}
-    if evaluation.settings["compare_draft_lengths"]:
+    if evaluation.settings.compare_draft_lengths:
         methods.update({f"speculative_{policy}": speculative(f"speculative_{policy}", "speculative")
-                        for policy in evaluation.settings["compare_draft_lengths"]})
-    if evaluation.settings["baselines"]:
+                        for policy in evaluation.settings.compare_draft_lengths})
+    if evaluation.settings.baselines:
         methods.update(_hf_methods(evaluation))
     return methods
 
@@ -269,16 +209,16 @@ def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -
     first = next(iter(prompts.values()))[0]
     warmup_ids = encode_chat(evaluation.tokenizer, messages_for(first, [], 0)).to(evaluation.device)
     for name in names:  # warm-up: allocator, lazy imports and kernel selection stay out of the timed runs
-        methods[name](warmup_ids, first["domain"], settings["warmup_tokens"], seed)
+        methods[name](warmup_ids, first["domain"], settings.warmup_tokens, seed)
 
     records, contexts, started = [], [], time.time()
     queue = interleaved(prompts)
     bar = tqdm(total=sum(len(p["turns"]) for p in queue), desc="eval", unit="req", dynamic_ncols=True)
     for done, prompt in enumerate(queue):
-        if settings["max_minutes"] is not None and time.time() - started > 60 * settings["max_minutes"]:
-            evaluation.budget = {"max_minutes": settings["max_minutes"], "prompts_done": done,
+        if settings.max_minutes is not None and time.time() - started > 60 * settings.max_minutes:
+            evaluation.budget = {"max_minutes": settings.max_minutes, "prompts_done": done,
                                  "prompts_planned": len(queue)}
-            print(f"[eval] eval.max_minutes={settings['max_minutes']} reached after {done} of {len(queue)} prompts "
+            print(f"[eval] eval.max_minutes={settings.max_minutes} reached after {done} of {len(queue)} prompts "
                   "(every domain cut alike); raise it for narrower intervals")
             break
         decode_prompt(prompt, methods, names, evaluation, seed, clock, records, contexts)
@@ -300,7 +240,7 @@ def decode_prompt(prompt: dict, methods: dict, names: list, evaluation: Evaluati
         contexts.append({"domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn, "ids": ids})
         request_seed = derive_seed(seed, "eval", request)  # the same for every method of a request
         for name in rotated(names, request):
-            tokens, stats, seconds = timed(methods[name], ids, prompt["domain"], settings["max_new_tokens"],
+            tokens, stats, seconds = timed(methods[name], ids, prompt["domain"], settings.max_new_tokens,
                                            request_seed, clock)
             records.append({"method": name, "domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn,
                             "tokens": tokens, "time_s": seconds, "stats": stats})
@@ -314,8 +254,8 @@ def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
     settings, drafts = evaluation.settings, evaluation.drafts
     core = M.build(records, evaluation.plans, evaluation.sampling.temperature)
     init = drafts.get("speculative_init")
-    return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings["top_k"],
-            "top_p": settings["top_p"], "max_new_tokens": settings["max_new_tokens"],
+    return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings.top_k,
+            "top_p": settings.top_p, "max_new_tokens": settings.max_new_tokens,
             "target": str(evaluation.target_path), "draft": drafts["speculative"].identity["source"],
             "draft_init": init.identity["source"] if init else None, **core}
 
@@ -325,7 +265,7 @@ def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluatio
     outputs when greedy; mismatches of the tuned draft in reduced precision are rerun in fp32."""
     settings, target, stop = evaluation.settings, evaluation.target, evaluation.stop
     tuned, plans = evaluation.drafts[M.SPECULATIVE], evaluation.plans[M.SPECULATIVE]
-    if not evaluation.sampling.greedy and settings["fidelity_prompts_per_domain"]:
+    if not evaluation.sampling.greedy and settings.fidelity_prompts_per_domain:
         result = fidelity_check(contexts, target, tuned, plans, stop, settings)
     elif "fidelity" in metrics:
         own = tuple(m for m in metrics["methods"] if m.startswith(M.SPECULATIVE))  # every draft and policy
@@ -334,7 +274,7 @@ def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluatio
     else:
         return None
     tuned_mismatches = [m for m in result["mismatches"] if m.get("method", M.SPECULATIVE) == M.SPECULATIVE]
-    if settings.get("fp32_recheck") and evaluation.dtype != torch.float32 and tuned_mismatches:
+    if settings.fp32_recheck and evaluation.dtype != torch.float32 and tuned_mismatches:
         result["fp32"] = fp32_recheck(contexts, target, tuned, plans, stop, settings, tuned_mismatches)
     return result
 
@@ -343,14 +283,14 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
     """Where and with what the numbers were measured."""
     settings = evaluation.settings
     tuned, init = evaluation.drafts["speculative"], evaluation.drafts.get("speculative_init")
-    calibrated = settings["use_calibration"] and tuned.spec is not None and tuned.spec.gamma
+    calibrated = settings.use_calibration and tuned.spec is not None and tuned.spec.gamma
     return {
         "machine": machine(), "device": str(evaluation.device), "dtype": str(evaluation.dtype).removeprefix("torch."),
         "target": evaluation.target_identity,
         "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
         "draft_init": init.identity if init else None,
-        "calibrated": bool(calibrated and settings["gamma"] is None),
-        "prompt_source": source, "settings": settings,
+        "calibrated": bool(calibrated and settings.gamma is None),
+        "prompt_source": source, "settings": settings.to_dict(),
         "prompts": {domain: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
                     for domain, ps in prompts.items()},
     }
@@ -359,21 +299,22 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
 # ---------------------------------------------------------------- the stage
 
 def run(cfg: DictConfig, tracker) -> dict:
-    settings, sampling = settings_from(cfg)
+    settings = EvalSettings.from_config(cfg.eval)  # checked before any model is loaded: bad input writes nothing
+    sampling = settings.sampling
     out_dir = output_dir(cfg)
     prompts, source = load_eval_prompts(cfg, settings)
     evaluation = load_models(cfg, settings, sampling)
     evaluation.plans = make_plans(evaluation, list(prompts))
     methods = make_methods(evaluation)
     print(f"[eval] {sum(map(len, prompts.values()))} prompts in {len(prompts)} domains from {source}; "
-          f"methods: {', '.join(methods)}; T={sampling.temperature}, max_new_tokens={settings['max_new_tokens']}")
+          f"methods: {', '.join(methods)}; T={sampling.temperature}, max_new_tokens={settings.max_new_tokens}")
 
     started = time.time()
     records, contexts = benchmark(prompts, methods, evaluation, cfg.seed)
     metrics = core_metrics(records, evaluation)
-    if settings["gammas"]:
+    if settings.gammas:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
-    if settings["trees"]:
+    if settings.trees:
         metrics["tree_sweep"] = tree_sweep(contexts, methods, evaluation, cfg.seed)
     checked = fidelity(metrics, records, contexts, evaluation)
     if checked is not None:
@@ -384,9 +325,9 @@ def run(cfg: DictConfig, tracker) -> dict:
 
     plots = write_outputs(out_dir, metrics, records)
     print(text_table(*domain_rows(metrics)))
-    if settings["compare_draft_lengths"]:
+    if settings.compare_draft_lengths:
         print(text_table(*policy_rows(metrics)))
-    if settings["extra_drafts"]:
+    if settings.extra_drafts:
         print(text_table(*draft_rows(metrics)))
     print("\n".join(comparison_lines(metrics) + control_lines(metrics)))
     if slowdown_advice(metrics):

@@ -33,7 +33,7 @@ def _interleaved_runs(requests: list[dict], points: dict, methods: dict, evaluat
         request_seed = derive_seed(seed, f"eval-{label}-sweep", k)
         for key in rotated(list(runs), k):
             fn, kw = (methods["autoregressive"], {}) if key == "ar" else (methods[M.SPECULATIVE], points[key])
-            tokens, stats, seconds = timed(fn, request["ids"], request["domain"], settings["max_new_tokens"],
+            tokens, stats, seconds = timed(fn, request["ids"], request["domain"], settings.max_new_tokens,
                                            request_seed, clock, **kw)
             runs[key].append({"tokens": tokens, "time_s": seconds, "stats": stats})
     return runs
@@ -43,12 +43,12 @@ def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, see
     """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain,
     each γ interleaved with an autoregressive run of the same request."""
     settings = evaluation.settings
-    requests = first_prompts(contexts, settings["sweep_prompts_per_domain"])
-    runs = _interleaved_runs(requests, {gamma: {"gamma": gamma} for gamma in settings["gammas"]}, methods,
+    requests = first_prompts(contexts, settings.sweep_prompts_per_domain)
+    runs = _interleaved_runs(requests, {gamma: {"gamma": gamma} for gamma in settings.gammas}, methods,
                              evaluation, seed, "gamma")
-    return {"gammas": settings["gammas"], "n_prompts_per_domain": settings["sweep_prompts_per_domain"],
+    return {"gammas": settings.gammas, "n_prompts_per_domain": settings.sweep_prompts_per_domain,
             "n_requests": len(requests),
-            "by_gamma": {str(gamma): M.sweep_point(runs[gamma], runs["ar"]) for gamma in settings["gammas"]}}
+            "by_gamma": {str(gamma): M.sweep_point(runs[gamma], runs["ar"]) for gamma in settings.gammas}}
 
 
 def tree_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
@@ -57,8 +57,8 @@ def tree_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed
     settings = evaluation.settings
     spec = evaluation.drafts[M.SPECULATIVE].spec
     candidates = (spec.tree_candidates if spec is not None and spec.sampling == evaluation.sampling else {}) or {}
-    requests = first_prompts(contexts, settings["sweep_prompts_per_domain"])
-    points = {",".join(map(str, tree)): {"tree": tuple(int(b) for b in tree)} for tree in settings["trees"]}
+    requests = first_prompts(contexts, settings.sweep_prompts_per_domain)
+    points = {",".join(map(str, tree)): {"tree": tuple(int(b) for b in tree)} for tree in settings.trees}
     runs = _interleaved_runs(requests, points, methods, evaluation, seed, "tree")
 
     def predicted(key: str) -> float | None:
@@ -71,5 +71,5 @@ def tree_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed
         point = M.sweep_point(runs[key], runs["ar"])
         point["drafted_per_pass"] = M.speculative_counters(runs[key], 1.0)["drafted_per_pass"]
         by_tree[key] = point | {"predicted_speedup": predicted(key)}
-    return {"trees": settings["trees"], "n_prompts_per_domain": settings["sweep_prompts_per_domain"],
+    return {"trees": settings.trees, "n_prompts_per_domain": settings.sweep_prompts_per_domain,
             "n_requests": len(requests), "by_tree": by_tree}

@@ -75,3 +75,24 @@ def restore_full_head(model, head: nn.Module) -> None:
         model.set_output_embeddings(head)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+
+
+def bake_subset(model, vocab: torch.Tensor | None, fill: torch.Tensor | None = None):
+    """The model with the FR-Spec subset written into its weights, for engines that run the full head (HF
+    assisted generation, vLLM, llama.cpp): an untied output head whose rows in `vocab` are the trained ones
+    and whose other rows are `fill` [H] (default zero), so an out-of-subset token scores fill·h instead of the
+    target's own row, which the draft was never trained to keep below the subset's. The input embeddings
+    keep every row (prompts use the whole vocabulary). Returns the model (changed in place); None: unchanged.
+    """
+    if vocab is None:
+        return model
+    head = model.get_output_embeddings()
+    weight = head.weight.detach().clone()
+    outside = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
+    outside[vocab.to(weight.device)] = False
+    weight[outside] = 0 if fill is None else fill.to(weight)
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    head.weight = nn.Parameter(weight, requires_grad=head.weight.requires_grad)
+    return model

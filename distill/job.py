@@ -1,0 +1,86 @@
+"""The values the distill stage's steps hand each other, each frozen once built: what the stage read
+(`Inputs`), how the collected rows were split (`Split`), the held-out parts with the target's serving
+distribution (`HeldOuts`), and the serving settings chosen on the calibration part (`Calibration`).
+A step that changes one returns a new value (dataclasses.replace); the stage body (distill/stage.py) shows
+which step produces what. The draft model is the one mutable member: training updates its weights in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from distill import calibrate as cal
+from distill.batch import Truncation
+from pipeline.decoding import DraftLength
+from pipeline.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Checked settings, the collected rows, the target and the initial draft."""
+    cfg: DictConfig
+    tracker: object
+    state: object  # accelerate.PartialState
+    collected: object  # datasets.Dataset from the collect stage
+    manifest: dict
+    sampling: Sampling  # the serving distribution the draft is tuned for
+    target: torch.nn.Module
+    tokenizer: object
+    target_ident: dict
+    draft: torch.nn.Module
+    draft_tokenizer: object
+    draft_info: dict
+    stops: list[int]
+
+    @property
+    def settings(self) -> DictConfig:
+        return self.cfg.distill
+
+    @property
+    def is_main(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def truncation(self) -> Truncation:
+        objective = self.settings.objective
+        return Truncation(int(objective.max_prompt_length), int(objective.max_completion_length))
+
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+
+@dataclass(frozen=True)
+class Split:
+    """The train rows (with their teacher-label columns once labelled), held-out row indices, the FR-Spec
+    subset and the checkpoint fingerprint."""
+    train: object  # datasets.Dataset
+    heldout_idx: list[int]
+    fingerprint: str
+    vocab: torch.Tensor | None = None
+    all_train: object = None  # a learning-curve point: every train row, of which it trains on the rows `share`
+    share: list[int] | None = None
+
+    @property
+    def vocab_list(self) -> list[int] | None:
+        return None if self.vocab is None else self.vocab.tolist()
+
+
+@dataclass(frozen=True)
+class HeldOuts:
+    calibration: cal.HeldOut  # chooses keep_best, τ and γ
+    reporting: cal.HeldOut  # gives the reported numbers
+    sizes: dict  # rows and positions of each part, and whether they are disjoint (speculative.json `heldout`)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per domain (and overall): the draft temperature, the best fixed γ, the draft-length policy and the tree
+    (None: a chain); the cost summary they were chosen with."""
+    temperature: dict[str, float]
+    gamma: dict[str, int]
+    draft_length: dict[str, DraftLength]
+    tree: dict[str, list | None]
+    cost: dict

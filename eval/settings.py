@@ -1,0 +1,170 @@
+"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml, built from
+the composed config and validated in one place (`__post_init__`, TRL's `XConfig` pattern).
+
+What each setting does and why its default is what it is: the comments in conf/eval/default.yaml. Nothing here has
+a default: every value comes from the composed config (`EvalSettings.from_config(cfg.eval)`), which refuses a
+missing or an unknown key. Checks raise a one-line PipelineError before any model is loaded, so bad input fails
+fast and writes nothing; what needs the file system or the model preset (do the draft directories exist?) is
+checked where the drafts load (eval/drafts.py).
+
+Validation also normalises, so the rest of eval reads one shape per setting: `compare_draft_lengths` and `baselines`
+(true | false | a list) become the tuple of names to run, `gammas`, `trees`, `tree` and `domains` tuples (a single
+domain string a 1-tuple), a null `gammas`/`trees`/`extra_drafts` empty. Normalising is idempotent, so
+`dataclasses.replace` (which validates again) keeps working on a built instance.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.decoding import POLICIES, DraftLength, parse_tree
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+
+HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
+RESERVED = ("init", "fixed", "confidence", "heuristic")  # speculative_<these> name other methods: no extra draft's name
+
+
+def _bad(key: str, value, problem: str, fix: str):
+    raise PipelineError(f"eval.{key}={value!r} {problem}: {fix}")
+
+
+def _names(key: str, value, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """true = all of `known`, false/null = none, a list = those (each one of `known`)."""
+    if isinstance(value, bool) or value is None:
+        return known if value else ()
+    if not isinstance(value, (list, tuple)) or not set(value) <= set(known):
+        _bad(key, value, f"names an unknown {what}", f"use true, false or a list from {', '.join(known)}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """`eval.*` of the composed config, checked and normalised (see the module docstring)."""
+    draft: str | None                    # the draft evaluated: null = ${paths.draft} (or a fallback), a directory, derive
+    draft_init: str | None               # the undistilled draft for before/after: null = ${paths.draft_init}, a dir, none
+    prompts_file: str | None             # a prompt-schema or Spec-Bench JSONL; null = the prepare stage's held-out split
+    domains: tuple[str, ...] | None      # keep only these domains; null = all
+    max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
+    max_new_tokens: int                  # tokens generated per request (one user turn)
+    max_minutes: float | None            # no new prompt starts after this many minutes; null = no limit
+    temperature: float                   # the serving temperature of target and draft; 0 = greedy
+    top_k: int                           # serving top-k; 0 = off
+    top_p: float                         # serving top-p; 1 = off
+    gamma: int | None                    # one fixed γ for every domain (overrides the policy); null = calibrated
+    default_gamma: int                   # γ for a draft without a calibration
+    draft_length: str | None             # the draft-length policy (one of POLICIES); null = the calibrated one
+    confidence_threshold: float          # the confidence policy's stop threshold when none is calibrated
+    max_draft: int                       # the confidence policy's most drafts per target pass when none is calibrated
+    tree: tuple[int, ...] | str | None   # branching factors for every domain; "none" = chains only; null = calibrated
+    compare_draft_lengths: tuple[str, ...]  # policies also run side by side (speculative_<policy>); () = none
+    draft_temperature: float | None      # the draft's τ; null = calibrated when sampling, else the target's temperature
+    use_calibration: bool                # read γ, policy, tree and τ from the draft's speculative.json
+    use_vocab_subset: bool               # restrict the draft head to speculative.json's vocab_subset (FR-Spec)
+    baselines: tuple[str, ...]           # HF peers timed beside ours (of HF_METHODS); () = none
+    baselines_draft: str                 # the loaded draft HF assisted generation uses (speculative, speculative_init, ...)
+    extra_drafts: dict[str, str]         # {name: model dir | pretrained}: more drafts, methods speculative_<name>
+    gammas: tuple[int, ...]              # the γ sweep's draft lengths; () = no sweep
+    trees: tuple[tuple[int, ...], ...]   # the tree sweep's branching factors; () = no sweep
+    sweep_prompts_per_domain: int        # prompts per domain (all their turns) the sweeps run on
+    fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
+    fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
+    warmup_tokens: int                   # untimed warm-up tokens per method before measuring
+
+    @classmethod
+    def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
+        """The settings of `cfg.eval` (interpolations resolved); every key of conf/eval/default.yaml, no other."""
+        values = OmegaConf.to_container(eval_cfg, resolve=True)
+        names = [f.name for f in fields(cls)]
+        unknown = [key for key in values if key not in names]
+        if unknown:
+            raise PipelineError(f"unknown eval setting(s) {', '.join(f'eval.{key}' for key in unknown)}: "
+                                "use the keys of conf/eval/default.yaml (check the spelling of the override)")
+        missing = [key for key in names if key not in values]
+        if missing:
+            raise PipelineError(f"eval setting(s) {', '.join(f'eval.{key}' for key in missing)} missing from the "
+                                "composed config: restore them in conf/eval/default.yaml, where every setting is declared")
+        return cls(**values)
+
+    def __post_init__(self):
+        try:
+            self.sampling  # noqa: B018  (validates the serving distribution)
+        except PipelineError as e:  # the core names the field; prefix it with where it is set
+            raise PipelineError(f"eval.{e}") from None
+        self._check_counts()
+        self._check_drafting()
+        self._check_methods()
+
+    @property
+    def sampling(self) -> Sampling:
+        """The serving distribution every method samples from."""
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    def to_dict(self) -> dict:
+        """The normalised settings, for metrics.json's `setup.settings`."""
+        return asdict(self)
+
+    def _normalise(self, key: str, value) -> None:
+        object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
+
+    def _check_counts(self) -> None:
+        if self.gamma is not None and (not isinstance(self.gamma, int) or self.gamma < 1):
+            _bad("gamma", self.gamma, "is not a draft length >= 1", "use e.g. eval.gamma=4, or null for the calibrated γ")
+        if not isinstance(self.default_gamma, int) or self.default_gamma < 1:
+            _bad("default_gamma", self.default_gamma, "is not a draft length >= 1", "use e.g. eval.default_gamma=4")
+        gammas = list(self.gammas or [])
+        if any(not isinstance(g, int) or g < 1 for g in gammas):
+            _bad("gammas", gammas, "holds a γ < 1",
+                 "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
+        self._normalise("gammas", tuple(gammas))
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            _bad("draft_temperature", self.draft_temperature, "is negative",
+                 "use a positive value, or null for the calibrated/target temperature")
+        if self.max_minutes is not None and (not isinstance(self.max_minutes, (int, float)) or self.max_minutes <= 0):
+            _bad("max_minutes", self.max_minutes, "is not a positive number of minutes",
+                 "use e.g. eval.max_minutes=4, or null for no limit")
+        for key in ("max_new_tokens", "sweep_prompts_per_domain", "warmup_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                _bad(key, value, "is not an integer >= 1", f"set eval.{key} to a positive integer")
+        for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < least):
+                _bad(key, value, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+
+    def _check_drafting(self) -> None:
+        self._normalise("compare_draft_lengths", _names("compare_draft_lengths", self.compare_draft_lengths,
+                                                        POLICIES, "policy"))
+        if self.draft_length not in (None, *POLICIES):
+            _bad("draft_length", self.draft_length, "is not a draft-length policy",
+                 f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
+        DraftLength("confidence", self.max_draft, self.confidence_threshold)  # one-line errors if bad
+        trees = list(self.trees or [])
+        if any(not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) for b in tree) for tree in trees):
+            _bad("trees", trees, "holds something other than branching factors",
+                 "use e.g. eval.trees=[[1,1,1],[2,1],[3,2,1]]")
+        self._normalise("trees", tuple(tuple(tree) for tree in trees))
+        if self.tree is not None and self.tree != "none":
+            if not isinstance(self.tree, (list, tuple)):
+                _bad("tree", self.tree, "is not a tree",
+                     "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
+            parse_tree(tuple(self.tree))  # a zero factor or too many nodes: one line
+            self._normalise("tree", tuple(self.tree))
+        for tree in self.trees:
+            parse_tree(tree)
+
+    def _check_methods(self) -> None:
+        self._normalise("extra_drafts", dict(self.extra_drafts or {}))
+        for name in self.extra_drafts:
+            if name in RESERVED or not str(name).isidentifier():
+                raise PipelineError(f"eval.extra_drafts.{name}: a draft name must be an identifier other than "
+                                    f"{', '.join(RESERVED)} (it names the method speculative_<name>)")
+        loadable = ("speculative", "speculative_init", *(f"speculative_{name}" for name in self.extra_drafts))
+        if self.baselines_draft not in loadable:
+            _bad("baselines_draft", self.baselines_draft, "is not a draft eval loads", f"use one of {', '.join(loadable)}")
+        self._normalise("baselines", _names("baselines", self.baselines, HF_METHODS, "baseline"))
+        if isinstance(self.domains, str):
+            self._normalise("domains", (self.domains,))
+        elif self.domains is not None:
+            self._normalise("domains", tuple(self.domains))

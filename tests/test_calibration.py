@@ -1,0 +1,152 @@
+"""Calibration on held-out rows, without running the stage: temperature calibration recovers a known
+temperature, the best γ follows the walltime formula (with a measured verify cost), the draft-length policy
+simulator, the token-tree choice and the sibling acceptance of a tree against exact enumeration."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import WORD_VOCAB as VOCAB, peaked_target
+
+
+# ---------------------------------------------------------------- calibration
+@pytest.mark.parametrize("scale", [1.5, 1 / 1.5])
+def test_calibration_recovers_a_known_temperature(scale):
+    """Draft logits = target logits × s, so q_τ = p_T exactly at τ = s·T: calibration must find it
+    (s = 1/1.5 is "draft = target logits / 1.5", whose best τ is T/1.5)."""
+    import copy
+
+    from distill.batch import Truncation
+    from distill.calibrate import build_heldout, calibrate_temperature
+    from pipeline.sampling import Sampling
+
+    target = peaked_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1 / 20)  # moderate peaks, so temperature matters everywhere
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(scale)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
+             "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
+    T = 0.8
+    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), Truncation(512, 256), support=VOCAB,
+                            pad_token_id=1)
+    result = calibrate_temperature(draft, heldout, [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0], refine=7)
+    for domain in ("a", "b", "overall"):
+        assert result["temperature"][domain] == pytest.approx(scale * T, rel=0.04)
+        assert result["acceptance"][domain] == pytest.approx(1.0, abs=0.01)
+    assert result["acceptance_at_serving"]["overall"] < 0.97
+
+
+def test_best_gamma_follows_the_walltime_formula():
+    from distill.calibrate import best_gamma
+
+    alpha = 0.8
+    gamma, speedups = best_gamma([alpha ** k for k in range(1, 9)], c=0.05, gammas=range(1, 9))
+    formula = {g: (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * 0.05 + 1)) for g in range(1, 9)}
+    assert gamma == max(formula, key=formula.get)
+    assert speedups[4] == pytest.approx(formula[4])
+    assert best_gamma([0.1 ** k for k in range(1, 9)], c=0.3, gammas=range(1, 9))[0] == 1
+
+
+def test_best_gamma_costs_the_verify_pass_as_measured():
+    from distill.calibrate import best_gamma
+
+    # with verification costing r_γ, the speedup is (1 + Σ P_k) / (γc + r_γ)
+    gamma, speedups = best_gamma([0.5, 0.25], c=0.1, gammas=[1, 2], verify_ratio={1: 1.5, 2: 1.6})
+    assert speedups[1] == pytest.approx(1.5 / 1.6) and speedups[2] == pytest.approx(1.75 / 1.8) and gamma == 2
+
+
+def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when_unsure():
+    from distill.calibrate import HeldOut
+    from distill.policy import choose, simulate
+    from pipeline.decoding.draft_length import DraftLength
+    from pipeline.sampling import Sampling
+
+    n = 400
+    heldout = HeldOut([{}], ["d"] * 1, torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+    alpha = torch.full((n,), 0.8)
+    drafted, accepted = simulate(alpha, None, heldout, everywhere, 4)
+    assert drafted == 4 and accepted == pytest.approx(sum(0.8 ** k for k in range(1, 5)), rel=0.02)  # Leviathan eq. 1
+    # positions alternate sure (α = 1, the draft is confident) and hopeless (α = 0, unsure): a confidence stop
+    # drafts through the sure ones and stops at the first unsure one, which fixed γ cannot
+    alpha = torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))
+    keep = {0.5: torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))}
+    options = [DraftLength("fixed", g) for g in (1, 2, 4, 8)] + [DraftLength("confidence", 16, 0.5)]
+    best = choose(alpha, keep, heldout, options, c=0.3, verify_ratio=None)["overall"]
+    assert best["draft_length"].policy == "confidence", best
+
+
+def test_tree_choice_counts_top_k_hits_per_depth_and_prefers_a_tree_where_the_argmax_misses():
+    from distill.calibrate import HeldOut
+    from distill.tree_choice import K_MAX, choose, nodes, simulate
+    from pipeline.sampling import Sampling
+
+    n = 400
+    heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+
+    def hits(rank: int) -> torch.Tensor:  # greedy: the target's token is the draft's (rank+1)-th choice
+        return (torch.full((n, 1), rank) < torch.arange(1, K_MAX + 1)).float()
+
+    # the target's token is the draft's second choice everywhere: a chain never gets past depth 1, a (2, 2, 2)
+    # tree accepts all three depths
+    assert simulate(hits(1), heldout, everywhere, (1, 1, 1)) == 0.0
+    assert simulate(hits(1), heldout, everywhere, (2, 2, 2)) == pytest.approx(3.0, abs=0.02)
+    assert simulate(hits(1), heldout, everywhere, (2, 1)) == pytest.approx(1.0, abs=0.01)
+    # sampled serving: per-depth probabilities multiply along the path
+    half = torch.full((n, K_MAX), 0.5)
+    assert simulate(half, heldout, everywhere, (2, 2)) == pytest.approx(0.5 + 0.25, abs=0.01)
+    assert nodes((3, 2, 1)) == 3 + 6 + 6
+    free = {"c": 0.05, "verify_ratio": None}  # free verification
+    best = choose(hits(1), heldout, free, candidates=[(1,), (1, 1, 1), (2, 2), (2, 2, 2)])["overall"]
+    assert best["tree"] == [2, 2, 2]
+    # the draft's argmax always right: the chain wins (a tree only adds verify cost)
+    costly = {"c": 0.05, "verify_ratio": {3: 1.3, 14: 2.35}}  # r(N) for the chain's 3 and the tree's 14 nodes
+    best = choose(hits(0), heldout, costly, candidates=[(1, 1, 1), (2, 2, 2)])
+    assert best["overall"]["tree"] == [1, 1, 1]
+
+
+def _exact_sibling_acceptance(p: list[float], q: list[float], k: int, replace: bool = False) -> float:
+    """P(one of k candidates is accepted) by enumerating every draw order: recursive rejection sampling with
+    candidates drawn without replacement (q renormalised without the rejected token), or, for the wrong
+    variant, i.i.d. draws with q left as it was."""
+    def step(p, q, depth):
+        if depth == k or sum(q) == 0:
+            return 0.0
+        total = 0.0
+        for x, qx in enumerate(q):
+            if qx == 0:
+                continue
+            a = min(1.0, p[x] / qx)
+            residual = [max(0.0, pi - qi) for pi, qi in zip(p, q)]
+            mass = sum(residual)
+            p_next = [r / mass for r in residual] if mass > 0 else p
+            if replace:
+                q_next = q
+            else:
+                q_next = [0.0 if i == x else qi for i, qi in enumerate(q)]
+                q_next = [qi / sum(q_next) for qi in q_next] if sum(q_next) > 0 else q_next
+            total += qx * (a + (1 - a) * step(p_next, q_next, depth + 1))
+        return total
+
+    return step(p, q, 0)
+
+
+def test_sibling_acceptance_matches_exact_enumeration_and_rejects_iid_siblings():
+    from distill.tree_choice import K_MAX, _race
+
+    p = [0.05, 0.4, 0.3, 0.15, 0.1]  # the last column is the bucket the draft cannot propose
+    q = [0.5, 0.2, 0.25, 0.05, 0.0]
+    estimate = _race(torch.tensor([p]), torch.tensor([q]), 20000, torch.Generator().manual_seed(0))[0]
+    exact = [_exact_sibling_acceptance(p, q, k) for k in range(1, K_MAX + 1)]
+    iid = [_exact_sibling_acceptance(p, q, k, replace=True) for k in range(1, K_MAX + 1)]
+    assert exact[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # one sibling: the chain's α
+    # Monte Carlo error of a mean of 20k bounded draws: ≤ 0.5/sqrt(20000) ≈ 0.0035 per column; 4 sigma
+    assert estimate.tolist() == pytest.approx(exact, abs=0.015)
+    assert max(abs(a - b) for a, b in zip(iid[1:], exact[1:])) > 0.05  # the wrong rule is told apart
+    assert all(a <= b + 1e-9 for a, b in zip(exact, exact[1:])) and exact[-1] <= 0.9 + 1e-9  # never the bucket

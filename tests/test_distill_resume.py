@@ -1,0 +1,163 @@
+"""The distill stage's checkpoints: a crashed run resumes from its last checkpoint (learning curve, token count
+and time budget continue), a resume with the time or step budget spent trains no further step, and the
+checkpoint's fingerprint (its name) across config knobs added later and on-policy continuation lengths."""
+from __future__ import annotations
+
+import copy
+import json
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_distill_stage as run_stage
+
+
+# ---------------------------------------------------------------- resume
+def crash_at_step_30(setup, out: Path, monkeypatch, *overrides: str):
+    """Runs the stage until its 31st loss computation raises, as a Ctrl-C would (checkpoint-20 is on disk);
+    returns the real compute_loss to put back."""
+    from distill.trainer import DistillTrainer
+
+    compute = DistillTrainer.compute_loss
+    calls = {"n": 0}
+
+    def crashing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 30:
+            raise KeyboardInterrupt("simulated crash")
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistillTrainer, "compute_loss", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(setup, out, *overrides)
+    return compute
+
+
+def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, monkeypatch, capsys):
+    from distill.trainer import DistillTrainer
+
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch)
+    checkpoints = list((tmp_path / "distill_ckpt").glob("*/checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-20"]
+    assert not (tmp_path / "draft").exists()  # nothing half-exported
+    monkeypatch.setattr(DistillTrainer, "compute_loss", compute)
+    capsys.readouterr()
+    result, _ = run_stage(setup, tmp_path)
+    assert "resuming from" in capsys.readouterr().out and "checkpoint-20" in str(checkpoints[0])
+    uninterrupted = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    assert result["acceptance_after"] == pytest.approx(uninterrupted["acceptance"]["after"]["overall"], abs=0.02)
+    # The run's counters continue from the checkpoint: the curve keeps its point from before the crash, the token
+    # count is the whole run's, and the time budget counts the minutes trained before the crash.
+    resumed = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert [p["step"] for p in resumed["learning_curve"]] == [p["step"] for p in uninterrupted["learning_curve"]] == [20, 40]
+    assert resumed["training"]["train_tokens"] == uninterrupted["training"]["train_tokens"]
+    assert resumed["learning_curve"][0]["train_tokens"] == uninterrupted["learning_curve"][0]["train_tokens"]
+    assert 0 < resumed["learning_curve"][0]["train_minutes"] < resumed["learning_curve"][1]["train_minutes"]
+    assert set(resumed["learning_curve"][1]["by_domain"]) == set(uninterrupted["acceptance"]["after"]) - {"overall"}
+
+
+def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, monkeypatch):
+    from distill.progress import PROGRESS_FILE
+    from distill.trainer import DistillTrainer
+
+    # checkpoints every 12 steps: the last one before the crash (24) is mid-epoch (5 steps an epoch), where
+    # Trainer.train would resume into one more step
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert checkpoint.name == "checkpoint-24"
+    saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
+    (checkpoint / PROGRESS_FILE).write_text(json.dumps(saved | {"train_seconds": 120.0}))  # 2 minutes spent
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    checkpoint_weights = load_file(checkpoint / "model.safetensors")
+    calls = []
+    monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.checkpoint.max_train_minutes=1")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert not calls and spec["training"]["steps"] == 24 and spec["training"]["train_tokens"] == saved["train_tokens"]
+    assert spec["learning_curve"][-1]["step"] == 24
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").state_dict()
+    layer = next(k for k in checkpoint_weights if "layers.0.mlp.up_proj" in k)
+    assert torch.allclose(exported[layer].float(), checkpoint_weights[layer].float(), atol=1e-2)  # bf16 export
+
+
+def test_the_time_budget_counts_minutes_trained_before_a_resume(tmp_path):
+    from distill.progress import PROGRESS_FILE, RunProgress, TimeBudgetCallback
+
+    checkpoint = tmp_path / "checkpoint-20"
+    checkpoint.mkdir()
+    (checkpoint / PROGRESS_FILE).write_text(json.dumps({"step": 20, "train_tokens": 500, "train_seconds": 59.0,
+                                                        "curve": []}))
+    progress = RunProgress(checkpoint)
+    progress.started = time.time() - 2  # two more seconds trained after the resume
+    control = types.SimpleNamespace(should_training_stop=False, should_save=False)
+    TimeBudgetCallback(1.0, progress).on_step_end(types.SimpleNamespace(device="cpu"), None, control)
+    assert control.should_training_stop and control.should_save  # 59 s + 2 s > 1 minute
+    assert progress.tokens() == 500 and RunProgress(None).seconds() == 0.0
+
+
+def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set():
+    from omegaconf import OmegaConf, open_dict
+
+    from distill.stage import ADDED_LATER, fingerprint
+    from tests.conftest import REPO
+
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
+                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+    older = copy.deepcopy(cfg)
+    with open_dict(older):
+        for group, key in ADDED_LATER:
+            del older.distill[group][key]  # the config as it was before the knob existed
+    args = ({"path": "t"}, {"fingerprint": "c"}, 10)
+    assert fingerprint(cfg, *args) == fingerprint(older, *args)
+    cfg.distill.objective.adaspec_reference = "some/draft"
+    assert fingerprint(cfg, *args) != fingerprint(older, *args)
+
+
+def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_length_names_the_checkpoint():
+    from omegaconf import OmegaConf
+
+    from distill.stage import fingerprint
+    from distill.trainer import DistillConfig
+    from distill.training import generation_length
+    from tests.conftest import REPO
+
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
+                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+    manifest, ident = {"fingerprint": "c", "max_new_tokens": 96}, {"path": "t"}
+    assert generation_length(cfg.distill.objective, manifest) == 96
+
+    def print_with(**objective):
+        c = cfg.copy()
+        c.distill.objective.update(objective)
+        return fingerprint(c, ident, manifest, 10)
+
+    # off-policy: nothing is generated, so the length names nothing (older checkpoints keep their name)
+    assert print_with(max_new_tokens=64) == print_with()
+    # on-policy: the resolved length is what counts: null and an explicit 96 train alike, 64 does not
+    assert print_with(lmbda=0.5) == print_with(lmbda=0.5, max_new_tokens=96) != print_with(lmbda=0.5, max_new_tokens=64)
+    assert print_with(lmbda=0.5, max_new_tokens=400) == print_with(lmbda=0.5, max_new_tokens=256)  # capped
+    objective = {**OmegaConf.to_container(cfg.distill.objective), "max_new_tokens": 96}
+    assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 96
+    objective["max_new_tokens"] = None
+    assert DistillConfig(output_dir="unused", report_to="none", **objective).max_new_tokens == 256
+
+
+def test_a_resume_from_the_last_step_trains_no_further_step(setup, tmp_path, monkeypatch):
+    """A crash after the final checkpoint (or a rerun to calibrate for other serving): the step budget is spent."""
+    import shutil
+
+    from distill.trainer import DistillTrainer
+
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    shutil.move(checkpoint, checkpoint.with_name("checkpoint-40"))  # as if saved at the last step (max_steps=40)
+    calls = []
+    monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert not calls and spec["training"]["steps"] == 40

@@ -1,0 +1,322 @@
+"""The distill stage end to end on a tiny peaked target (conftest's session-scoped `setup` and `distilled`): a
+short distillation raises held-out acceptance, the export (weights, tokenizer, calibration, model card, draft
+length policy and trees; HF assisted generation), the held-out split, learning-curve points and their shared
+labels, keep_best, a cost profile of another device, bad input refused with one line, two processes under
+accelerate, and one smoke run on the real embedded target. CPU; fixed seeds."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import types
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from tests.conftest import (REPO, WORD_SPECIALS as SPECIALS, WORD_VOCAB as VOCAB, distill_overrides as overrides,
+                            run_distill_stage as run_stage, tiny_llama)
+
+
+# ---------------------------------------------------------------- the stage
+def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distilled, tmp_path):
+    """distill.calibration.cost.profile: γ and the policy are chosen for that profile's costs, which travel with
+    the export; a profile for other model shapes is refused with one line."""
+    from pipeline.cost_profile import read_profile, write_profile
+
+    measured = read_profile(distilled[2] / "draft" / "cost_profile.json")
+    assert measured["machine"]["device"] == "cpu"
+    slow_draft = json.loads(json.dumps(measured))
+    slow_draft["draft"]["ms"] = measured["target"][str(min(map(int, measured["target"])))]["1"]["ms"] * 0.9
+    write_profile(tmp_path / "slow_draft.json", slow_draft)
+    run_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow_draft.json'}")
+    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    assert spec["cost"]["c"] == pytest.approx(0.9, rel=0.01)
+    fast = json.loads((distilled[2] / "draft" / "speculative.json").read_text())["predicted_speedup"]
+    assert all(spec["predicted_speedup"][d] < fast[d] for d in fast), (spec["predicted_speedup"], fast)
+    assert json.loads((tmp_path / "out" / "draft" / "cost_profile.json").read_text()) == slow_draft
+    other = json.loads(json.dumps(measured))
+    other["shapes"]["target"]["hidden_size"] += 1
+    write_profile(tmp_path / "other.json", other)
+    with pytest.raises(PipelineError, match="hidden_size"):
+        run_stage(setup, tmp_path / "out2", f"distill.calibration.cost.profile={tmp_path / 'other.json'}")
+
+
+def test_short_distillation_raises_heldout_acceptance(distilled):
+    result, tracker, _ = distilled
+    assert result["acceptance_after"] - result["acceptance_before"] > 0.15, result
+    steps = [s for s, m in tracker.steps if "heldout/acceptance/overall" in m]
+    assert steps == [20, 40]  # the acceptance simulator ran at every eval step
+    assert "heldout/mean_accepted_length_g4/chat" in tracker.metrics
+
+
+def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, tmp_path):
+    # the path a CPU with native bf16 (or a GPU) takes by default: bf16 target, autocast over fp32 master weights
+    result, _ = run_stage(setup, tmp_path, "runtime.dtype=bfloat16", "distill.trainer.bf16=auto", "distill.trainer.max_steps=20")
+    assert result["acceptance_after"] - result["acceptance_before"] > 0.1, result
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert 0 < spec["cost"]["c"] < 5
+
+
+def test_a_learning_curve_point_trains_on_a_nested_share_and_reports_the_same_heldout(setup, distilled, tmp_path):
+    full = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    run_stage(setup, tmp_path, "distill.split.train_fraction=0.5", "distill.trainer.max_steps=4",
+              "distill.heldout.eval_steps=4", "distill.checkpoint.save_steps=4")
+    half = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert half["training"]["train_fraction"] == 0.5 and full["training"]["train_fraction"] == 1.0
+    assert 0 < half["training"]["rows"] < full["training"]["rows"]
+    assert 0 < half["training"]["data_tokens"] < full["training"]["data_tokens"]
+    assert half["heldout"] == full["heldout"]  # the same held-out prompts judge every point
+    assert half["training"]["fingerprint"] != full["training"]["fingerprint"]
+    with pytest.raises(PipelineError, match="train_fraction"):
+        run_stage(setup, tmp_path / "bad", "distill.split.train_fraction=0")
+
+
+def test_learning_curve_points_share_one_head_and_one_labelling_of_every_train_row(setup, tmp_path, monkeypatch):
+    from distill import labels
+
+    labelled = []
+    original = labels.cached_teacher_labels
+    monkeypatch.setattr(labels, "cached_teacher_labels",
+                        lambda job, train, k, log: labelled.append(len(train)) or original(job, train, k, log))
+    specs = {}
+    for share in (0.5, 1.0):
+        run_stage(setup, tmp_path / str(share), "model.draft.vocab_subset=40", f"distill.split.train_fraction={share}",
+                  "distill.trainer.max_steps=2", "distill.heldout.eval_steps=2", "distill.checkpoint.save_steps=2")
+        specs[share] = json.loads((tmp_path / str(share) / "draft" / "speculative.json").read_text())
+    assert specs[0.5]["training"]["rows"] < specs[1.0]["training"]["rows"]
+    assert labelled == [specs[1.0]["training"]["rows"]] * 2  # the half point labelled every row, not its half
+    assert specs[0.5]["vocab_subset"] == specs[1.0]["vocab_subset"]  # the same FR-Spec head for every point
+
+
+def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, monkeypatch):
+    from datasets import Dataset
+    from omegaconf import OmegaConf
+
+    from distill import labels
+    from distill.batch import Truncation
+    from pipeline.models import load_model
+
+    target = load_model(setup["target"], torch.device("cpu"), torch.float32)
+    train = Dataset.from_dict({"prompt_ids": [[3, 4, 5], [6, 7]], "completion_ids": [[8, 9, 10, 11], [12, 13]]})
+    job = types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=Truncation(8, 8),
+                                vocab=torch.tensor([1, 8, 9, 10, 12]), is_main=True,
+                                settings=OmegaConf.create({"heldout": {"batch_size": 2}}),
+                                tokenizer=types.SimpleNamespace(pad_token_id=0),
+                                cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
+    first = labels.cached_teacher_labels(job, train, 4, print)
+    monkeypatch.setattr(labels, "teacher_labels", lambda *a, **k: pytest.fail("the target pass ran again"))
+    assert labels.cached_teacher_labels(job, train, 4, print) == first  # same rows, same subset: from disk
+    assert [len(x) for x in first["subset_logmass"]] == [4, 2]
+    job.vocab = torch.tensor([1, 8, 9])
+    with pytest.raises(pytest.fail.Exception, match="ran again"):  # another subset: other labels
+        labels.cached_teacher_labels(job, train, 4, print)
+
+
+def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
+    """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
+    comes from the reporting part, so no number is measured on the rows that chose it."""
+    from distill.split import split_heldout
+
+    prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(6) for _turn in range(2)]
+    domains = [p.split("-")[0] for p in prompt_ids]
+    calibration, reporting, disjoint = split_heldout(prompt_ids, domains, 0.5, seed=0)
+    chosen, reported = {prompt_ids[i] for i in calibration}, {prompt_ids[i] for i in reporting}
+    assert disjoint and not chosen & reported and chosen | reported == set(prompt_ids)
+    assert {p.split("-")[0] for p in chosen} == {p.split("-")[0] for p in reported} == {"chat", "code"}
+    assert len(calibration) + len(reporting) == len(prompt_ids)  # every turn of a prompt stays with it
+    # a domain with a single held-out prompt: it serves both, and the split says it is not disjoint
+    _, _, disjoint = split_heldout(["a-0", "b-0", "b-1"], ["a", "b", "b"], 0.5, seed=0)
+    assert not disjoint
+
+
+def test_the_export_reports_on_the_reporting_part(distilled):
+    _, _, out = distilled
+    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    parts = spec["heldout"]
+    assert parts["disjoint"] and parts["calibration"]["rows"] > 0 and parts["reporting"]["rows"] > 0
+    assert "reporting part" in (out / "draft" / "README.md").read_text()
+
+
+def test_distill_leaves_the_collected_data_untouched(distilled, setup):
+    # datasets' cache files written next to the input would make DVC rerun collect on every repro
+    assert not list((setup["collect"] / "dataset").glob("cache-*.arrow"))
+
+
+def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
+    _, _, out = distilled
+    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    for key in ("version", "target", "sampling", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
+        assert key in spec
+    assert set(spec["draft_temperature"]) == set(spec["gamma"]) == {"chat", "code", "default"}
+    assert spec["acceptance"]["after"]["overall"] > spec["acceptance"]["before"]["overall"]
+    assert 0 < spec["cost"]["c"] < 5
+    card = (out / "draft" / "README.md").read_text()
+    assert f"{spec['acceptance']['after']['chat']:.3f}" in card  # the card shows this run's numbers
+    assert (out / "draft_init" / "config.json").exists() and (out / "draft" / "tokenizer.json").exists()
+
+
+def test_the_undistilled_draft_ships_with_its_own_calibration(distilled):
+    # a fair "before": the initial weights get τ, γ, policy and tree from the same calibration part and cost profile
+    from pipeline.spec import SpeculativeSpec
+
+    _, _, out = distilled
+    init, tuned = SpeculativeSpec.read(out / "draft_init"), SpeculativeSpec.read(out / "draft")
+    assert not init.distilled and init.selected == "init" and tuned.distilled
+    assert set(init.gamma) == set(init.draft_length) == {"chat", "code", "default"}
+    assert init.cost == tuned.cost  # one cost profile: the draft's shape sets it, not its weights
+    assert init.acceptance["after"] == init.acceptance["before"] == tuned.acceptance["before"]
+    assert init.predicted_speedup != tuned.predicted_speedup  # calibrated on the initial weights, not copied
+    assert (out / "draft_init" / "cost_profile.json").exists()
+
+
+def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(distilled):
+    from transformers import GenerationConfig
+
+    from pipeline.decoding.draft_length import DraftLength
+    from pipeline.spec import SpeculativeSpec
+
+    _, _, out = distilled
+    spec = SpeculativeSpec.read(out / "draft")
+    assert set(spec.draft_length) == {"chat", "code", "default"}
+    default = spec.draft_length_for("default")
+    assert isinstance(default, DraftLength) and default.max >= 1
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+    config = GenerationConfig.from_pretrained(out / "draft")
+    assert config.num_assistant_tokens == default.max
+    expected_threshold = default.threshold if default.policy == "confidence" else 0.0
+    assert config.assistant_confidence_threshold == pytest.approx(expected_threshold)
+    assert config.num_assistant_tokens_schedule == ("heuristic" if default.policy == "heuristic" else "constant")
+
+
+def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path):
+    from pipeline.spec import SpeculativeSpec
+
+    run_stage(setup, tmp_path, "distill.serving.temperature=0", "distill.trainer.max_steps=20")
+    spec = SpeculativeSpec.read(tmp_path / "draft")
+    assert set(spec.tree) == {"chat", "code", "default"}
+    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+
+
+def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp_path):
+    from pipeline.spec import SpeculativeSpec
+
+    run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "distill.calibration.tree_samples=4")
+    spec = SpeculativeSpec.read(tmp_path / "draft")
+    assert not spec.sampling.greedy and set(spec.tree) == {"chat", "code", "default"}
+    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
+    assert all(v > 0 for v in spec.predicted_speedup.values())
+    run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "distill.calibration.tree_samples=0")
+    assert set(SpeculativeSpec.read(tmp_path / "chains" / "draft").tree.values()) == {None}
+
+
+def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):
+    from transformers import AutoModelForCausalLM
+
+    _, _, out = distilled
+    target = AutoModelForCausalLM.from_pretrained(setup["target"]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(out / "draft").eval()
+    assert draft.config.num_hidden_layers == 1 and draft.config.vocab_size == VOCAB
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.cat([torch.tensor([[2, 4]]), torch.randint(6, VOCAB, (1, 6), generator=g)], 1)
+        kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=1, eos_token_id=None)
+        plain = target.generate(ids, **kwargs)
+        assisted = target.generate(ids, assistant_model=draft, **kwargs)
+        assert torch.equal(plain, assisted)
+
+
+def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
+    result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.objective.teacher=online",
+                                "distill.objective.lmbda=0.5", "distill.trainer.max_epochs=1", "distill.objective.loss=fkl")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 5  # max_epochs=1 caps max_steps: ceil(18 train rows / batch 4)
+    assert len(spec["vocab_subset"]) == 48 and 1 in spec["vocab_subset"] and 3 in spec["vocab_subset"]
+    assert tracker.metrics["on_policy_batches"] > 0
+
+
+@pytest.mark.parametrize("extra,match", [
+    (("paths.collect=/nonexistent",), "no collected data"),
+    (("distill.objective.loss=kl",), "unknown distillation loss"),
+    (("model.draft.derive.layers=[0,9]",), "out of range"),
+])
+def test_bad_input_is_one_clear_error(setup, tmp_path, extra, match):
+    with pytest.raises(PipelineError, match=match):
+        run_stage(setup, tmp_path, *extra)
+    assert not (tmp_path / "draft").exists()
+
+
+def test_draft_with_another_tokenizer_is_refused(setup, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    words[10], words[11] = words[11], words[10]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    draft = tiny_llama(vocab_size=VOCAB, layers=1)
+    draft.save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(PipelineError, match="different ids"):
+        run_stage(setup, tmp_path / "out", "model.draft.init=pretrained", f"model.draft.path={tmp_path / 'other'}")
+
+
+def test_two_processes_with_accelerate(setup, tmp_path):
+    """`accelerate launch --num_processes 2 -m pipeline stage=distill` on CPU (gloo)."""
+    if shutil.which("accelerate") is None:
+        pytest.skip("accelerate CLI not installed")
+    cmd = ["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "pipeline", "stage=distill",
+           *overrides(setup, tmp_path, "runtime.threads=1", "distill.trainer.max_steps=10", "distill.heldout.eval_steps=5",
+                      "distill.checkpoint.save_steps=5")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    rendezvous = ("Address already in use", "Connection refused", "connectFullMesh", "failed to bind", "DistNetworkError")
+    if proc.returncode != 0 and any(s in output for s in rendezvous):
+        pytest.skip(f"two CPU processes cannot rendezvous here: {output.strip().splitlines()[-1][:200]}")
+    assert proc.returncode == 0, output[-3000:]
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 10
+    assert output.count("held-out acceptance before") == 1  # evaluation runs on the main process only
+
+
+@pytest.mark.smoke
+def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant(real_target, tmp_path):
+    """The embedded SmolLM2 target: a two-layer derived draft with an FR-Spec head, exported, reloaded and used
+    as HF `assistant_model`: greedy output equals the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    from distill.draft import build_draft
+    from distill.export import save_draft
+    from pipeline.heads import restore_full_head, use_subset_head
+    from pipeline.sampling import Sampling
+    from pipeline.spec import SpeculativeSpec
+
+    target, tokenizer = real_target
+    draft, draft_tok, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})
+    head = use_subset_head(draft, torch.arange(4096))
+    assert draft(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 4096
+    restore_full_head(draft, head)
+    spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)))
+    save_draft(draft, draft_tok, tmp_path / "draft", spec, "# card", target.generation_config)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(ids, **kwargs), target.generate(ids, assistant_model=reloaded, **kwargs))
+
+
+def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
+    # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead
+    result, _ = run_stage(setup, tmp_path, "distill.trainer.learning_rate=3.0", "distill.trainer.max_steps=10", "distill.trainer.warmup_steps=0",
+                          "distill.trainer.max_grad_norm=1e9")
+    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
+    assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
+    assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
