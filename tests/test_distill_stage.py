@@ -80,7 +80,8 @@ def test_learning_curve_points_share_one_head_and_one_labelling_of_every_train_r
     labelled = []
     original = labels.cached_teacher_labels
     monkeypatch.setattr(labels, "cached_teacher_labels",
-                        lambda job, train, k, log: labelled.append(len(train)) or original(job, train, k, log))
+                        lambda inputs, vocab, train, k, log: labelled.append(len(train))
+                        or original(inputs, vocab, train, k, log))
     specs = {}
     for share in (0.5, 1.0):
         run_stage(setup, tmp_path / str(share), "model.draft.vocab_subset=40", f"distill.split.train_fraction={share}",
@@ -101,18 +102,17 @@ def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, m
 
     target = load_model(setup["target"], torch.device("cpu"), torch.float32)
     train = Dataset.from_dict({"prompt_ids": [[3, 4, 5], [6, 7]], "completion_ids": [[8, 9, 10, 11], [12, 13]]})
-    job = types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=Truncation(8, 8),
-                                vocab=torch.tensor([1, 8, 9, 10, 12]), is_main=True,
-                                settings=OmegaConf.create({"heldout": {"batch_size": 2}}),
-                                tokenizer=types.SimpleNamespace(pad_token_id=0),
-                                cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
-    first = labels.cached_teacher_labels(job, train, 4, print)
+    inputs = types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=Truncation(8, 8),
+                                   is_main=True, settings=OmegaConf.create({"heldout": {"batch_size": 2}}),
+                                   tokenizer=types.SimpleNamespace(pad_token_id=0),
+                                   cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
+    vocab = torch.tensor([1, 8, 9, 10, 12])
+    first = labels.cached_teacher_labels(inputs, vocab, train, 4, print)
     monkeypatch.setattr(labels, "teacher_labels", lambda *a, **k: pytest.fail("the target pass ran again"))
-    assert labels.cached_teacher_labels(job, train, 4, print) == first  # same rows, same subset: from disk
+    assert labels.cached_teacher_labels(inputs, vocab, train, 4, print) == first  # same rows, same subset: from disk
     assert [len(x) for x in first["subset_logmass"]] == [4, 2]
-    job.vocab = torch.tensor([1, 8, 9])
     with pytest.raises(pytest.fail.Exception, match="ran again"):  # another subset: other labels
-        labels.cached_teacher_labels(job, train, 4, print)
+        labels.cached_teacher_labels(inputs, torch.tensor([1, 8, 9]), train, 4, print)
 
 
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():

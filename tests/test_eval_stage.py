@@ -17,12 +17,11 @@ from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
-from tests.conftest import REPO, tiny_llama
+from tests.conftest import REPO, RecordingTracker, tiny_llama
+from tests.conftest import tiny_tokenizer as word_tokenizer
 
 VOCAB = 64
 SPECIALS = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
 PROMPTS = [
     {"id": "chat-1", "domain": "chat", "turns": ["w7 w8 w9 w10", "w11 w12"]},  # second turn follows the answer
     {"id": "chat-2", "domain": "chat", "turns": ["w13 w14 w15"]},
@@ -32,16 +31,8 @@ PROMPTS = [
 
 
 def tiny_tokenizer(words: list[str] | None = None):
-    """A word-level tokenizer over a fixed vocabulary, built offline, with a minimal chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = words or SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """conftest's word-level tokenizer over this file's 64 words (a "system" role included)."""
+    return word_tokenizer(words or SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))])
 
 
 def save(model, tokenizer, path: Path, spec: SpeculativeSpec | None = None) -> Path:
@@ -80,34 +71,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "bad_draft": save(derive_draft(target, [0]), tiny_tokenizer(bad_words), root / "bad_draft")}
 
 
-class Tracker:
-    """Records what the stage logs; like MLflow, refuses to change a param (the config is logged as params
-    before the stage runs, see pipeline/tracking.py)."""
+def Tracker(cfg) -> RecordingTracker:
+    """A tracker that, like MLflow, refuses to change a param of the config logged before the stage ran."""
+    from omegaconf import OmegaConf
 
-    def __init__(self, cfg):
-        from omegaconf import OmegaConf
+    from pipeline.tracking import flatten
 
-        from pipeline.tracking import flatten
-
-        self.params = flatten(OmegaConf.to_container(cfg, resolve=True))
-        self.metrics, self.tags, self.artifacts = {}, {}, []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.update(metrics)
-
-    def log_params(self, params):
-        changed = [k for k, v in params.items() if k in self.params and self.params[k] != str(v)]
-        assert not changed, f"MLflow would refuse to change params {changed}"
-        self.params.update({k: str(v) for k, v in params.items()})
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append(path)
-
-    def log_artifacts(self, path, artifact_path=None):
-        self.artifacts.append(path)
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
+    return RecordingTracker(flatten(OmegaConf.to_container(cfg, resolve=True)))
 
 
 def compose_cfg(root: Path, target: Path, *overrides: str):
