@@ -19,12 +19,12 @@ from pipeline.spec import DEFAULT, SpeculativeSpec
 
 
 def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | None, card: str | None,
-               generation_config=None, extra: dict[str, dict] | None = None) -> Path:
+               generation_config=None, extra: dict[str, dict] | None = None, head_fill: torch.Tensor | None = None) -> Path:
     """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile)
-    into `out_dir`, replacing it atomically."""
+    into `out_dir`, replacing it atomically; a subset draft's head rows outside the subset are `head_fill`."""
     out_dir = Path(out_dir)
     if spec is not None and spec.vocab_subset:
-        draft = exported_weights(draft, spec.vocab_subset)
+        draft = exported_weights(draft, spec.vocab_subset, head_fill)
     if generation_config is not None:
         draft.generation_config = copy.deepcopy(generation_config)
     with atomic_dir(out_dir) as tmp:
@@ -40,11 +40,12 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
     return out_dir
 
 
-def exported_weights(draft, vocab_subset: list[int] | None):
-    """The model exactly as it is written to disk: a copy with the FR-Spec subset baked into its full head."""
+def exported_weights(draft, vocab_subset: list[int] | None, head_fill: torch.Tensor | None = None):
+    """The model exactly as it is written to disk: a copy with the FR-Spec subset baked into its full head
+    (rows outside it `head_fill`, distill.calibrate.out_of_subset_fill; None: zero)."""
     if not vocab_subset:
         return draft
-    return bake_subset(copy.deepcopy(draft), torch.tensor(vocab_subset, dtype=torch.long))
+    return bake_subset(copy.deepcopy(draft), torch.tensor(vocab_subset, dtype=torch.long), head_fill)
 
 
 def _describe(spec: SpeculativeSpec, domain: str) -> str:
@@ -60,7 +61,8 @@ def _subset_line(spec: SpeculativeSpec) -> str:
     if not spec.vocab_subset:
         return "off (full vocabulary)"
     full = spec.acceptance.get("full_head", {}).get("overall")
-    return (f"{len(spec.vocab_subset)} tokens, written into the exported head (rows outside it score 0), so engines "
+    return (f"{len(spec.vocab_subset)} tokens, written into the exported head (rows outside it score far below the "
+            "subset's best), so engines "
             f"that run the full head (HF, vLLM, llama.cpp) draft what this project's decoder drafts; held-out "
             f"acceptance with the full head {_fmt(full)} vs {_fmt(spec.acceptance.get('after_calibrated', {}).get('overall'))} "
             "through the subset")
