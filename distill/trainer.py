@@ -227,6 +227,8 @@ class DistillTrainer(GKDTrainer):
 
     def __init__(self, model, args: DistillConfig, train_dataset, teacher_model, vocab=None,
                  stop_ids: list[int] | None = None, processing_class=None, callbacks=None, reference_model=None):
+        """GKDTrainer's arguments (model, args, data, teacher, tokenizer, callbacks) plus what ours adds: the FR-Spec
+        `vocab`, the `stop_ids` of on-policy continuations and AdaSPEC's `reference_model`."""
         check_loss(args.loss, args.beta, args.topk_tail, args.teacher, args.adaspec_keep)
         collator = DistillCollator(processing_class.pad_token_id,
                                    Truncation(args.max_prompt_length, args.max_completion_length))

@@ -19,7 +19,7 @@ import torch
 
 from eval.baselines import assistant_configs, hf_generate
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import autoregressive_generate, speculative_generate
+from pipeline.decoding import GREEDY, autoregressive_generate, speculative_generate
 from pipeline.errors import PipelineError
 from pipeline.models import derive_draft, load_model, load_tokenizer
 from pipeline.prompts import load_prompts
@@ -56,10 +56,10 @@ def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
 
     return {
         "own_ar": lambda ids: own(autoregressive_generate(target, ids, max_new_tokens=n, eos_token_id=stop)),
-        "hf_generate": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop), None),
+        "hf_generate": lambda ids: (hf_generate(target, ids, n, GREEDY, stop), None),
         "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, drafting=gamma, max_new_tokens=n,
                                                                 eos_token_id=stop)),
-        "hf_assisted": lambda ids: (hf_generate(target, ids, n, 0, 0, 1.0, stop, draft, fixed_gamma), None),
+        "hf_assisted": lambda ids: (hf_generate(target, ids, n, GREEDY, stop, draft, fixed_gamma), None),
     }
 
 

@@ -312,6 +312,13 @@ def _control(metrics: dict) -> list[str]:
 
 
 def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
+    """report.md: the setup, per-domain and per-method tables, advice, comparisons, sweeps, fidelity, plots."""
+    lines = _setup_lines(metrics) + _result_lines(metrics) + _sweep_lines(metrics) + _fidelity(metrics)
+    lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
+    path.write_text("\n".join(lines))
+
+
+def _setup_lines(metrics: dict) -> list[str]:
     setup = metrics["setup"]
     m = setup["machine"]
     sampling = (f"temperature {metrics['temperature']}" + (" (greedy)" if metrics["temperature"] == 0 else "")
@@ -341,6 +348,12 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         + (f"; the {metrics['budget']['max_minutes']}-minute budget (eval.max_minutes) stopped it after "
            f"{metrics['budget']['prompts_done']} of {metrics['budget']['prompts_planned']} prompts"
            if metrics.get("budget") else ""), "",
+    ]
+    return lines
+
+
+def _result_lines(metrics: dict) -> list[str]:
+    lines = [
         "## Results per domain", "",
         markdown_table(*domain_rows(metrics)), "",
         "acceptance = accepted / proposed draft tokens; mean acc. len = generated tokens per target pass "
@@ -364,7 +377,11 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "
                   "requests (= ratio of their tokens/s), with a paired bootstrap 95% CI:", "",
                   *[f"- {c}" for c in comparisons], ""]
-    lines += _control(metrics)
+    return lines + _control(metrics)
+
+
+def _sweep_lines(metrics: dict) -> list[str]:
+    lines = []
     sweep = metrics.get("gamma_sweep")
     if sweep:
         rows = [[g, _f(p["acceptance_rate"]), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
@@ -383,9 +400,7 @@ def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
                   "request; predicted = distill's simulator on its reporting part with the cost profile, averaged "
                   "over the requests' domains.", "",
                   markdown_table(["tree", "nodes/pass", "mean acc. len", "tok/s", "speedup", "predicted"], rows), ""]
-    lines += _fidelity(metrics)
-    lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
-    path.write_text("\n".join(lines))
+    return lines
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:

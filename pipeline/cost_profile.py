@@ -97,6 +97,7 @@ def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, token
                          seed: int = 0) -> dict:
     """Time the target's forward of each count in `tokens_fed` at each context length (KV cache prefilled
     with random tokens) and the draft's 1-token step with its head sliced to `vocab`, as the decoder runs it.
+    (Nine parameters: the models and the subset, then the timing plan, each a conf/distill calibration.cost key.)
 
     Interleaved and paired as `_sweep` says; the draft runs in the target's dtype, as it will serve.
     """
