@@ -129,8 +129,7 @@ class CollectJob:
 
     @property
     def max_minutes(self) -> float | None:
-        value = self.cfg.collect.get("max_minutes")
-        return None if value is None else float(value)
+        return self.settings.max_minutes
 
     def out_of_time(self) -> bool:
         return self.max_minutes is not None and time.time() - self.started > 60 * self.max_minutes
@@ -146,7 +145,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     """settings -> prompts -> target and fingerprint -> missing shards -> merge + manifest -> summary."""
     started = time.time()
     settings = CollectSettings.from_config(cfg.collect, cfg.seed)
-    prompts = _load_prompts(cfg)
+    prompts = _load_prompts(cfg, settings)
     job = _open_job(cfg, settings, prompts, started)
     _announce(job)
     _generate_missing_shards(job, tracker)
@@ -159,22 +158,17 @@ def run(cfg: DictConfig, tracker) -> dict:
     return _report(job, tracker, manifest)
 
 
-def _load_prompts(cfg: DictConfig) -> dict[str, list[dict]]:
+def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[dict]]:
     """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
     from pipeline.prompts import load_split
 
-    domains = cfg.collect.domains
-    if isinstance(domains, str):
-        domains = [domains]
-    domains = list(domains) if domains is not None else None
-    if domains is not None and not domains:
-        raise PipelineError("collect.domains is empty: list domains to collect or set collect.domains=null for all")
+    domains = list(settings.domains) if settings.domains is not None else None
     rows = load_split(cfg.paths.prompts, "train", domains)
     by_domain: dict[str, list[dict]] = {domain: [] for domain in (domains or [])}
     for row in rows:
         by_domain.setdefault(row["domain"], []).append(row)
-    cap = cfg.collect.get("max_prompts_per_domain")  # load_split already refused unknown/empty domains
-    return {domain: prompts[:int(cap)] if cap else prompts for domain, prompts in by_domain.items()}
+    cap = settings.max_prompts_per_domain  # load_split already refused unknown/empty domains
+    return {domain: prompts[:cap] if cap else prompts for domain, prompts in by_domain.items()}
 
 
 def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, list[dict]],
@@ -294,7 +288,7 @@ def _make_backend(job: CollectJob):
     if settings.backend == "vllm":
         from data.collect_vllm import VLLMBackend
 
-        return VLLMBackend(job.target_path, settings, stop_ids, job.dtype, job.cfg.collect.get("vllm") or {})
+        return VLLMBackend(job.target_path, settings, stop_ids, job.dtype, dict(settings.vllm))
     device = job.device
     if device.type == "cuda" and job.state.num_processes > 1:
         device = job.state.device  # one GPU per accelerate process

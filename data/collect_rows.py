@@ -3,10 +3,12 @@ dataset's columns (the output contract in data/collect.py), one shard's rows, an
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
@@ -20,22 +22,46 @@ _FIX = "fix the override or conf/collect/default.yaml"
 
 @dataclass(frozen=True)
 class CollectSettings:
-    """What the collect stage generates and how: the target's serving `sampling`, the generation length
-    and count, the white-box label width (`topk`, 0 = none) and the run layout. Validates itself.
+    """`collect.*` of the composed config, declared once and validated in one place (`__post_init__`, TRL's
+    `XConfig` pattern, as eval/settings.py and distill/settings.py): one field per key of
+    conf/collect/default.yaml, except that `temperature`, `top_k` and `top_p` are the one `sampling` (the
+    core's Sampling, which checks them itself). What each setting does and why its default: that file's comments.
 
-    The stage builds it from `collect.*` (`from_config`); the defaults only serve direct construction
-    (tests, data/bench_collect.py) and are the neutral values, not conf/collect/default.yaml's."""
-    sampling: Sampling
-    max_new_tokens: int
-    samples_per_prompt: int = 1
-    topk: int = 0
-    batch_size: int = 1
-    shard_size: int = 1
-    backend: str = "hf"
-    seed: int = 0
-    keep_shards: bool = True
+    No field has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`, which refuses a missing
+    or an unknown key; direct construction (tests) names every field. Checks raise a one-line PipelineError before
+    anything is loaded or written; what needs the target or the process group (top-k against the vocabulary, vllm
+    under accelerate, unknown domains) is checked where those are known (data/collect.py, pipeline/prompts.py).
+    Validation also normalises (numbers to their type, `domains` to a tuple, a single domain string a 1-tuple,
+    `vllm` to a read-only mapping); it is idempotent, so `dataclasses.replace` works on a built instance."""
+    sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
+    max_new_tokens: int                 # generation length per completion
+    samples_per_prompt: int             # completions per prompt turn
+    topk: int                           # white-box label width; 0 = no labels
+    batch_size: int                     # sequences per generate call
+    shard_size: int                     # prompts per shard and domain
+    backend: str                        # hf | vllm
+    seed: int                           # collect.seed (null = the root seed)
+    keep_shards: bool                   # keep the shards after the merge
+    domains: tuple[str, ...] | None     # domains to collect; None = every train domain
+    max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
+    max_minutes: float | None           # no new shard starts after this long; None = no limit
+    vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
+
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
 
     def __post_init__(self):
+        for key, kind in (("max_new_tokens", int), ("samples_per_prompt", int), ("topk", int), ("batch_size", int),
+                          ("shard_size", int), ("seed", int)):
+            self._normalise(key, _config_number(key, getattr(self, key), kind))
+        for key, kind in (("max_prompts_per_domain", int), ("max_minutes", float)):
+            if getattr(self, key) is not None:
+                self._normalise(key, _config_number(key, getattr(self, key), kind))
+        domains = self.domains
+        if domains is not None:
+            self._normalise("domains", (domains,) if isinstance(domains, str) else tuple(domains))
+        if not isinstance(self.vllm, Mapping):
+            raise PipelineError(f"collect.vllm={self.vllm!r} is not a group of settings: {_FIX}")
+        self._normalise("vllm", MappingProxyType(dict(self.vllm)))
         checks = [
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
@@ -46,38 +72,59 @@ class CollectSettings:
             (self.sampling.greedy and self.samples_per_prompt > 1,
              "collect.temperature=0 (greedy) makes every sample identical: use samples_per_prompt=1 "
              "or a temperature > 0"),
-            (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf or vllm")]
+            (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf or vllm"),
+            (not isinstance(self.keep_shards, bool), f"collect.keep_shards={self.keep_shards!r} is not true or "
+                                                     f"false: {_FIX}"),
+            (self.domains is not None and not self.domains,
+             "collect.domains is empty: list domains to collect or set collect.domains=null for all"),
+            (self.max_prompts_per_domain is not None and self.max_prompts_per_domain < 0,
+             f"collect.max_prompts_per_domain={self.max_prompts_per_domain} must be ≥ 0 (null = all): {_FIX}"),
+            (self.max_minutes is not None and self.max_minutes <= 0,
+             f"collect.max_minutes={self.max_minutes} must be > 0 (null = no limit): {_FIX}")]
         for bad, message in checks:
             if bad:
                 raise PipelineError(message)
 
     @classmethod
     def from_config(cls, collect_cfg: DictConfig, default_seed: int) -> "CollectSettings":
-        """The settings in `cfg.collect`, checked before anything is loaded or written."""
-        def read(key, kind):
-            return _config_number(collect_cfg, key, kind)
-
-        temperature, top_k, top_p = read("temperature", float), read("top_k", int), read("top_p", float)
+        """The settings in `cfg.collect` (interpolations resolved; a null collect.seed is `default_seed`, the
+        root seed): every key of conf/collect/default.yaml, no other; checked before anything is loaded."""
+        values = OmegaConf.to_container(collect_cfg, resolve=True)
+        keys = [name for name in (f.name for f in fields(cls)) if name != "sampling"] + list(cls.SAMPLING)
+        unknown = [key for key in values if key not in keys]
+        if unknown:
+            raise PipelineError(f"unknown collect setting(s) {', '.join(f'collect.{key}' for key in unknown)}: use "
+                                "the keys of conf/collect/default.yaml (check the spelling of the override)")
+        missing = [key for key in keys if key not in values]
+        if missing:
+            raise PipelineError(f"collect setting(s) {', '.join(f'collect.{key}' for key in missing)} missing from "
+                                "the composed config: restore them in conf/collect/default.yaml, where every "
+                                "setting is declared")
+        temperature, top_k, top_p = (_config_number(key, values.pop(key), kind)
+                                     for key, kind in zip(cls.SAMPLING, (float, int, float)))
         try:
             sampling = Sampling(temperature, top_k, top_p)
         except PipelineError as e:  # the core names the field; the user needs the collect.* key
             raise PipelineError(f"collect.{e} ({_FIX})") from None
-        seed = int(default_seed) if collect_cfg.get("seed") is None else read("seed", int)
-        return cls(sampling, read("max_new_tokens", int), read("samples_per_prompt", int), read("topk", int),
-                   read("batch_size", int), read("shard_size", int), str(collect_cfg.get("backend")), seed,
-                   bool(collect_cfg.get("keep_shards", True)))
+        if values["seed"] is None:
+            values["seed"] = default_seed
+        return cls(sampling=sampling, **values)
+
+    def _normalise(self, key: str, value) -> None:
+        object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
 
     def generation_key(self) -> dict:
         """The settings that decide the rows, for the shard fingerprint. batch_size stays out so that a
-        resume may change it (e.g. after an out-of-memory); keep_shards only decides the cleanup."""
+        resume may change it (e.g. after an out-of-memory); keep_shards only decides the cleanup; the
+        prompts (domains, max_prompts_per_domain) are in each shard's own name; max_minutes and vllm's
+        memory options decide how far and how fast a run gets, not its rows."""
         return {"sampling": self.sampling.to_dict(), "max_new_tokens": self.max_new_tokens,
                 "samples_per_prompt": self.samples_per_prompt, "topk": self.topk, "shard_size": self.shard_size,
                 "backend": self.backend, "seed": self.seed}
 
 
-def _config_number(collect_cfg: DictConfig, key: str, kind: type):
+def _config_number(key: str, value, kind: type):
     """collect.<key> as an int or float, or a one-line error naming the key."""
-    value = collect_cfg.get(key)
     fractional = kind is int and isinstance(value, float) and not value.is_integer()
     try:
         if isinstance(value, bool) or fractional:

@@ -9,6 +9,7 @@ draft: greedy agreement 0.054 through its full head against 0.215 through the su
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,9 +20,11 @@ from pipeline.spec import DEFAULT, SpeculativeSpec
 
 
 def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | None, card: str | None,
-               generation_config=None, extra: dict[str, dict] | None = None, head_fill: torch.Tensor | None = None) -> Path:
-    """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile)
-    into `out_dir`, replacing it atomically; a subset draft's head rows outside the subset are `head_fill`."""
+               generation_config=None, extra: dict[str, dict] | None = None, head_fill: torch.Tensor | None = None,
+               files: dict[str, Path] | None = None) -> Path:
+    """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile,
+    `files` copied in by name such as draft.gguf) into `out_dir`, replacing it atomically; a subset draft's head
+    rows outside the subset are `head_fill`."""
     out_dir = Path(out_dir)
     if spec is not None and spec.vocab_subset:
         draft = exported_weights(draft, spec.vocab_subset, head_fill)
@@ -37,6 +40,8 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
         for name, content in (extra or {}).items():
             if content is not None:
                 write_json(tmp / name, content)
+        for name, source in (files or {}).items():
+            shutil.copyfile(source, tmp / name)
     return out_dir
 
 

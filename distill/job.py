@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from distill import calibrate as cal
 from distill.batch import Truncation
+from distill.settings import DistillSettings
 from pipeline.decoding import DraftLength
 from pipeline.sampling import Sampling
 
@@ -21,6 +22,7 @@ from pipeline.sampling import Sampling
 class Inputs:
     """Checked settings, the collected rows, the target and the initial draft."""
     cfg: DictConfig
+    settings: DistillSettings  # `cfg.distill`, checked (distill/settings.py)
     tracker: object
     state: object  # accelerate.PartialState
     collected: object  # datasets.Dataset from the collect stage
@@ -33,10 +35,6 @@ class Inputs:
     draft_tokenizer: object
     draft_info: dict
     stops: list[int]
-
-    @property
-    def settings(self) -> DictConfig:
-        return self.cfg.distill
 
     @property
     def is_main(self) -> bool:

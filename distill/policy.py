@@ -77,9 +77,10 @@ def _by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, len
 
 
 def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
-             max_len: int) -> tuple[float, float]:
+             max_len: int, stop_before: bool = False) -> tuple[float, float]:
     """(D, A): expected drafted and accepted tokens per pass, averaged over block starts (module docstring).
-    keep None = the fixed policy (always keeps going)."""
+    keep None = the fixed policy (always keeps going). stop_before: a token is proposed only when its own keep
+    holds (llama.cpp's p_min: the block stops before an unsure token), not after it (HF's confidence rule)."""
     if not bool(positions.any()):
         return float(max_len), 0.0
     a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
@@ -92,11 +93,14 @@ def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, p
     drafted, accepted = torch.zeros_like(a), torch.zeros_like(a)
     for step in range(max_len):
         shifted_a = torch.nn.functional.pad(a[:, step:], (0, step), value=0.0)
+        shifted_k = torch.nn.functional.pad(k[:, step:], (0, step), value=1.0)
         all_accepted = all_accepted * shifted_a
+        if stop_before:
+            proposed = proposed * shifted_k
         drafted += proposed
         accepted += proposed * all_accepted
-        shifted_k = torch.nn.functional.pad(k[:, step:], (0, step), value=1.0)
-        proposed = proposed * shifted_k
+        if not stop_before:
+            proposed = proposed * shifted_k
     return float(drafted[starts].mean()), float(accepted[starts].mean())
 
 

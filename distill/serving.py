@@ -47,7 +47,7 @@ def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dic
                  taus: dict) -> dict[str, list | None]:
     """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
     (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
-    samples = int(inputs.settings.calibration.get("tree_samples") or 0)
+    samples = int(inputs.settings.calibration.tree_samples)
     if not inputs.sampling.greedy and not samples:
         return {domain: None for domain in chains}
     hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, taus, samples, int(inputs.cfg.seed))
@@ -59,7 +59,7 @@ def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dic
 def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibration: Calibration) -> dict[str, dict]:
     """{domain: {"3,1": {accepted, nodes, predicted_speedup}}} for every candidate tree (chains included) on
     `heldout`, where trees are calibrated for this serving (eval's tree sweep sets measured beside predicted)."""
-    samples = int(inputs.settings.calibration.get("tree_samples") or 0)
+    samples = int(inputs.settings.calibration.tree_samples)
     if not inputs.sampling.greedy and not samples:
         return {}
     hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, calibration.temperature, samples,
@@ -80,7 +80,7 @@ def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
     device's, checked against these models' shapes), else measured here in the serving dtype. The draft's
     shape, not its weights, sets it."""
     settings = inputs.settings.calibration.cost
-    if settings.get("profile"):
+    if settings.profile:
         rows = len(vocab) if vocab is not None else None
         profile = read_profile(settings.profile, inputs.target, inputs.draft, rows)
         log(f"calibrating for the cost profile {settings.profile} ({profile['machine'].get('device_name')}, "

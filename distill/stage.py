@@ -11,6 +11,7 @@
     profile     = cost_profile(inputs, split.vocab)       this device's pass costs (or a given profile)
     calibration = calibrate(inputs, split, ...)           τ, γ, draft-length policy and tree per domain
     spec        = build_spec(...)                         speculative.json: every number on the reporting part
+    spec, files = calibrate_engines(...)                  + the engines asked for (llama.cpp) and draft.gguf
     export(...)                                           ${paths.draft} + model card + the per-domain table
     export_calibrated_init(...)                           ${paths.draft_init} again, with its own calibration
 
@@ -31,11 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill import calibrate as cal
 from distill.draft import build_draft, vocab_subset
+from distill.engines import calibrate_engines
 from distill.export import exported_weights, format_table, model_card, save_draft
 from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
-from distill.losses import check_loss
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
+from distill.settings import DistillSettings, ServingSettings
 from distill.split import nested_subset, split_by_prompt, split_heldout
 from distill.training import TrainingResult, generation_length, train_draft
 from pipeline.chat import stop_token_ids
@@ -45,7 +47,6 @@ from pipeline.models import check_compatible, load_role, model_identity
 from pipeline.sampling import Sampling
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
-TEACHERS = ("online", "topk")
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
 # adding a knob does not orphan every checkpoint trained before it.
@@ -79,7 +80,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
         export_undistilled(inputs, split, heldouts, before)
     split = attach_teacher_labels(inputs, split, log)
     settings = inputs.settings.calibration
-    keeps_initial = inputs.is_main and (settings.keep_best or settings.get("calibrate_init"))
+    keeps_initial = inputs.is_main and (settings.keep_best or settings.calibrate_init)
     initial_weights = snapshot(inputs.draft) if keeps_initial else None
     training = train_draft(inputs, split, heldouts.reporting if heldouts else None, log)
     if not inputs.is_main:
@@ -88,9 +89,10 @@ def _run(cfg: DictConfig, tracker) -> dict:
     profile = cost_profile(inputs, split.vocab)
     calibration = calibrate(inputs, split, heldouts.calibration, profile)
     spec = build_spec(inputs, split, heldouts, before, training, selected, calibration)
+    spec, engine_files = calibrate_engines(inputs, split, heldouts, spec, log)
     calibration_dtype = next(inputs.draft.parameters()).dtype
-    export(inputs, split, heldouts, spec, profile)
-    if settings.get("calibrate_init"):
+    export(inputs, split, heldouts, spec, profile, engine_files)
+    if settings.calibrate_init:
         export_calibrated_init(inputs, split, heldouts, before, initial_weights, calibration_dtype, profile,
                                calibration if selected["selected"] == "init" else None)
     log(f"exported {cfg.paths.draft} (undistilled: {cfg.paths.draft_init}) in {time.time() - t_start:.0f}s")
@@ -100,32 +102,6 @@ def _run(cfg: DictConfig, tracker) -> dict:
 
 
 # ---------------------------------------------------------------- inputs
-def check_config(settings: DictConfig) -> None:
-    objective = settings.objective
-    check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher, objective.get("adaspec_keep"))
-    if objective.teacher not in TEACHERS:
-        raise PipelineError(f"unknown distill.objective.teacher={objective.teacher!r}: use online or topk")
-    if not 0.0 <= float(objective.lmbda) <= 1.0:
-        raise PipelineError(f"distill.objective.lmbda={objective.lmbda} is not a share in [0, 1]: use e.g. 0 or 0.5")
-    if float(objective.lmbda) > 0 and objective.loss == "ce":
-        raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's distribution, "
-                            "which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
-    if float(objective.loss_temperature) <= 0:
-        raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature} must be > 0: use e.g. 1.0")
-    if not 0.0 < float(settings.split.heldout_fraction) < 1.0:
-        raise PipelineError(f"distill.split.heldout_fraction={settings.split.heldout_fraction} must be in (0, 1): "
-                            "use e.g. 0.15")
-    if not 0.0 < float(settings.split.calibration_share) < 1.0:
-        raise PipelineError(f"distill.split.calibration_share={settings.split.calibration_share} must be in (0, 1): "
-                            "use e.g. 0.5")
-    fraction = settings.split.get("train_fraction")
-    if fraction is not None and not 0.0 < float(fraction) <= 1.0:
-        raise PipelineError(f"distill.split.train_fraction={settings.split.train_fraction} must be in (0, 1]: "
-                            "use e.g. 0.25 (a learning-curve point) or 1")
-    if not settings.trainer.get("max_steps") and not settings.trainer.get("max_epochs"):
-        raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: set at least one")
-
-
 def load_collected(collect_dir: str | Path):
     """The collect stage's dataset and manifest, or a one-line error naming the fix."""
     from datasets import load_from_disk
@@ -148,10 +124,10 @@ def load_collected(collect_dir: str | Path):
     return dataset, manifest
 
 
-def serving_sampling(settings: DictConfig, manifest: dict) -> Sampling:
+def serving_sampling(serving: ServingSettings, manifest: dict) -> Sampling:
     """The serving settings the draft is tuned for: distill.serving.* where set, else the collect manifest's."""
     chosen = dict(manifest.get("sampling") or {})
-    chosen.update({k: v for k, v in (settings.get("serving") or {}).items() if v is not None})
+    chosen.update({k: v for k, v in vars(serving).items() if v is not None})
     return Sampling.from_dict(chosen)
 
 
@@ -159,7 +135,7 @@ def load_inputs(cfg: DictConfig, tracker) -> Inputs:
     """Checked settings, the collected rows, the target and the initial draft."""
     from accelerate import PartialState
 
-    check_config(cfg.distill)
+    settings = DistillSettings.from_config(cfg.distill)
     state = PartialState()
     dataset, manifest = load_collected(cfg.paths.collect)
     target, tokenizer, target_path = load_role(cfg, "target")
@@ -173,9 +149,9 @@ def load_inputs(cfg: DictConfig, tracker) -> Inputs:
     if largest_id >= target.config.vocab_size:
         raise PipelineError(f"collected token id {largest_id} is outside the target's {target.config.vocab_size:,}-token "
                             "vocabulary: the data was collected with another tokenizer; rerun stage=collect")
-    return Inputs(cfg, tracker, state, dataset, manifest, serving_sampling(cfg.distill, manifest), target,
-                      tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, draft,
-                      draft_tokenizer, draft_info, stop_token_ids(tokenizer, target))
+    return Inputs(cfg, settings, tracker, state, dataset, manifest, serving_sampling(settings.serving, manifest),
+                  target, tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, draft,
+                  draft_tokenizer, draft_info, stop_token_ids(tokenizer, target))
 
 
 # ---------------------------------------------------------------- split
@@ -202,7 +178,7 @@ def split_rows(inputs: Inputs) -> Split:
     collected, split = inputs.collected, inputs.settings.split
     seed = int(inputs.cfg.seed)
     train_idx, held_idx = split_by_prompt(collected["prompt_id"], collected["domain"], float(split.heldout_fraction),
-                                          split.get("heldout_max_prompts_per_domain"), seed)
+                                          split.heldout_max_prompts_per_domain, seed)
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
@@ -348,10 +324,12 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint}
 
 
-def export(inputs: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec, profile: dict) -> None:
-    """The tuned draft in the serving dtype with speculative.json and a model card; the table; MLflow."""
+def export(inputs: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec, profile: dict,
+           engine_files: dict[str, Path]) -> None:
+    """The tuned draft in the serving dtype with speculative.json, a model card and the files its engines serve
+    (draft.gguf); the table; MLflow."""
     paths = inputs.cfg.paths
-    save_calibrated(inputs, heldouts, split, spec, profile, paths.draft, "distilled")
+    save_calibrated(inputs, heldouts, split, spec, profile, paths.draft, "distilled", engine_files)
     if not inputs.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / split.fingerprint, ignore_errors=True)
     print(format_table(spec))
@@ -369,7 +347,7 @@ def export(inputs: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSp
 
 
 def save_calibrated(inputs: Inputs, heldouts: HeldOuts, split: Split, spec: SpeculativeSpec, profile: dict, path: str,
-                    label: str) -> None:
+                    label: str, files: dict[str, Path] | None = None) -> None:
     """The draft in the serving dtype with its calibration, model card and cost profile (each argument is an
     earlier step's product)."""
     fill = cal.out_of_subset_fill(inputs.draft, heldouts.calibration, split.vocab)
@@ -378,7 +356,7 @@ def save_calibrated(inputs: Inputs, heldouts: HeldOuts, split: Split, spec: Spec
         setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
     save_draft(inputs.draft.to(inputs.serving_dtype), inputs.draft_tokenizer, path, spec,
                model_card(spec, f"{inputs.cfg.model.draft.name} ({label})"), generation_config,
-               extra={FILENAME: profile}, head_fill=fill)
+               extra={FILENAME: profile}, head_fill=fill, files=files)
 
 
 def export_calibrated_init(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, initial_weights: dict,

@@ -4,12 +4,12 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Mapping
 
 import torch
-from omegaconf import OmegaConf
 
 from distill import calibrate as cal
 from distill.calibrate import HeldOut
@@ -33,33 +33,33 @@ def mixed_bf16(choice, target) -> bool:
     return next(target.parameters()).dtype == torch.bfloat16 if choice == "auto" else bool(choice)
 
 
-def step_budget(trainer_settings: dict, n_rows: int, rows_per_step: int) -> int:
+def step_budget(trainer_settings: Mapping, n_rows: int, rows_per_step: int) -> int:
     """max_steps, capped at max_epochs passes over the train rows when that is fewer."""
-    max_steps = int(trainer_settings["max_steps"]) if trainer_settings.get("max_steps") else -1
-    if trainer_settings.get("max_epochs"):
+    max_steps = int(trainer_settings["max_steps"]) if trainer_settings["max_steps"] else -1
+    if trainer_settings["max_epochs"]:
         by_epochs = max(1, math.ceil(float(trainer_settings["max_epochs"]) * n_rows / rows_per_step))
         max_steps = by_epochs if max_steps < 0 else min(max_steps, by_epochs)
     return max_steps
 
 
-def generation_length(objective: dict, manifest: dict) -> int | None:
-    """Tokens an on-policy (or seq-KD) continuation may run: objective.max_new_tokens, else the collect's own
-    max_new_tokens, so generated and collected batches are alike."""
-    return objective.get("max_new_tokens") or manifest.get("max_new_tokens")
+def generation_length(objective, manifest: dict) -> int | None:
+    """Tokens an on-policy (or seq-KD) continuation may run: objective.max_new_tokens (distill.objective, as settings
+    or as config), else the collect's own max_new_tokens, so generated and collected batches are alike."""
+    return objective.max_new_tokens or manifest.get("max_new_tokens")
 
 
 def training_arguments(job: Inputs, n_rows: int, out_dir: Path) -> DistillConfig:
     """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows."""
     settings = job.settings
-    trainer = OmegaConf.to_container(settings.trainer, resolve=True)
+    trainer = dict(settings.trainer)  # TrainingArguments names, and max_epochs, which is not one
     rows_per_step = (int(trainer["per_device_train_batch_size"]) * int(trainer["gradient_accumulation_steps"])
                      * job.state.num_processes)
     trainer["max_steps"] = step_budget(trainer, n_rows, rows_per_step)
-    trainer.pop("max_epochs", None)
-    trainer["bf16"] = mixed_bf16(trainer.get("bf16", "auto"), job.target)
+    trainer.pop("max_epochs")
+    trainer["bf16"] = mixed_bf16(trainer["bf16"], job.target)
     checkpoint = settings.checkpoint
-    objective = OmegaConf.to_container(settings.objective, resolve=True)
-    objective["max_new_tokens"] = generation_length(objective, job.manifest)
+    objective = asdict(settings.objective)
+    objective["max_new_tokens"] = generation_length(settings.objective, job.manifest)
     return DistillConfig(
         output_dir=str(out_dir), **trainer, **objective,
         save_strategy="steps", save_steps=int(checkpoint.save_steps), save_total_limit=int(checkpoint.save_total_limit),
@@ -92,9 +92,9 @@ def train_draft(job: Inputs, split: Split, reporting: HeldOut | None, log) -> Tr
     progress = RunProgress(last, job.state.num_processes)
     acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps), progress,
                                        is_main=job.is_main, printer=log)
-    budget = TimeBudgetCallback(job.settings.checkpoint.get("max_train_minutes"), progress)
+    minutes = job.settings.checkpoint.max_train_minutes
+    budget = TimeBudgetCallback(minutes, progress)
     arguments = training_arguments(job, len(split.train), out_dir)
-    minutes = job.settings.checkpoint.get("max_train_minutes")
     # the time or step budget was spent before the interruption (or this is a rerun to calibrate for other serving
     # settings)
     spent = bool(last and ((minutes and progress.seconds0 >= 60 * float(minutes))

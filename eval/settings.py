@@ -22,6 +22,7 @@ from pipeline.decoding import POLICIES, DraftLength, parse_tree
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
+ENGINES = ("ours", "llamacpp")  # eval/engine_llamacpp.py; HF assisted generation runs as eval.baselines
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
 RESERVED = ("init", "fixed", "confidence", "heuristic")  # speculative_<these> name other methods: no extra draft's name
 
@@ -71,6 +72,7 @@ class EvalSettings:
     fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
     fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
     warmup_tokens: int                   # untimed warm-up tokens per method before measuring
+    engine: str                          # where the methods run: one of ENGINES
 
     @classmethod
     def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
@@ -155,6 +157,9 @@ class EvalSettings:
             parse_tree(tree)
 
     def _check_methods(self) -> None:
+        if self.engine not in ENGINES:
+            _bad("engine", self.engine, "is not an engine eval runs in",
+                 f"use one of {', '.join(ENGINES)} (HF assisted generation: eval.baselines; vLLM needs CUDA and vllm)")
         self._normalise("extra_drafts", dict(self.extra_drafts or {}))
         for name in self.extra_drafts:
             if name in RESERVED or not str(name).isidentifier():

@@ -302,6 +302,10 @@ def run(cfg: DictConfig, tracker) -> dict:
     sampling = settings.sampling
     out_dir = output_dir(cfg)
     prompts, source = load_eval_prompts(cfg, settings)
+    if settings.engine == "llamacpp":
+        from eval.engine_llamacpp import run_llamacpp  # builds and starts llama.cpp only when asked for
+
+        return run_llamacpp(cfg, tracker, settings, prompts, source, out_dir)
     evaluation = load_models(cfg, settings, sampling)
     evaluation.plans = make_plans(evaluation, list(prompts))
     methods = make_methods(evaluation)

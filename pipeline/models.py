@@ -96,6 +96,26 @@ def converted_dir(models_dir: str | Path, spec: dict, role: str) -> Path:
     return Path(models_dir) / f"{spec.get('name') or role}-{spec['package']['sha256'][:12]}"
 
 
+def model_gguf(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> Path | None:
+    """The GGUF file of a `.gguf` or packaged model, as an engine such as llama.cpp serves it (a packaged one is
+    taken from the cached wheels, sha256-verified, and kept next to its converted directory); None for an HF
+    directory or hub id, which an engine's own converter turns into GGUF."""
+    spec = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
+    path = spec.get("path")
+    if path:
+        return Path(os.path.expanduser(str(path))) if str(path).endswith(".gguf") else None
+    package = spec.get("package")
+    if not package:
+        return None
+    out = converted_dir(paths["models"], spec, name).with_suffix(".gguf")
+    if not out.is_file():
+        chunks = package.get("chunks") or [package]
+        parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in chunks]
+        fetch_file(parts, out, sha256=package["sha256"], size=package.get("size"),
+                   cache_dir=Path(paths["cache"]) / "wheels")
+    return out
+
+
 def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> Path:
     """Return a local HF-format directory for `spec`, downloading and converting once if needed."""
     spec = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)

@@ -26,6 +26,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     tree_candidates        {domain: {"3,1": {accepted, nodes, predicted_speedup}}}: every candidate tree on the
                            reporting part, for the serving the trees were calibrated for (empty otherwise)
     heldout                sizes of the calibration and reporting splits
+    engines                per serving engine, its calibration: {"llamacpp": {"by_domain": {domain: {"speculate",
+                           "n_max", "p_min", "predicted_speedup"}}, "cost": ..., "flags": {...}}} (optional)
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class SpeculativeSpec:
     training: dict = field(default_factory=dict)
     learning_curve: list = field(default_factory=list)
     tree_candidates: dict = field(default_factory=dict)  # optional: exports before it still read
+    engines: dict = field(default_factory=dict)  # optional: {engine: calibration for it}, e.g. llamacpp (distill)
     heldout: dict = field(default_factory=dict)
     version: int = VERSION
 

@@ -307,7 +307,9 @@ def hf_settings(temperature: float, batch_size: int):
     from data.collect_rows import CollectSettings
     from pipeline.sampling import Sampling
 
-    return CollectSettings(Sampling(temperature), max_new_tokens=8, topk=4, batch_size=batch_size)
+    return CollectSettings(Sampling(temperature), max_new_tokens=8, samples_per_prompt=1, topk=4,
+                           batch_size=batch_size, shard_size=1, backend="hf", seed=0, keep_shards=True, domains=None,
+                           max_prompts_per_domain=None, max_minutes=None, vllm={})
 
 
 def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_target, monkeypatch):
@@ -378,6 +380,10 @@ def test_batched_generation_equals_unbatched_greedy(tiny_target):
     (["collect.topk=abc"], r"collect\.topk"),
     (["collect.temperature=abc"], r"^collect\.temperature='abc' must be a number"),
     (["collect.batch_size=0"], r"collect\.batch_size"),
+    (["+collect.no_such_knob=1"], r"^unknown collect setting\(s\) collect\.no_such_knob"),
+    (["collect.keep_shards=maybe"], r"collect\.keep_shards='maybe' is not true or false"),
+    (["collect.max_prompts_per_domain=abc"], r"collect\.max_prompts_per_domain='abc' must be an integer"),
+    (["collect.max_minutes=0"], r"collect\.max_minutes=0\.0 must be > 0"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, tiny_target, extra, message):
     write_prompts(tmp_path)
@@ -385,6 +391,32 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, tiny_target, 
         collect(tmp_path, tiny_target, extra)
     assert "\n" not in str(e.value) and ": " in str(e.value)
     assert not (tmp_path / "collect").exists()
+
+
+def test_collect_settings_are_the_yaml_keys_and_frozen(tmp_path, tiny_target):
+    """CollectSettings declares conf/collect/default.yaml once (temperature, top_k and top_p as the one `sampling`),
+    every value from the composed config; a missing key is one line."""
+    import dataclasses
+
+    from omegaconf import OmegaConf, open_dict
+
+    from data.collect_rows import CollectSettings
+
+    cfg = compose(tmp_path, tiny_target)
+    settings = CollectSettings.from_config(cfg.collect, cfg.seed)
+    names = [f.name for f in dataclasses.fields(CollectSettings) if f.name != "sampling"]
+    assert sorted(names + list(CollectSettings.SAMPLING)) == sorted(OmegaConf.load(REPO / "conf/collect/default.yaml"))
+    assert settings.sampling.to_dict() == {k: cfg.collect[k] for k in CollectSettings.SAMPLING}
+    assert settings.max_minutes == cfg.collect.max_minutes and dict(settings.vllm) == cfg.collect.vllm
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.topk = 0
+    with pytest.raises(TypeError):
+        settings.vllm["tensor_parallel_size"] = 2
+    with open_dict(cfg.collect):
+        del cfg.collect.keep_shards
+    with pytest.raises(PipelineError, match=r"collect\.keep_shards missing") as e:
+        CollectSettings.from_config(cfg.collect, cfg.seed)
+    assert "\n" not in str(e.value)
 
 
 def test_missing_prompts_is_one_line_on_the_cli(tmp_path, tiny_target):

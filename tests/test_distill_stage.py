@@ -1,10 +1,11 @@
 """The distill stage end to end on a tiny peaked target (conftest's session-scoped `setup` and `distilled`): a
 short distillation raises held-out acceptance, the export (weights, tokenizer, calibration, model card, draft
 length policy and trees; HF assisted generation), the held-out split, learning-curve points and their shared
-labels, keep_best, a cost profile of another device, bad input refused with one line, two processes under
-accelerate, and one smoke run on the real embedded target. CPU; fixed seeds."""
+labels, keep_best, a cost profile of another device, the typed settings (distill/settings.py), bad input refused
+with one line, two processes under accelerate, and one smoke run on the real embedded target. CPU; fixed seeds."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -242,11 +243,69 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     (("paths.collect=/nonexistent",), "no collected data"),
     (("distill.objective.loss=kl",), "unknown distillation loss"),
     (("model.draft.derive.layers=[0,9]",), "out of range"),
+    (("distill.objective.teacher=cloud",), r"unknown distill\.objective\.teacher='cloud'"),
+    (("distill.objective.lmbda=0.5", "distill.objective.loss=ce"), "loss=ce does not use"),
+    (("distill.split.heldout_fraction=1.5",), r"distill\.split\.heldout_fraction=1\.5 must be in \(0, 1\)"),
+    (("distill.trainer.max_steps=null", "distill.trainer.max_epochs=null"), "both null"),
+    (("distill.calibration.tree_samples=null",), r"distill\.calibration\.tree_samples=None is not a count"),
+    (("+distill.objective.no_such_knob=1",), r"unknown distill setting\(s\) distill\.objective\.no_such_knob"),
 ])
 def test_bad_input_is_one_clear_error(setup, tmp_path, extra, match):
-    with pytest.raises(PipelineError, match=match):
+    with pytest.raises(PipelineError, match=match) as e:
         run_stage(setup, tmp_path, *extra)
+    assert "\n" not in str(e.value) and ": " in str(e.value)
     assert not (tmp_path / "draft").exists()
+
+
+def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
+    """DistillSettings (distill/settings.py) declares conf/distill/default.yaml once: a field per key at every level,
+    no other, the YAML's values, read-only; a missing or unknown key and a bad value (also through
+    dataclasses.replace) are one line."""
+    import dataclasses
+
+    from omegaconf import OmegaConf, open_dict
+
+    from distill.settings import DistillSettings
+
+    yaml = OmegaConf.load(REPO / "conf/distill/default.yaml")
+    settings = DistillSettings.from_config(yaml)
+
+    def same_keys(value, tree, where="distill"):
+        if dataclasses.is_dataclass(value):
+            assert [f.name for f in dataclasses.fields(value)] == list(tree), where
+            for f in dataclasses.fields(value):
+                same_keys(getattr(value, f.name), tree[f.name], f"{where}.{f.name}")
+
+    same_keys(settings, OmegaConf.to_container(yaml))
+    assert list(settings.trainer) == list(yaml.trainer)  # TrainingArguments names by name, max_epochs among them
+    assert settings.to_dict() == OmegaConf.to_container(yaml)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.objective.loss = "ce"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.split = None
+    with pytest.raises(TypeError):
+        settings.trainer["max_steps"] = 1
+    assert isinstance(settings.calibration.gammas, tuple) and isinstance(settings.calibration.cost.contexts, tuple)
+    assert dataclasses.replace(settings) == settings  # normalising again changes nothing
+
+    def one_line(match, build):
+        with pytest.raises(PipelineError, match=match) as e:
+            build()
+        assert "\n" not in str(e.value) and ": " in str(e.value)
+
+    one_line(r"distill\.split\.calibration_share=1 must be in \(0, 1\)", lambda: dataclasses.replace(
+        settings, split=dataclasses.replace(settings.split, calibration_share=1)))
+    one_line("is outside \\(0, 1\\)", lambda: dataclasses.replace(
+        settings, objective=dataclasses.replace(settings.objective, loss="jsd", beta=1.0)))
+    unknown, missing, unread = (copy.deepcopy(yaml) for _ in range(3))
+    with open_dict(unknown), open_dict(missing), open_dict(unread):
+        unknown.heldout.no_such_knob = 1
+        del missing.calibration.cost.repeats
+        del unread.trainer.bf16  # a key the stage reads itself; any other TrainingArguments name may come and go
+    one_line(r"unknown distill setting\(s\) distill\.heldout\.no_such_knob",
+             lambda: DistillSettings.from_config(unknown))
+    one_line(r"distill\.calibration\.cost\.repeats missing", lambda: DistillSettings.from_config(missing))
+    one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread))
 
 
 def test_draft_with_another_tokenizer_is_refused(setup, tmp_path):

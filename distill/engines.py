@@ -1,0 +1,140 @@
+"""Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own:
+llama.cpp (`distill.calibration.engines=[llamacpp]`).
+
+llama.cpp drafts greedily and stops *before* a token whose draft probability (softmax over the draft's top-10
+logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the target samples its own token
+and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So the held-out simulator
+(distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
+τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
+the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens after a held-out-sized
+context and the draft GGUF's 1-token step. Per domain the (n_max, p_min) with the highest predicted speedup on
+the calibration part wins; "off" (plain decoding) when even that does not beat 1 + margin.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from distill import calibrate as cal
+from distill.batch import completion_hidden
+from distill.export import exported_weights
+from distill.policy import simulate
+from pipeline.decoding.cost import pass_speedup
+from pipeline.engines import llamacpp
+from pipeline.heads import head_logits, head_rows
+from pipeline.machine import cpu_name
+from pipeline.models import model_gguf, resolve_model
+from pipeline.spec import DEFAULT, SpeculativeSpec
+
+DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 10, the only sampler)
+
+
+@torch.no_grad()
+def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=None) -> torch.Tensor:
+    """κ [len(thresholds), N]: 1 where llama.cpp would still propose the draft's token at a held-out position."""
+    device = next(draft.parameters()).device
+    rows = head_rows(draft, None if vocab is None else vocab.to(device))
+    limits = torch.tensor(thresholds, device=device).view(-1, 1)
+    out = []
+    for batch, mask in heldout.batches(device):
+        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+        top = logits.topk(min(DRAFT_TOP_K, logits.shape[-1]), -1).values.softmax(-1)[:, 0]
+        out.append((top >= limits).float().cpu())
+    return torch.cat(out, 1)
+
+
+def engine_cost(root: Path, target_gguf: Path, draft_gguf: Path, max_draft: int, depth: int, repeats: int,
+                threads: int | None) -> dict:
+    """The cost summary (pipeline/decoding/cost.py) of llama.cpp's passes on this device, from llama-bench."""
+    target = llamacpp.bench(root, target_gguf, tuple(range(1, max_draft + 2)), depth, repeats, threads)
+    draft = llamacpp.bench(root, draft_gguf, (1,), depth, repeats, threads)
+    step = target[1]
+    return {"engine": "llamacpp", "c": draft[1] / step, "verify_ratio": {n: target[n + 1] / step for n in range(1, max_draft + 1)},
+            "target_forward_ms": step, "draft_forward_ms": draft[1], "context": depth, "device_name": cpu_name()}
+
+
+def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, vocab, cost: dict,
+                    n_maxes: list[int], p_mins: list[float], margin: float) -> dict[str, dict]:
+    """Per domain (and default): the llama.cpp setting chosen on `calibration`, with its predicted speedup and
+    acceptance on `reporting` and the prediction for llama-server's own defaults beside it."""
+    thresholds = sorted({0.0, *p_mins})
+    parts = {}
+    for name, heldout in (("calibration", calibration), ("reporting", reporting)):
+        parts[name] = (cal.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
+            draft, heldout, thresholds, vocab))), heldout)
+
+    def predict(part, mask, n_max, p_min):
+        alpha, keep, heldout = parts[part]
+        drafted, accepted = simulate(alpha, keep[p_min], heldout, mask, n_max, stop_before=True)
+        return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
+
+    out = {}
+    reporting_masks = cal.domain_index(reporting)
+    for domain, mask in cal.domain_index(calibration).items():
+        best = max(((n, p) for n in n_maxes for p in p_mins), key=lambda s: predict("calibration", mask, *s)[0])
+        chosen = predict("calibration", mask, *best)[0]
+        shown = reporting_masks.get(domain, reporting_masks[cal.OVERALL])
+        speedup, acceptance = predict("reporting", shown, *best)
+        defaults = predict("reporting", shown, llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)[0]
+        out[DEFAULT if domain == cal.OVERALL else domain] = {
+            "speculate": chosen > 1 + margin, "n_max": best[0], "p_min": best[1],
+            "predicted_speedup": round(speedup if chosen > 1 + margin else 1.0, 3),
+            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4),
+            "predicted_speedup_server_defaults": round(defaults, 3)}
+    return out
+
+
+def draft_gguf(root: Path, draft, tokenizer, out: Path, quant: str | None) -> Path:
+    """The export's weights as GGUF through llama.cpp's own converter (f16), quantised to `quant` (None: f16)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        draft.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        f16 = llamacpp.convert(root, tmp, Path(tmp) / "draft-f16.gguf", "f16")
+        if quant is None:
+            shutil.move(f16, out)
+            return out
+        return llamacpp.quantize(root, f16, out, quant)
+
+
+def typical_context(heldout: cal.HeldOut) -> int:
+    """The KV-cache length a verify pass typically runs at: prompt plus half the completion, averaged."""
+    lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) // 2 for r in heldout.rows]
+    return max(1, int(sum(lengths) / max(len(lengths), 1)))
+
+
+def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, log) -> tuple[SpeculativeSpec, dict[str, Path]]:
+    """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
+    ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for."""
+    settings = inputs.settings.calibration
+    if "llamacpp" not in settings.engines:
+        return spec, {}
+    engine, paths, chosen = inputs.cfg.engines.llamacpp, inputs.cfg.paths, settings.llamacpp
+    root = llamacpp.build(paths.engines, str(engine.version), log)
+    scratch = Path(paths.engines) / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    target = model_gguf(inputs.cfg.model.target, "target", paths)
+    if target is None:  # an HF-directory target: llama.cpp's own converter, unquantised
+        target = scratch / f"target-{split.fingerprint}-F16.gguf"
+        if not target.is_file():
+            llamacpp.convert(root, resolve_model(inputs.cfg.model.target, "target", paths), target, "f16")
+    quant = engine.draft_quant or llamacpp.gguf_file_type(target)
+    fill = cal.out_of_subset_fill(inputs.draft, heldouts.calibration, split.vocab)
+    weights = exported_weights(inputs.draft, split.vocab_list, fill).to(inputs.serving_dtype)
+    gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / f"draft-{split.fingerprint}.gguf", quant)
+    cost = engine_cost(root, target, gguf, max(chosen.n_max), typical_context(heldouts.reporting), chosen.repeats,
+                       engine.threads)
+    table = choose_llamacpp(inputs.draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
+                            list(chosen.n_max), list(chosen.p_min), chosen.margin)
+    flags = {domain: ["-md", "draft.gguf", "--spec-type", "draft-simple",
+                      *llamacpp.DraftSettings(entry["n_max"], entry["p_min"]).flags()] if entry["speculate"] else []
+             for domain, entry in table.items()}
+    log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}): {}".format(cost["c"], cost["verify_ratio"][1], "; ".join(
+        f"{d} " + (f"n_max {e['n_max']} p_min {e['p_min']:g} → {e['predicted_speedup']:.2f}×" if e["speculate"]
+                   else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+    entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
+             "cost": cost, "by_domain": table, "flags": flags}
+    return replace(spec, engines={**spec.engines, "llamacpp": entry}), {"draft.gguf": gguf}

@@ -1,0 +1,266 @@
+"""The distill stage's settings (`distill.*`), declared once: one frozen dataclass per group of
+conf/distill/default.yaml, one field per key, built from the composed config and validated in one place
+(`DistillSettings.__post_init__`, TRL's `XConfig` pattern; the eval stage's eval/settings.py is the model).
+
+What each setting does and why its default is what it is: the comments in conf/distill/default.yaml. Nothing here
+has a default: every value comes from the composed config (`DistillSettings.from_config(cfg.distill)`), which
+refuses a missing or an unknown key. Checks raise a one-line PipelineError before anything is loaded, so bad input
+fails fast and writes nothing; what needs the file system or the models (does the AdaSPEC reference or the cost
+profile exist and fit the draft?) is checked where those load (distill/trainer.py, distill/serving.py).
+
+`trainer` is passed to `transformers.TrainingArguments` by name, so it stays a read-only mapping of whatever
+TrainingArguments names conf sets (TrainingArguments validates them); only the keys the stage itself reads must be
+there (`TRAINER_READ`), `max_epochs` (not a TrainingArguments name) among them. The lists of `calibration` become
+tuples. Normalising is idempotent, so `dataclasses.replace` (which validates again) works on a built instance.
+
+The checkpoint fingerprint (distill/stage.py `fingerprint`) hashes the composed config's groups, not these
+values, so checkpoints keep their names whatever the types here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+
+from distill.losses import check_loss
+from pipeline.errors import PipelineError
+
+TEACHERS = ("online", "topk")
+# The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is.
+TRAINER_READ = ("max_steps", "max_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16")
+
+
+def _tuple(group, where: str, *keys: str) -> None:
+    """The lists `keys` of `group` (at `where`) as tuples; frozen: normalising is the one thing that may set a field."""
+    for key in keys:
+        value = getattr(group, key)
+        if not isinstance(value, (list, tuple)):
+            raise PipelineError(f"{where}.{key}={value!r} is not a list: use e.g. {where}.{key}=[1,2]")
+        object.__setattr__(group, key, tuple(value))
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """`distill.objective`: what the draft learns (distill/losses.py); the DistillConfig knobs of that name."""
+    loss: str                          # one of distill.losses.LOSSES
+    beta: float                        # JSD(β) interpolation (loss=jsd)
+    loss_temperature: float            # softmax temperature of both models inside the loss
+    teacher: str                       # topk (cached labels) | online (a target forward per batch)
+    topk: int                          # k of the labels when the stage computes them
+    topk_tail: str                     # bucket | renormalize
+    lmbda: float                       # on-policy share of batches (GKD's λ)
+    temperature: float                 # sampling temperature of on-policy and seq-KD generation
+    seq_kd: bool                       # off-policy batches are the target's own continuations
+    adaspec_keep: float | None         # AdaSPEC's share of tokens trained on; null = every token
+    adaspec_reference: str | None      # AdaSPEC's reference draft; null = the initial draft
+    freeze_shared: bool                # freeze the embeddings and the (tied) head
+    max_prompt_length: int             # prompt tokens kept (the last ones)
+    max_completion_length: int         # completion tokens trained on (the first ones)
+    max_new_tokens: int | None         # on-policy / seq-KD continuation length; null = the collect's
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """`distill.split`: the held-out prompts and the train share."""
+    heldout_fraction: float            # share of each domain's prompts held out
+    heldout_max_prompts_per_domain: int | None  # at most this many held out per domain
+    train_fraction: float              # share of the train prompts trained on (< 1: a learning-curve point)
+    calibration_share: float           # share of the held-out prompts that choose keep_best, τ and γ
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """`distill.checkpoint`: the checkpoint cadence, resume and the time budget."""
+    save_steps: int                    # TrainingArguments.save_steps
+    save_total_limit: int              # TrainingArguments.save_total_limit
+    logging_steps: int                 # TrainingArguments.logging_steps
+    resume: bool                       # continue from the last checkpoint of the same fingerprint
+    keep: bool                         # keep the checkpoints once the draft is exported
+    max_train_minutes: float | None    # stop (and checkpoint) after this long; null = off
+
+
+@dataclass(frozen=True)
+class HeldoutSettings:
+    """`distill.heldout`: the acceptance simulator on the held-out rows (distill/calibrate.py)."""
+    support: int                       # target tokens kept per position for Σ min(p, q)
+    batch_size: int                    # rows per target forward (also of the teacher-label pass)
+    eval_steps: int                    # held-out acceptance every N steps
+    gamma: int                         # γ of the reported mean accepted length
+
+
+@dataclass(frozen=True)
+class DraftLengthSettings:
+    """`distill.calibration.draft_length`: the confidence-policy settings compared against fixed γ."""
+    thresholds: tuple[float, ...]      # stop thresholds
+    max_lengths: tuple[int, ...]       # most drafts per target pass
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration.draft_length", "thresholds", "max_lengths")
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """`distill.calibration.cost`: the device's cost profile (pipeline/cost_profile.py)."""
+    profile: str | None                # a cost_profile.json to calibrate for; null = measure one here
+    tokens_fed: tuple[int, ...]        # target forward widths timed
+    contexts: tuple[int, ...]          # KV-cache lengths they are timed at
+    repeats: int                       # timed rounds
+    warmup: int                        # untimed rounds first
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration.cost", "tokens_fed", "contexts")
+
+
+@dataclass(frozen=True)
+class LlamaCppCalibrationSettings:
+    """`distill.calibration.llamacpp`: the llama.cpp settings compared per domain (distill/engines.py)."""
+    n_max: tuple[int, ...]             # --spec-draft-n-max values compared
+    p_min: tuple[float, ...]           # --spec-draft-p-min values compared
+    margin: float                      # "off" unless the best is predicted above 1 + margin
+    repeats: int                       # llama-bench repetitions per measured forward
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration.llamacpp", "n_max", "p_min")
+        if not self.n_max or min(self.n_max) < 1 or not all(0.0 <= p < 1.0 for p in self.p_min) or not self.p_min:
+            raise PipelineError(f"distill.calibration.llamacpp: n_max={list(self.n_max)} must be integers >= 1 and "
+                                f"p_min={list(self.p_min)} shares in [0, 1): use e.g. n_max=[1,2,4] p_min=[0.0,0.5]")
+
+
+ENGINES = ("llamacpp",)  # engines distill can calibrate the export for, beside this project's decoder
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """`distill.calibration`: keep_best and the serving settings the draft ships with (distill/serving.py)."""
+    keep_best: bool                    # export the initial draft when training lowered held-out acceptance
+    calibrate_init: bool               # calibrate ${paths.draft_init} too
+    tau_ratios: tuple[float, ...]      # τ / T grid, then refined
+    tau_refine: int                    # refinement steps of τ
+    gammas: tuple[int, ...]            # fixed draft lengths compared
+    draft_length: DraftLengthSettings
+    tree_samples: int                  # sampled serving: Monte Carlo draws per position for trees; 0 = chains only
+    cost: CostSettings
+    engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
+    llamacpp: LlamaCppCalibrationSettings
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines")
+        unknown = sorted(set(self.engines) - set(ENGINES))
+        if unknown:
+            raise PipelineError(f"distill.calibration.engines={list(self.engines)} names unknown engines {unknown}: "
+                                f"use a list from {', '.join(ENGINES)} (our decoder is always calibrated)")
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """`distill.serving`: the serving sampling the draft is tuned for; null = the collect manifest's."""
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """`distill.*` of the composed config, checked and normalised (see the module docstring)."""
+    objective: ObjectiveSettings       # what the draft learns (fingerprinted: decides the weights)
+    trainer: Mapping[str, Any]         # TrainingArguments by name, and max_epochs (fingerprinted); read-only
+    split: SplitSettings               # held-out prompts and the train share (fingerprinted)
+    checkpoint: CheckpointSettings     # checkpoint cadence, resume, time budget
+    heldout: HeldoutSettings           # the held-out acceptance simulator
+    calibration: CalibrationSettings   # keep_best and the serving calibration
+    serving: ServingSettings           # the serving sampling tuned for
+
+    @classmethod
+    def from_config(cls, distill_cfg: DictConfig) -> DistillSettings:
+        """The settings of `cfg.distill` (interpolations resolved); every key of conf/distill/default.yaml, no
+        other (`trainer` aside: any TrainingArguments name)."""
+        return _build(cls, OmegaConf.to_container(distill_cfg, resolve=True), "distill")
+
+    def __post_init__(self):
+        if not isinstance(self.trainer, Mapping):
+            raise PipelineError(f"distill.trainer={self.trainer!r} is not a group of settings: restore it from "
+                                "conf/distill/default.yaml")
+        object.__setattr__(self, "trainer", MappingProxyType(dict(self.trainer)))  # read-only, a copy of conf's
+        self._check_objective()
+        self._check_split()
+        self._check_trainer()
+        self._check_calibration()
+
+    def to_dict(self) -> dict:
+        """The settings as plain containers, the shape of conf/distill/default.yaml."""
+        return _plain(self)
+
+    def _check_objective(self) -> None:
+        objective = self.objective
+        check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher, objective.adaspec_keep)
+        if objective.teacher not in TEACHERS:
+            raise PipelineError(f"unknown distill.objective.teacher={objective.teacher!r}: use online or topk")
+        if not 0.0 <= float(objective.lmbda) <= 1.0:
+            raise PipelineError(f"distill.objective.lmbda={objective.lmbda} is not a share in [0, 1]: "
+                                "use e.g. 0 or 0.5")
+        if float(objective.lmbda) > 0 and objective.loss == "ce":
+            raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
+                                "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
+        if float(objective.loss_temperature) <= 0:
+            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature} must be > 0: "
+                                "use e.g. 1.0")
+
+    def _check_split(self) -> None:
+        split = self.split
+        if not 0.0 < float(split.heldout_fraction) < 1.0:
+            raise PipelineError(f"distill.split.heldout_fraction={split.heldout_fraction} must be in (0, 1): "
+                                "use e.g. 0.15")
+        if not 0.0 < float(split.calibration_share) < 1.0:
+            raise PipelineError(f"distill.split.calibration_share={split.calibration_share} must be in (0, 1): "
+                                "use e.g. 0.5")
+        if split.train_fraction is not None and not 0.0 < float(split.train_fraction) <= 1.0:
+            raise PipelineError(f"distill.split.train_fraction={split.train_fraction} must be in (0, 1]: "
+                                "use e.g. 0.25 (a learning-curve point) or 1")
+
+    def _check_trainer(self) -> None:
+        missing = [key for key in TRAINER_READ if key not in self.trainer]
+        if missing:
+            raise PipelineError(f"distill setting(s) {', '.join(f'distill.trainer.{key}' for key in missing)} missing "
+                                "from the composed config: restore them in conf/distill/default.yaml")
+        if not self.trainer["max_steps"] and not self.trainer["max_epochs"]:
+            raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: "
+                                "set at least one")
+
+    def _check_calibration(self) -> None:
+        samples = self.calibration.tree_samples
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise PipelineError(f"distill.calibration.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
+                                "for chains only when sampling")
+
+
+def _build(cls, values, where: str):
+    """`cls` from the mapping `values` at `where` (e.g. distill.calibration): every field's key, no other; a
+    dataclass-typed field from its own sub-mapping."""
+    if not isinstance(values, dict):
+        raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from "
+                            "conf/distill/default.yaml")
+    names = [f.name for f in fields(cls)]
+    unknown = [key for key in values if key not in names]
+    if unknown:
+        raise PipelineError(f"unknown distill setting(s) {', '.join(f'{where}.{key}' for key in unknown)}: "
+                            "use the keys of conf/distill/default.yaml (check the spelling of the override)")
+    missing = [key for key in names if key not in values]
+    if missing:
+        raise PipelineError(f"distill setting(s) {', '.join(f'{where}.{key}' for key in missing)} missing from the "
+                            "composed config: restore them in conf/distill/default.yaml, where every setting is "
+                            "declared")
+    types = get_type_hints(cls)
+    return cls(**{name: _build(types[name], values[name], f"{where}.{name}") if is_dataclass(types[name])
+                  else values[name] for name in names})
+
+
+def _plain(value):
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value

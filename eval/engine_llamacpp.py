@@ -1,0 +1,212 @@
+"""`eval.engine=llamacpp`: the drafts measured inside llama.cpp's own server, on the same held-out prompts.
+
+    python -m pipeline stage=eval eval.engine=llamacpp
+
+Methods (metrics.json names): `autoregressive` (llama-server, no draft), `speculative` (the tuned draft with its
+llama.cpp calibration from speculative.json `engines.llamacpp` where it has one, else the server's defaults;
+a domain calibrated "off" is served by the plain server, as a deployment would route it), `speculative_defaults`
+(the tuned draft with llama-server's default draft settings, when a calibration exists), `speculative_init` (the
+undistilled draft, server defaults). Each request is the first user turn of a prompt, chat template applied by the
+target's tokenizer, sent as token ids to every server in rotating order; times are the server's own
+(prompt + generation ms), acceptance its draft counters. Servers run on 127.0.0.1 at free ports and stop with
+the stage. The GGUF files: the target's packaged GGUF as published; each draft converted by llama.cpp's own
+converter and quantised to the target's family (engines.llamacpp.draft_quant to choose), cached under
+${paths.engines}/gguf by the draft's weight hash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from eval import metrics as M
+from pipeline.atomic import atomic_dir, write_json
+from pipeline.chat import encode_chat, messages_for, stop_token_ids
+from pipeline.engines import llamacpp
+from pipeline.errors import PipelineError
+from pipeline.models import load_tokenizer, model_gguf, resolve_model
+from pipeline.sampling import derive_seed
+from pipeline.spec import DEFAULT, SpeculativeSpec
+
+
+def log(msg: str) -> None:
+    print(f"[eval:llamacpp] {msg}", flush=True)
+
+
+@dataclass
+class EngineStats:
+    """The draft counters llama-server reports for one request, in DecodeStats' shape for eval/metrics.py."""
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+
+
+def draft_gguf(root: Path, draft_dir: Path, out_dir: Path, quant: str | None) -> Path:
+    """The draft as GGUF: llama.cpp's converter (f16), then llama-quantize to `quant` (None: keep f16); cached by
+    the hash of the draft's weights."""
+    weights = sorted(draft_dir.glob("*.safetensors"))
+    if not weights:
+        raise PipelineError(f"{draft_dir} holds no safetensors weights: point eval.draft at a draft export")
+    digest = hashlib.sha256(b"".join(w.read_bytes()[:1 << 20] + str(w.stat().st_size).encode() for w in weights))
+    stem = f"{draft_dir.name}-{digest.hexdigest()[:12]}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"{stem}-{quant or 'F16'}.gguf"
+    if final.is_file():
+        return final
+    f16 = out_dir / f"{stem}-F16.gguf"
+    if not f16.is_file():
+        llamacpp.convert(root, draft_dir, f16, "f16")
+    return f16 if quant is None else llamacpp.quantize(root, f16, final, quant)
+
+
+def calibrated(spec: SpeculativeSpec | None, domain: str) -> dict | None:
+    """The tuned draft's llama.cpp setting for a domain ({"speculate", "n_max", "p_min"}), or None."""
+    table = ((spec.engines or {}).get("llamacpp") or {}).get("by_domain") if spec is not None else None
+    if not table:
+        return None
+    return table.get(domain, table.get(DEFAULT))
+
+
+def server_plan(spec: SpeculativeSpec | None, domains: list[str], drafts: dict[str, Path]) -> dict:
+    """{method: {domain: (draft name or None, DraftSettings)}}: which server answers each method's requests."""
+    defaults = llamacpp.DraftSettings()
+    plan = {"autoregressive": {d: (None, defaults) for d in domains}}
+    if calibrated(spec, DEFAULT) is None:
+        plan["speculative"] = {d: ("speculative", defaults) for d in domains}
+    else:
+        plan["speculative"] = {}
+        for d in domains:
+            setting = calibrated(spec, d)
+            plan["speculative"][d] = (("speculative", llamacpp.DraftSettings(setting["n_max"], setting["p_min"]))
+                                      if setting["speculate"] else (None, defaults))
+        plan["speculative_defaults"] = {d: ("speculative", defaults) for d in domains}
+    if "speculative_init" in drafts:
+        plan["speculative_init"] = {d: ("speculative_init", defaults) for d in domains}
+    return plan
+
+
+def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
+    """The first user turn of every prompt, domains interleaved, as token ids."""
+    longest = max(map(len, prompts.values()))
+    ordered = [ps[i] for i in range(longest) for ps in prompts.values() if i < len(ps)]
+    return [{"domain": p["domain"], "prompt_id": p["id"], "turn": 0,
+             "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
+
+
+def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
+    """Every request through every method's server, in rotating order (a warm-up request first, untimed)."""
+    from tqdm.auto import tqdm
+
+    for server in servers.values():
+        server.complete(requests[0]["ids"], settings.warmup_tokens, settings.sampling, seed)
+    methods, records = list(plan), []
+    for k, request in enumerate(tqdm(requests, desc="eval (llama.cpp)", unit="req", dynamic_ncols=True)):
+        request_seed = derive_seed(seed, "eval-llamacpp", request["prompt_id"])
+        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
+            out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
+                                                                   settings.sampling, request_seed, stop)
+            timings = out["timings"]
+            stats = EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
+            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
+                            "turn": 0, "tokens": out["tokens"],
+                            "time_s": (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3,
+                            "stats": stats})
+    return records
+
+
+def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,
+                  out_dir: Path) -> dict:
+    """{(draft name | None, DraftSettings): llamacpp.Server}, one per distinct setting the plan uses, started
+    together and stopped with `stack`."""
+    servers = {}
+    for key in {entry for by_domain in plan.values() for entry in by_domain.values()}:
+        name, setting = key
+        servers[key] = stack.enter_context(llamacpp.Server(
+            root, target, drafts.get(name), setting, engine.threads, int(engine.context),
+            out_dir / f"server-{name or 'plain'}-{len(servers)}.log", float(engine.start_timeout)))
+        log(f"llama-server {name or 'plain'} {' '.join(setting.flags()) or '(defaults)'} on {servers[key].url}")
+    return servers
+
+
+def method_metrics(records: list[dict], greedy: bool) -> dict:
+    """Per method: throughput, speedup over the plain server with its paired bootstrap CI, acceptance with its CI."""
+    ar = [r for r in records if r["method"] == "autoregressive"]
+    ar_tps = M.throughput(ar)["tokens_per_s"]
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in records):
+        recs = [r for r in records if r["method"] == method]
+        m = M.throughput(recs)
+        if method != "autoregressive":
+            drafted = sum(sum(r["stats"].drafted) for r in recs)
+            m.update({"speedup": m["tokens_per_s"] / ar_tps if ar_tps else 0.0, "speedup_ci95": M.speedup_ci(recs, ar),
+                      "n_drafted": drafted, "acceptance_rate": sum(sum(r["stats"].accepted) for r in recs) / drafted
+                      if drafted else 0.0, "acceptance_rate_ci95": M.acceptance_ci(recs) if drafted else None})
+            if greedy:
+                m["greedy_match"] = M.greedy_match(recs, ar)
+        out[method] = m
+    return out
+
+
+def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
+    """The eval stage inside llama.cpp (module docstring): metrics.json and report.md under `out_dir`."""
+    engine = cfg.engines.llamacpp
+    root = llamacpp.build(cfg.paths.engines, str(engine.version), log)
+    target_path = resolve_model(cfg.model.target, "target", cfg.paths)
+    target = model_gguf(cfg.model.target, "target", cfg.paths)
+    gguf_dir = Path(cfg.paths.engines) / "gguf"
+    if target is None:
+        target = draft_gguf(root, Path(target_path), gguf_dir, None)
+    quant = engine.draft_quant or llamacpp.gguf_file_type(target)
+    draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
+    if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
+        draft_dirs["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
+    for name, path in draft_dirs.items():
+        if not (path / "config.json").is_file():
+            raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir>")
+    drafts = {name: path / "draft.gguf" if (path / "draft.gguf").is_file() else draft_gguf(root, path, gguf_dir, quant)
+              for name, path in draft_dirs.items()}  # an export calibrated for llama.cpp ships its draft.gguf
+    tokenizer = load_tokenizer(target_path)
+    stop = stop_token_ids(tokenizer)  # EOS and the template's end-of-turn marker
+    spec = SpeculativeSpec.read(draft_dirs["speculative"])
+    plan = server_plan(spec, list(prompts), drafts)
+    requests = requests_of(prompts, tokenizer)
+    log(f"{len(requests)} requests in {len(prompts)} domains from {source}; methods {', '.join(plan)}; target "
+        f"{target.name}, drafts {', '.join(p.name for p in drafts.values())}")
+    with atomic_dir(out_dir) as tmp, ExitStack() as stack:
+        servers = start_servers(stack, root, target, drafts, plan, engine, tmp)
+        records = run_requests(requests, plan, servers, settings, int(cfg.seed), stop)
+        greedy = settings.sampling.greedy
+        metrics = {"engine": "llamacpp", "version": str(engine.version), "temperature": settings.temperature,
+                   "methods": list(plan), "target_gguf": target.name,
+                   "drafts": {name: p.name for name, p in drafts.items()},
+                   "plan": {m: {d: {"draft": e[0], "flags": e[1].flags()} for d, e in by.items()} for m, by in plan.items()},
+                   "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
+                   "overall": method_metrics(records, greedy)}
+        write_json(tmp / "metrics.json", metrics)
+        with open(tmp / "requests.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
+                                    "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
+                                    "drafted": r["stats"].drafted[0]}) + "\n")
+        (tmp / "report.md").write_text(report(metrics))
+    print(report(metrics))
+    tracker.log_metrics({f"llamacpp.{d}.{m}.speedup": v.get("speedup", 1.0)
+                         for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+
+
+def report(metrics: dict) -> str:
+    lines = [f"# llama.cpp {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "",
+             "| domain | method | tok/s | speedup [95% CI] | acceptance [95% CI] |", "|---|---|---|---|---|"]
+    for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
+        for method, m in by.items():
+            ci, aci = m.get("speedup_ci95"), m.get("acceptance_rate_ci95")
+            speed = "1.00×" if method == "autoregressive" else (
+                f"{m['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+            accept = "–" if not m.get("n_drafted") else (
+                f"{m['acceptance_rate']:.3f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else ""))
+            lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,255 @@
+"""llama.cpp as a serving engine: built from the pinned source inside llama-cpp-python's sdist (its own
+converter and quantizer make the GGUF files), `llama-server` started on 127.0.0.1 for evaluation, and
+`llama-bench` for the cost of the passes speculation runs there.
+
+llama.cpp's speculative rule (common/speculative.cpp, `draft-simple`): the draft proposes its most likely token
+while that token's probability is at least `p_min`, at most `n_max` tokens; the target samples its own token at
+each position and accepts the draft's while they are equal. So a drafted token is accepted with probability
+p_target(draft's argmax) (1[argmaxes equal] at greedy), and the block stops *before* an unsure token, where HF's
+confidence rule proposes it and then stops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+
+VERSION = "0.3.36"  # llama-cpp-python's sdist vendors the llama.cpp source this pins
+BINARIES = ("llama-server", "llama-bench", "llama-quantize")
+# Static binaries, no network features: no CURL/OpenSSL, no web UI download, native CPU kernels.
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
+               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+
+
+def home(engines_dir: str | Path, version: str = VERSION) -> Path:
+    return Path(engines_dir) / f"llama.cpp-{version}"
+
+
+def binary(root: Path, name: str) -> Path:
+    return root / "build" / "bin" / name
+
+
+def is_built(root: Path) -> bool:
+    return all(binary(root, name).is_file() for name in BINARIES) and (root / "src" / "convert_hf_to_gguf.py").is_file()
+
+
+def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
+    """The llama.cpp tree (source in src/, binaries in build/bin/) of llama-cpp-python==`version`, built once
+    and cached under `engines_dir`; a failed build leaves nothing that looks built."""
+    root = home(engines_dir, version)
+    if is_built(root):
+        return root
+    missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise PipelineError(f"building llama.cpp needs {', '.join(missing)} on PATH: install them (e.g. apt-get "
+                            "install cmake ninja-build g++) or point engines.llamacpp.home at a built tree")
+    root.mkdir(parents=True, exist_ok=True)
+    source = _source(root, version, log)
+    log(f"[llamacpp] building {', '.join(BINARIES)} from llama-cpp-python {version} (a few minutes on 2 cores)")
+    build_dir, logfile = root / "build", root / "build.log"
+    with open(logfile, "w") as out:
+        steps = [["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_FLAGS],
+                 ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *BINARIES]]
+        for step in steps:
+            if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                raise PipelineError(f"the llama.cpp build failed (log: {logfile}): fix the toolchain and rerun")
+    return root
+
+
+def _source(root: Path, version: str, log) -> Path:
+    """vendor/llama.cpp of the pinned sdist, extracted to root/src."""
+    source = root / "src"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    download = root / "sdist"
+    log(f"[llamacpp] fetching llama-cpp-python=={version} (sdist) from the package index")
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             f"llama-cpp-python=={version}", "-d", str(download)], capture_output=True, text=True)
+    archives = sorted(download.glob("llama_cpp_python-*.tar.gz"))
+    if result.returncode != 0 or not archives:
+        raise PipelineError(f"could not download llama-cpp-python=={version}'s sdist "
+                            f"({(result.stderr.strip().splitlines() or ['no output'])[-1]}): check the package index")
+    prefix = archives[0].name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
+    tmp = root / "src.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(archives[0]) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
+    tmp.rename(source)
+    shutil.rmtree(download, ignore_errors=True)
+    return source
+
+
+def convert(root: Path, hf_dir: str | Path, out: str | Path, outtype: str = "f16") -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py on an HF directory (written through a temporary name)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py")}  # the converter's own gguf package
+    result = subprocess.run([sys.executable, str(root / "src" / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile",
+                             str(tmp), "--outtype", outtype], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PipelineError(f"llama.cpp could not convert {hf_dir} to GGUF ({tail}): export a Llama/Qwen2-family draft")
+    tmp.rename(out)
+    return out
+
+
+def quantize(root: Path, source: str | Path, out: str | Path, kind: str) -> Path:
+    """llama-quantize `source` to `kind` (e.g. Q4_1, Q4_K_M, Q8_0), written through a temporary name."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    result = subprocess.run([str(binary(root, "llama-quantize")), str(source), str(tmp), kind],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PipelineError(f"llama-quantize {kind} failed on {source} ({tail}): pick another quantisation type")
+    tmp.rename(out)
+    return out
+
+
+def gguf_file_type(path: str | Path) -> str | None:
+    """The quantisation family of a GGUF file (general.file_type as llama-quantize names it), or None."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.file_type")
+    if field is None:
+        return None
+    value = int(field.parts[field.data[0]][0])
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------- the server
+@dataclass(frozen=True)
+class DraftSettings:
+    """llama-server's draft flags: --spec-draft-n-max, --spec-draft-p-min (None: the server's defaults)."""
+    n_max: int | None = None
+    p_min: float | None = None
+
+    def flags(self) -> list[str]:
+        out = []
+        if self.n_max is not None:
+            out += ["--spec-draft-n-max", str(int(self.n_max))]
+        if self.p_min is not None:
+            out += ["--spec-draft-p-min", f"{float(self.p_min):g}"]
+        return out
+
+
+# llama-server's own defaults for draft-simple (tools/server/README.md of the pinned version: --spec-draft-n-max 3,
+# --spec-draft-p-min 0.00): what a user who passes only -md gets, predicted beside the calibrated setting.
+SERVER_DEFAULTS = DraftSettings(n_max=3, p_min=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager."""
+
+    def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
+                 settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
+                 log_path: str | Path | None = None, start_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
+        command = [str(binary(root, "llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-c", str(context), "-np", "1", "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
+        if draft is not None:
+            command += ["-md", str(draft), "--spec-type", "draft-simple", *settings.flags()]
+        self.command, self.start_timeout, self.process = command, start_timeout, None
+
+    def __enter__(self) -> "Server":
+        self.log_file = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PipelineError(f"llama-server exited at start ({self._last_log_line()}): check the GGUF files "
+                                    f"and flags (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise PipelineError(f"llama-server did not come up within {self.start_timeout:.0f} s (log: {self.log_path}): "
+                            "a smaller model or a longer engines.llamacpp.start_timeout")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log_file.close()
+
+    def _last_log_line(self) -> str:
+        self.log_file.flush()
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1][:200] if lines else "no output"
+
+    def complete(self, prompt_ids: list[int], n_predict: int, sampling: Sampling, seed: int,
+                 stop_ids: list[int] = (), timeout: float = 600.0) -> dict:
+        """One /completion of token ids with exactly `sampling` (temperature, then top-k, then top-p; llama.cpp's
+        other samplers off), the prompt not cached between requests. Returns the server's JSON (`tokens`,
+        `timings` with predicted_n / predicted_ms and, with a draft, draft_n / draft_n_accepted)."""
+        body = {"prompt": list(prompt_ids), "n_predict": int(n_predict), "seed": int(seed), "cache_prompt": False,
+                "return_tokens": True, "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
+                "top_p": float(sampling.top_p), "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                "samplers": ["temperature", "top_k", "top_p"]}
+        request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                out = json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            alive = self.process is not None and self.process.poll() is None
+            raise PipelineError(f"llama-server {'did not answer' if alive else 'died'} mid-request ({e}; "
+                                f"{self._last_log_line()}): see {self.log_path}") from None
+        tokens = list(out.get("tokens") or [])
+        stops = set(stop_ids)
+        for i, token in enumerate(tokens):  # the server stops at EOG tokens itself; keep ours as the HF path does
+            if token in stops:
+                tokens = tokens[:i + 1]
+                break
+        return {"tokens": tokens, "timings": out.get("timings") or {}, "stop_type": out.get("stop_type")}
+
+
+# ---------------------------------------------------------------- the cost of the passes
+def bench(root: Path, model: str | Path, batch_sizes: tuple[int, ...], depth: int, repeats: int = 3,
+          threads: int | None = None) -> dict[int, float]:
+    """{tokens fed: ms} of one forward of that many tokens after `depth` cached tokens, measured by llama-bench
+    (prompt processing of n tokens at depth d: the shape of a verify pass; 1 token = a decoding step)."""
+    command = [str(binary(root, "llama-bench")), "-m", str(model), "-p", ",".join(str(b) for b in batch_sizes),
+               "-n", "0", "-d", str(depth), "-r", str(repeats), "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PipelineError(f"llama-bench failed on {model} ({tail}): check the GGUF file")
+    rows = json.loads(result.stdout)
+    return {int(row["n_prompt"]): float(row["avg_ns"]) / 1e6 for row in rows if row.get("n_prompt")}

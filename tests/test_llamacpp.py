@@ -1,0 +1,158 @@
+"""llama.cpp as a serving engine, for real: built from the pinned sdist (cached under artifacts/engines, a few
+minutes on 2 cores the first time), its converter and quantizer on a draft, llama-server on 127.0.0.1 giving the
+same greedy tokens with and without the draft, llama-bench costs, and one-line errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="session")
+def llamacpp_root():
+    from pipeline.engines import llamacpp
+
+    return llamacpp.build(REPO / "artifacts/engines")
+
+
+@pytest.fixture(scope="session")
+def gguf_pair(llamacpp_root, real_target, tmp_path_factory):
+    """The embedded target's packaged GGUF and a two-layer derived draft exported with an FR-Spec head,
+    converted and quantised by llama.cpp to the target's family."""
+    from omegaconf import OmegaConf
+
+    from distill.draft import build_draft
+    from distill.engines import draft_gguf
+    from pipeline.engines import llamacpp
+    from pipeline.heads import bake_subset
+    from pipeline.models import model_gguf
+
+    spec = OmegaConf.load(REPO / "conf/model/smollm2-135m.yaml").target
+    target_gguf = model_gguf(spec, "target", {"models": REPO / "artifacts/models", "cache": REPO / "artifacts/cache"})
+    model, tokenizer = real_target
+    draft, draft_tokenizer, _ = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, model, tokenizer, {})
+    bake_subset(draft, torch.arange(4096))
+    out = tmp_path_factory.mktemp("gguf") / "draft.gguf"
+    kind = llamacpp.gguf_file_type(target_gguf)
+    return target_gguf, draft_gguf(llamacpp_root, draft, draft_tokenizer, out, kind), kind, tokenizer
+
+
+@pytest.mark.smoke
+def test_the_draft_converts_to_the_targets_quantisation_family(gguf_pair):
+    from pipeline.engines import llamacpp
+
+    target_gguf, draft, kind, _ = gguf_pair
+    assert kind == "Q4_1" and llamacpp.gguf_file_type(draft) == kind
+
+
+@pytest.mark.smoke
+def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llamacpp_root, gguf_pair, tmp_path):
+    from pipeline.chat import encode_chat, stop_token_ids
+    from pipeline.engines import llamacpp
+
+    target_gguf, draft, _, tokenizer = gguf_pair
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "Name three prime numbers."}])[0].tolist()
+    stop = stop_token_ids(tokenizer)
+    with llamacpp.Server(llamacpp_root, target_gguf, log_path=tmp_path / "plain.log") as plain:
+        reference = plain.complete(ids, 24, Sampling(), 0, stop)
+    settings = llamacpp.DraftSettings(n_max=4, p_min=0.0)
+    with llamacpp.Server(llamacpp_root, target_gguf, draft, settings, log_path=tmp_path / "spec.log") as server:
+        speculative = server.complete(ids, 24, Sampling(), 0, stop)
+        process = server.process
+    assert process.poll() is not None  # stopped with the context
+    assert "127.0.0.1" in server.url
+    assert speculative["tokens"] == reference["tokens"] and len(reference["tokens"]) > 0
+    timings = speculative["timings"]
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert "draft_n" not in reference["timings"]
+
+
+@pytest.mark.smoke
+def test_llama_bench_prices_longer_forwards_no_cheaper_than_a_step(llamacpp_root, gguf_pair):
+    from distill.engines import engine_cost
+
+    target_gguf, draft, _, _ = gguf_pair
+    cost = engine_cost(llamacpp_root, target_gguf, draft, max_draft=3, depth=32, repeats=2, threads=None)
+    assert set(cost["verify_ratio"]) == {1, 2, 3} and cost["c"] > 0
+    assert cost["target_forward_ms"] > 0 and cost["draft_forward_ms"] > 0
+
+
+def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_root, tmp_path):
+    from pipeline.engines import llamacpp
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    with pytest.raises(PipelineError, match="llama-server exited at start") as info:
+        with llamacpp.Server(llamacpp_root, bad, log_path=tmp_path / "server.log", start_timeout=60):
+            pass
+    assert "\n" not in str(info.value) and str(tmp_path / "server.log") in str(info.value)
+
+
+def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
+    """llama.cpp stops before an unsure token (κ of the token itself), HF after it (κ of the token before)."""
+    from distill.calibrate import HeldOut
+    from distill.policy import simulate
+
+    n = 6
+    heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+    alpha = torch.ones(n)  # every drafted token accepted
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # sure, unsure, sure, sure, unsure, sure
+    drafted, _ = simulate(alpha, keep, heldout, everywhere, 3, stop_before=True)
+    # blocks from t = 0..5 (positions past the end are sure and cost drafts): 1, 0, 2, 1, 0, 3
+    assert drafted == pytest.approx((1 + 0 + 2 + 1 + 0 + 3) / 6)
+    after, _ = simulate(alpha, keep, heldout, everywhere, 3)  # HF: the unsure token is still proposed
+    assert after == pytest.approx((2 + 1 + 3 + 2 + 1 + 3) / 6)
+
+
+@pytest.mark.smoke
+def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_losslessly(llamacpp_root, real_target,
+                                                                                      real_target_path, tmp_path):
+    """eval.engine=llamacpp on the real target: a domain calibrated "off" is served by the plain server, one
+    calibrated on by the draft server; greedy tokens equal the plain server's; speedups recompute from the records."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from distill.draft import build_draft
+    from distill.export import save_draft
+    from eval.stage import run
+    from pipeline.decoding import DraftLength
+    from pipeline.spec import SpeculativeSpec
+    from tests.conftest import RecordingTracker
+
+    model, tokenizer = real_target
+    draft, draft_tokenizer, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, model, tokenizer, {})
+    on = {"speculate": True, "n_max": 2, "p_min": 0.0}
+    spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
+                           draft_length={"default": DraftLength("fixed", 2).to_dict()},
+                           engines={"llamacpp": {"by_domain": {"code": on, "default": {**on, "speculate": False}}}})
+    save_draft(draft, draft_tokenizer, tmp_path / "draft", spec, "# card", model.generation_config)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"{d}-{i}", "domain": d, "turns": [text]}) + "\n"
+                               for i, (d, text) in enumerate([("code", "Write a Python function that adds two numbers."),
+                                                              ("math", "What is 12 times 7?")])))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            f"paths.artifacts={tmp_path}", f"paths.models={REPO / 'artifacts/models'}",
+            f"paths.cache={REPO / 'artifacts/cache'}", f"paths.engines={REPO / 'artifacts/engines'}",
+            "tracking.enabled=false", "eval.engine=llamacpp", f"eval.draft={tmp_path / 'draft'}", "eval.draft_init=none",
+            f"eval.prompts_file={prompts}", "eval.max_new_tokens=16", "eval.warmup_tokens=2", "eval.temperature=0.0"])
+    run(cfg, RecordingTracker())
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["methods"] == ["autoregressive", "speculative", "speculative_defaults"]
+    assert metrics["plan"]["speculative"]["math"]["draft"] is None  # off: the plain server answers
+    assert metrics["plan"]["speculative"]["code"]["flags"] == ["--spec-draft-n-max", "2", "--spec-draft-p-min", "0"]
+    records = [json.loads(line) for line in (tmp_path / "eval" / "requests.jsonl").read_text().splitlines()]
+    by = {(r["method"], r["domain"]): r for r in records}
+    assert by[("speculative", "math")]["drafted"] == 0 and by[("speculative", "code")]["drafted"] > 0
+    for domain in ("code", "math"):
+        entry = metrics["domains"][domain]
+        assert entry["speculative"]["greedy_match"] == 1.0
+        plain, spec_ = by[("autoregressive", domain)], by[("speculative", domain)]
+        expected = (spec_["n_tokens"] / spec_["time_s"]) / (plain["n_tokens"] / plain["time_s"])
+        assert entry["speculative"]["speedup"] == pytest.approx(expected)
