@@ -156,3 +156,16 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
         plain, spec_ = by[("autoregressive", domain)], by[("speculative", domain)]
         expected = (spec_["n_tokens"] / spec_["time_s"]) / (plain["n_tokens"] / plain["time_s"])
         assert entry["speculative"]["speedup"] == pytest.approx(expected)
+
+
+@pytest.mark.smoke
+def test_a_server_that_dies_mid_eval_is_one_line_not_a_hang(llamacpp_root, gguf_pair, tmp_path):
+    from pipeline.engines import llamacpp
+
+    target_gguf, _, _, _ = gguf_pair
+    with llamacpp.Server(llamacpp_root, target_gguf, log_path=tmp_path / "server.log") as server:
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(PipelineError, match="llama-server died mid-request") as info:
+            server.complete([1, 2, 3], 4, Sampling(), 0)
+    assert "\n" not in str(info.value)

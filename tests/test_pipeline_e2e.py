@@ -149,3 +149,21 @@ def test_dvc_repro_follows_the_params_file_of_a_preset(tmp_path, real_target_pat
 
 def _ran(dvc_stdout: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", dvc_stdout)
+
+
+def test_distill_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(quick_run):
+    """distill.calibration.engines=[llamacpp] on the quick run's data: llama-bench prices the engine's passes,
+    every domain gets a llama-server setting or "off", and the export ships the draft as GGUF."""
+    artifacts, _, resumed = quick_run
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out = _pipeline("experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache(),
+                    f"paths.engines={REPO / 'artifacts/engines'}", "stage=distill", "distill.calibration.engines=[llamacpp]")
+    assert out.returncode == 0, out.stderr[-3000:]
+    spec = json.loads((artifacts / "draft/speculative.json").read_text())
+    llama = spec["engines"]["llamacpp"]
+    assert (artifacts / "draft" / llama["draft_gguf"]).stat().st_size > 0 and llama["quant"] == "Q4_1"
+    assert set(llama["by_domain"]) == set(spec["gamma"]) and llama["cost"]["c"] > 0
+    for domain, entry in llama["by_domain"].items():
+        assert entry["predicted_speedup"] == (entry["predicted_speedup_if_on"] if entry["speculate"] else 1.0)
+        assert (entry["predicted_speedup_if_on"] > 1.05) == entry["speculate"]  # the 5% margin of conf/distill
+        assert ("-md" in llama["flags"][domain]) == entry["speculate"]
