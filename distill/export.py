@@ -54,12 +54,25 @@ def exported_weights(draft, vocab_subset: list[int] | None, head_fill: torch.Ten
 
 
 def _describe(spec: SpeculativeSpec, domain: str) -> str:
-    """The domain's drafting: a token tree (greedy serving) or the chain's draft-length policy."""
+    """The domain's drafting: off (plain decoding), a token tree (greedy serving) or the chain's draft-length
+    policy."""
+    if not spec.speculates(domain):
+        return "off (plain decoding)"
     tree = spec.for_domain("tree", domain)
     if tree:
         return "tree (" + ", ".join(map(str, tree)) + ")"
     policy = spec.draft_length_for(domain)
     return "–" if policy is None else policy.describe()
+
+
+def _off_line(spec: SpeculativeSpec, domains: list[str]) -> str:
+    off = [d for d in domains if not spec.speculates(d)]
+    if not off:
+        return "every domain (each predicted faster than plain decoding by the calibration margin)"
+    return (f"off for {', '.join(off)}: no drafting was predicted faster than plain decoding by the margin on this "
+            "device, so serve those with the target alone. HF's generation_config holds one setting for every domain "
+            "(the default's) and cannot switch assisted generation off per domain: call generate without "
+            "assistant_model there; this project's decoder does it itself (SpeculativeSpec.drafting_for → None)")
 
 
 def _subset_line(spec: SpeculativeSpec) -> str:
@@ -100,7 +113,8 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              f"{cost.get('torch_threads')} threads; cost_profile.json): cost ratio c = {_fmt(cost.get('c'))} "
              f"({_fmt(cost.get('draft_forward_ms'), 2)} ms / {_fmt(cost.get('target_forward_ms'), 2)} ms)",
              f"- FR-Spec vocabulary subset: {_subset_line(spec)}",
-             f"- held-out prompts: {_kv(spec.heldout)}", "",
+             f"- held-out prompts: {_kv(spec.heldout)}",
+             f"- speculation: {_off_line(spec, domains)}", "",
              "Held-out expected acceptance Σ min(p, q) (teacher-forced on held-out collected rows; τ, γ and the "
              "exported weights were chosen on the calibration part, every number here is from the reporting part) "
              f"and predicted mean accepted length at γ={length.get('gamma')}, before and after distillation:", "",

@@ -76,9 +76,11 @@ class HeldOuts:
 @dataclass(frozen=True)
 class Calibration:
     """Per domain (and overall): the draft temperature, the best fixed γ, the draft-length policy and the tree
-    (None: a chain); the cost summary they were chosen with."""
+    (None: a chain), whether to speculate at all (False: plain decoding is predicted no slower); the cost
+    summary they were chosen with."""
     temperature: dict[str, float]
     gamma: dict[str, int]
     draft_length: dict[str, DraftLength]
     tree: dict[str, list | None]
+    speculate: dict[str, bool]
     cost: dict

@@ -39,21 +39,32 @@ def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: 
     keep = keep_at(draft, heldout, taus, thresholds, vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
     chosen = choose(alpha, keep, heldout, options, cost["c"], cost.get("verify_ratio"))
-    return Calibration(temperature=taus, gamma=best, cost=cost, tree=choose_trees(inputs, split, heldout, chosen, cost, taus),
+    trees, tree_speedups = choose_trees(inputs, split, heldout, chosen, cost, taus)
+    best_speedup = {domain: max(entry["predicted_speedup"], tree_speedups.get(domain, 0.0))
+                    for domain, entry in chosen.items()}
+    speculate = {domain: speedup >= 1 + settings.speculate_margin for domain, speedup in best_speedup.items()}
+    off = [domain for domain, on in speculate.items() if not on]
+    if off:
+        log(f"plain decoding (off) for {', '.join(off)}: no drafting predicted ≥ {1 + settings.speculate_margin:.2f}× "
+            f"on the calibration part ({', '.join(f'{d} {best_speedup[d]:.2f}×' for d in off)})")
+    return Calibration(temperature=taus, gamma=best, cost=cost, tree=trees, speculate=speculate,
                        draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()})
 
 
 def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dict, cost: dict,
-                 taus: dict) -> dict[str, list | None]:
+                 taus: dict) -> tuple[dict[str, list | None], dict[str, float]]:
     """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
-    (distill/tree_choice.py), else None (the chain). Sampled serving with calibration.tree_samples = 0: chains."""
+    (distill/tree_choice.py), else None (the chain), and each chosen tree's predicted speedup. Sampled serving
+    with calibration.tree_samples = 0: chains."""
     samples = int(inputs.settings.calibration.tree_samples)
     if not inputs.sampling.greedy and not samples:
-        return {domain: None for domain in chains}
+        return {domain: None for domain in chains}, {}
     hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, taus, samples, int(inputs.cfg.seed))
-    trees = tree_choice.choose(hits, heldout, cost)
-    return {domain: tree["tree"] if tree["predicted_speedup"] > chains[domain]["predicted_speedup"]
-            and set(tree["tree"]) != {1} else None for domain, tree in trees.items()}
+    best = tree_choice.choose(hits, heldout, cost)
+    wins = {domain: tree["predicted_speedup"] > chains[domain]["predicted_speedup"] and set(tree["tree"]) != {1}
+            for domain, tree in best.items()}
+    return ({domain: tree["tree"] if wins[domain] else None for domain, tree in best.items()},
+            {domain: tree["predicted_speedup"] for domain, tree in best.items() if wins[domain]})
 
 
 def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibration: Calibration) -> dict[str, dict]:

@@ -135,6 +135,7 @@ ENGINES = ("llamacpp",)  # engines distill can calibrate the export for, beside 
 class CalibrationSettings:
     """`distill.calibration`: keep_best and the serving settings the draft ships with (distill/serving.py)."""
     keep_best: bool                    # export the initial draft when training lowered held-out acceptance
+    speculate_margin: float            # a domain speculates only when predicted above 1 + this; else plain decoding
     calibrate_init: bool               # calibrate ${paths.draft_init} too
     tau_ratios: tuple[float, ...]      # τ / T grid, then refined
     tau_refine: int                    # refinement steps of τ

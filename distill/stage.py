@@ -301,6 +301,7 @@ def build_spec(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, t
         distilled=distilled, gamma=_with_default(calibration.gamma),
         draft_length=_with_default({k: v.to_dict() for k, v in calibration.draft_length.items()}),
         tree=_with_default(calibration.tree), tree_candidates=_with_default(trees) if trees else {},
+        speculate=_with_default(calibration.speculate),
         draft_temperature=_with_default(calibration.temperature), selected=selected["selected"],
         acceptance={"before": _acceptances(before["reporting"]), "after": _acceptances(after),
                     "after_training": selected["after_training"],

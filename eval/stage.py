@@ -109,7 +109,10 @@ def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Samp
     # the draft proposes its argmax (q one-hot), so no τ is used at all.
     if tau is None and spec is not None and spec.sampling == sampling:
         tau = spec.for_domain("draft_temperature", domain)
-    return {"gamma": int(gamma), "draft_length": policy, "tree": tree,
+    # "off" (plain decoding) was calibrated for this serving; any drafting override asks to speculate anyway
+    overridden = settings.gamma or settings.draft_length is not None or isinstance(settings.tree, tuple)
+    speculate = overridden or spec is None or spec.sampling != sampling or spec.speculates(domain)
+    return {"gamma": int(gamma), "draft_length": policy, "tree": tree, "speculate": bool(speculate),
             "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
 
 
@@ -177,7 +180,8 @@ def make_methods(evaluation: Evaluation) -> dict:
             policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
             if tree is None:  # the tree sweep gives one
                 tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
-            out = speculative_generate(target, draft.model, ids, sampling=sampling, drafting=tree or policy,
+            drafting = (tree or policy) if plan["speculate"] or gamma else None  # None: plain, as calibrated
+            out = speculative_generate(target, draft.model, ids, sampling=sampling, drafting=drafting,
                                        max_new_tokens=n, draft_temperature=plan["draft_temperature"],
                                        draft_vocab=draft.vocab, eos_token_id=stop, generator=generator(seed))
             return out.tokens.tolist(), out.stats

@@ -19,7 +19,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
                            full_head (the exported checkpoint through its full head, as engines run it)
     mean_accepted_length   {"gamma": γ, "before": {...}, "after": {...}} predicted tokens per target pass
     per_position_acceptance  P_k per domain (the chance the first k drafts of a block are accepted)
-    predicted_speedup      per domain, at the chosen γ, from the measured cost
+    predicted_speedup      per domain, of the chosen drafting (if the domain speculates), from the measured cost
+    speculate              per domain, false when no drafting is predicted ≥ 1 + speculate_margin: plain decoding
     cost                   c, forward times, verify ratios, device, dtype
     training               loss, teacher, steps, train_tokens, minutes, rows, data_tokens, train_fraction, ...
     learning_curve         [{step, train_tokens, train_minutes, acceptance, by_domain}] (distill/progress.py)
@@ -66,6 +67,7 @@ class SpeculativeSpec:
     learning_curve: list = field(default_factory=list)
     tree_candidates: dict = field(default_factory=dict)  # optional: exports before it still read
     engines: dict = field(default_factory=dict)  # optional: {engine: calibration for it}, e.g. llamacpp (distill)
+    speculate: dict = field(default_factory=dict)  # optional: per domain, False = plain decoding (calibrated off)
     heldout: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -81,9 +83,17 @@ class SpeculativeSpec:
         entry = self.for_domain("draft_length", domain)
         return None if entry is None else DraftLength.from_dict(entry)
 
+    def speculates(self, domain: str) -> bool:
+        """False when the calibration chose plain decoding for the domain (no drafting predicted to pay)."""
+        on = self.for_domain("speculate", domain)
+        return True if on is None else bool(on)
+
     def drafting_for(self, domain: str) -> DraftLength | tuple | None:
         """What speculative_generate's `drafting` takes for a domain: its token tree (branching factors) when
-        it has one, else its draft-length policy; None when not calibrated."""
+        it has one, else its draft-length policy; None when the domain is calibrated off (plain decoding) or not
+        calibrated."""
+        if not self.speculates(domain):
+            return None
         tree = self.for_domain("tree", domain)
         return tuple(tree) if tree else self.draft_length_for(domain)
 

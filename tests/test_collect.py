@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -426,16 +427,104 @@ def test_missing_prompts_is_one_line_on_the_cli(tmp_path, tiny_target):
     assert not (tmp_path / "collect").exists()
 
 
-def test_vllm_backend_names_the_package_when_missing(tmp_path, tiny_target):
-    try:
-        import vllm  # noqa: F401
-        pytest.skip("vllm is installed")
-    except ImportError:
-        pass
+def test_vllm_backend_names_the_package_when_missing(tmp_path, tiny_target, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
     write_prompts(tmp_path)
     with pytest.raises(PipelineError, match="pip install vllm"):
         collect(tmp_path, tiny_target, ["collect.backend=vllm"])
     assert not (tmp_path / "collect" / "dataset").exists()
+
+
+# ------------------------------------------------------------- the vLLM backend's row mapping, on a fake engine
+class FakeLogprob:  # vllm.sequence.Logprob: logprob, rank (1 = best), decoded_token
+    def __init__(self, logprob: float, rank: int):
+        self.logprob, self.rank, self.decoded_token = logprob, rank, None
+
+
+class FakeCompletionOutput:  # vllm.outputs.CompletionOutput
+    def __init__(self, token_ids, finish_reason, logprobs=None):
+        self.token_ids, self.finish_reason, self.logprobs = tuple(token_ids), finish_reason, logprobs
+
+
+def fake_vllm(outputs):
+    """A stand-in `vllm` module whose LLM returns `outputs` (one CompletionOutput per prompt) and records
+    what the backend asked for."""
+    import types
+
+    calls = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls["llm"] = kwargs
+
+        def generate(self, prompts, params, use_tqdm=True):
+            calls["prompts"], calls["params"] = prompts, params
+            return [types.SimpleNamespace(outputs=[output]) for output in outputs[:len(prompts)]]
+
+    def sampling_params(**kwargs):
+        return types.SimpleNamespace(**kwargs)
+
+    def tokens_prompt(prompt_token_ids):
+        return {"prompt_token_ids": prompt_token_ids}
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams, module.TokensPrompt = LLM, sampling_params, tokens_prompt
+    return module, calls
+
+
+def vllm_backend(monkeypatch, outputs, topk=3, top_k=0):
+    import types
+
+    from data.collect_vllm import VLLMBackend
+    from pipeline.sampling import Sampling
+
+    module, calls = fake_vllm(outputs)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    settings = types.SimpleNamespace(sampling=Sampling(0.7, top_k, 0.9), max_new_tokens=4, topk=topk)
+    return VLLMBackend("/models/t", settings, stop_ids=[1, 7], dtype=torch.bfloat16, options={}), calls
+
+
+def ranked(*pairs):
+    """One position's log-prob dict {token: Logprob} from (token, logprob, rank) triples, in scrambled order."""
+    return {token: FakeLogprob(lp, rank) for token, lp, rank in reversed(pairs)}
+
+
+def test_vllm_rows_map_finish_reason_top_k_ranks_and_logprobs(monkeypatch):
+    positions = [ranked((5, -0.1, 1), (9, -2.5, 2), (4, -3.0, 3)),
+                 # the sampled token 30 is outside the top-3: vLLM adds it (rank 8); only the 3 best ranks are kept
+                 ranked((12, -0.5, 1), (3, -1.25, 2), (8, -4.0, 3), (30, -6.0, 8)),
+                 ranked((1, -0.01, 1), (2, -5.0, 2), (6, -7.0, 3))]
+    outputs = [FakeCompletionOutput([5, 30, 1], "stop", positions),        # ends on a stop id: eos
+               FakeCompletionOutput([5, 30, 2], "length", positions),      # max_tokens
+               FakeCompletionOutput([5, 30, 2], "stop", positions)]        # a stop *string*, not an id: length
+    backend, calls = vllm_backend(monkeypatch, outputs)
+    done = backend.generate([[2, 4], [2, 5, 6], [3]], seed=11)
+
+    assert [c.finish_reason for c in done] == ["eos", "length", "length"]
+    assert [c.ids for c in done] == [[5, 30, 1], [5, 30, 2], [5, 30, 2]]
+    first = done[0]
+    assert first.topk_ids.dtype == np.int32 and first.topk_logprobs.dtype == np.float16
+    assert first.topk_ids.tolist() == [[5, 9, 4], [12, 3, 8], [1, 2, 6]]
+    np.testing.assert_array_equal(first.topk_logprobs,
+                                  np.array([[-0.1, -2.5, -3.0], [-0.5, -1.25, -4.0], [-0.01, -5.0, -7.0]], np.float16))
+    # what the engine was asked: token prompts, raw log-probs of width k, per-request seeds, stop ids, top_k off = -1
+    assert calls["llm"]["logprobs_mode"] == "raw_logprobs" and calls["llm"]["max_logprobs"] == 3
+    assert calls["llm"]["dtype"] == "bfloat16"
+    assert [p["prompt_token_ids"] for p in calls["prompts"]] == [[2, 4], [2, 5, 6], [3]]
+    params = calls["params"]
+    assert [p.logprobs for p in params] == [3, 3, 3] and all(p.top_k == -1 for p in params)
+    assert all(p.stop_token_ids == [1, 7] and p.max_tokens == 4 and p.temperature == 0.7 for p in params)
+    assert len({p.seed for p in params}) == 3 and all(0 <= p.seed < 2**31 for p in params)
+
+
+def test_vllm_rows_without_labels_and_with_a_short_logprob_list(monkeypatch):
+    backend, _ = vllm_backend(monkeypatch, [FakeCompletionOutput([4, 7], "stop")], topk=0, top_k=5)
+    (done,) = backend.generate([[2]], seed=0)
+    assert (done.ids, done.finish_reason, done.topk_ids, done.topk_logprobs) == ([4, 7], "eos", None, None)
+    short = FakeCompletionOutput([4, 5], "length", [ranked((4, -0.2, 1), (5, -1.0, 2), (6, -2.0, 3))])
+    backend, _ = vllm_backend(monkeypatch, [short])
+    with pytest.raises(PipelineError, match="1 log-prob rows for 2 tokens"):
+        backend.generate([[2]], seed=0)
 
 
 # ----------------------------------------------------------------------------- the real target

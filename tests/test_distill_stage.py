@@ -198,8 +198,24 @@ def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path)
     run_stage(setup, tmp_path, "distill.serving.temperature=0", "distill.trainer.max_steps=20")
     spec = SpeculativeSpec.read(tmp_path / "draft")
     assert set(spec.tree) == {"chat", "code", "default"}
-    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
-    assert all(v > 0 for v in spec.predicted_speedup.values())
+    assert_trees_are_candidates_with_their_predicted_speedup(spec)
+    # this run (session setup, seed 0) picks a tree for at least one domain: the check above is not vacuous
+    assert any(tree is not None for tree in spec.tree.values()), spec.tree
+
+
+def assert_trees_are_candidates_with_their_predicted_speedup(spec):
+    """Each domain's tree is a candidate token tree that is not a chain, and the domain's predicted speedup is that
+    tree's own figure on the reporting part (tree_candidates); a domain on a chain has no tree."""
+    from distill.tree_choice import CANDIDATES
+
+    assert set(spec.tree_candidates) == set(spec.tree)
+    for domain, tree in spec.tree.items():
+        predicted = spec.predicted_speedup["overall" if domain == "default" else domain]
+        if tree is None:
+            continue
+        assert tuple(tree) in CANDIDATES and set(tree) != {1}, (domain, tree)
+        key = ",".join(map(str, tree))
+        assert predicted == pytest.approx(spec.tree_candidates[domain][key]["predicted_speedup"]), (domain, tree)
 
 
 def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp_path):
@@ -208,8 +224,7 @@ def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp
     run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "distill.calibration.tree_samples=4")
     spec = SpeculativeSpec.read(tmp_path / "draft")
     assert not spec.sampling.greedy and set(spec.tree) == {"chat", "code", "default"}
-    assert all(tree is None or (isinstance(tree, list) and set(tree) != {1}) for tree in spec.tree.values())
-    assert all(v > 0 for v in spec.predicted_speedup.values())
+    assert_trees_are_candidates_with_their_predicted_speedup(spec)
     run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "distill.calibration.tree_samples=0")
     assert set(SpeculativeSpec.read(tmp_path / "chains" / "draft").tree.values()) == {None}
 
@@ -335,9 +350,8 @@ def test_two_processes_with_accelerate(setup, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
-    rendezvous = ("Address already in use", "Connection refused", "connectFullMesh", "failed to bind", "DistNetworkError")
-    if proc.returncode != 0 and any(s in output for s in rendezvous):
-        pytest.skip(f"two CPU processes cannot rendezvous here: {output.strip().splitlines()[-1][:200]}")
+    # No skip on "Connection refused" / "DistNetworkError": a rank that crashes makes the others print those too,
+    # so they are no proof the machine cannot rendezvous; a failed run fails.
     assert proc.returncode == 0, output[-3000:]
     spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
     assert spec["training"]["steps"] == 10

@@ -49,10 +49,14 @@ def width(ci: list[float]) -> float:
 
 def test_ci_contains_the_point_estimate():
     out = M.summarize(make_records(12, others={"hf_assisted": 1.2}), greedy=False)
-    for method in ("speculative", "hf_assisted"):
+    for method, true_speedup in (("speculative", 1.5), ("hf_assisted", 1.2)):
         m = out[method]
         lo, hi = m["speedup_ci95"]
         assert lo < m["speedup"] < hi
+        # the records were built with a known speedup: the estimate is near it (5% jitter, 12 requests) and the
+        # interval covers it
+        assert m["speedup"] == pytest.approx(true_speedup, rel=0.03), method
+        assert lo < true_speedup < hi, (method, lo, hi)
     spec = out["speculative"]
     lo, hi = spec["acceptance_rate_ci95"]
     assert lo < spec["acceptance_rate"] < hi

@@ -21,9 +21,19 @@ def test_validate_sampling_rejects_settings_without_a_distribution(kwargs):
     assert "\n" not in str(info.value)
 
 
-def test_validate_sampling_accepts_greedy_and_off_filters():
-    validate_sampling(0.0, 0, 1.0)
-    validate_sampling(0.7, 5, 0.9)
+@pytest.mark.parametrize("settings, kept", [((0.0, 0, 1.0), 1), ((0.7, 5, 0.9), None), ((1.0, 0, 1.0), 11),
+                                             ((1.0, 11, 1.0), 11), ((1.0, 1, 1.0), 1), ((2.0, 0, 1e-9), 1)])
+def test_validate_sampling_accepts_greedy_and_off_filters(settings, kept):
+    """Greedy, off filters and the edges of each range are accepted, and each defines a distribution: the one
+    logits_to_probs then gives (with `kept` tokens of non-zero probability, where that is fixed by the filters)."""
+    assert validate_sampling(*settings) is None
+    assert sampling.Sampling(*settings).greedy == (settings[0] == 0)
+    probs = logits_to_probs(torch.randn(11, generator=torch.Generator().manual_seed(3)), *settings)
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+    if kept is not None:
+        assert int((probs > 0).sum()) == kept
+    else:
+        assert 1 <= int((probs > 0).sum()) <= 5
 
 
 def test_temperature_zero_is_one_hot_argmax_on_batched_logits():

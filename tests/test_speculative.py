@@ -258,8 +258,9 @@ def test_stats_carry_per_forward_times_on_cpu(target, close_draft):
     out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=16)
     s = out.stats
     assert len(s.target_times) == s.target_passes - 1 and len(s.draft_times) == s.n_drafted - 1
-    assert all(0 < t < 60 for t in s.draft_times + s.target_times) and s.prefill_time > 0
-    assert s.sampling_time > 0 and s.cache_time > 0 and s.total_time < 60
+    # structure, not speed: every part is a positive duration and the parts fit inside the total
+    assert all(t > 0 for t in s.draft_times + s.target_times) and s.prefill_time > 0
+    assert s.sampling_time > 0 and s.cache_time > 0
     parts = s.prefill_time + sum(s.draft_times) + sum(s.target_times) + s.sampling_time + s.cache_time
     assert parts <= s.total_time
     ar = autoregressive_generate(target, torch.tensor([1, 2, 3]), max_new_tokens=8).stats

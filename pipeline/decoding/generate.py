@@ -35,7 +35,7 @@ def as_drafting(drafting) -> DraftLength | Tree:
 
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREEDY,
-                         drafting: DraftLength | Tree | int | tuple | list = DraftLength("fixed", 4),
+                         drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
                          max_new_tokens: int = 128, draft_temperature: float | None = None,
                          draft_vocab: torch.Tensor | None = None, eos_token_id=None,
                          generator: torch.Generator | None = None) -> GenerationOutput:
@@ -45,9 +45,13 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
     Keyword-only past the models and the prompt; each keyword is one independent serving knob.
     draft_temperature (None = sampling's) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a 1-D
     LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
-    must live on the models' device (it drives draft sampling and acceptance).
+    must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
+    (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
     """
     check_request(sampling, max_new_tokens)
+    if drafting is None:
+        return autoregressive_generate(target, input_ids, sampling=sampling, max_new_tokens=max_new_tokens,
+                                       eos_token_id=eos_token_id, generator=generator)
     drafting = as_drafting(drafting)
     stats = TreeStats() if isinstance(drafting, Tree) else DecodeStats()
     run = Run.start(target, draft, input_ids, sampling, draft_temperature, draft_vocab, generator, stats)
