@@ -80,7 +80,7 @@ def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibrat
         out[domain] = {}
         for factors in tree_choice.CANDIDATES:
             accepted = tree_choice.simulate(hits, heldout, mask, factors)
-            speedup = pass_speedup(accepted, len(factors), nodes(factors), calibration.cost)
+            speedup = pass_speedup(accepted, len(factors), nodes(factors), calibration.cost, tree=set(factors) != {1})
             out[domain][tree_key(factors)] = {"accepted": round(accepted, 4), "nodes": nodes(factors),
                                               "predicted_speedup": round(speedup, 3)}
     return out

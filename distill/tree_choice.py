@@ -156,7 +156,7 @@ def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tu
         best = None
         for factors in candidates:
             accepted = simulate(hits, heldout, mask, factors)
-            speedup = pass_speedup(accepted, len(factors), nodes(factors), cost)
+            speedup = pass_speedup(accepted, len(factors), nodes(factors), cost, tree=set(factors) != {1})
             if best is None or speedup > best["predicted_speedup"]:
                 best = {"tree": list(factors), "accepted": accepted, "predicted_speedup": speedup}
         result[domain] = best

@@ -26,6 +26,7 @@ import torch
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
+from pipeline.decoding.tree import tree_mask
 from pipeline.machine import cpu_name
 from pipeline.models import DTYPES, converted_dir
 from pipeline.timing import synced_clock
@@ -50,11 +51,18 @@ class _Timed:
         self.cache = DynamicCache(config=model.config)
         model.model(input_ids=context, cache=self.cache, use_cache=True)
 
-    def __call__(self, tokens: torch.Tensor) -> float:
+    def __call__(self, tokens: torch.Tensor, tree: bool = False) -> float:
         """Seconds for one forward of `tokens` [1, k] and the head at every fed position (a verify pass needs
-        the target's distribution at each of its γ+1 positions)."""
+        the target's distribution at each of its γ+1 positions). tree: the way a token-tree verify runs it, with
+        a 4-D mask and explicit positions (pipeline/decoding/tree.py), which takes another attention path."""
+        extra = {}
+        if tree and tokens.shape[1] > 1:
+            k = tokens.shape[1]
+            visible = torch.ones(k - 1, k - 1, dtype=torch.bool, device=tokens.device).tril()
+            extra = {"attention_mask": tree_mask(self.length, 1, visible, self.model.dtype),
+                     "position_ids": torch.arange(self.length, self.length + k, device=tokens.device).view(1, -1)}
         t0 = self.clock()
-        hidden = self.model.model(input_ids=tokens, cache=self.cache, use_cache=True).last_hidden_state
+        hidden = self.model.model(input_ids=tokens, cache=self.cache, use_cache=True, **extra).last_hidden_state
         head_logits(hidden[0], self.rows).argmax(-1)
         seconds = self.clock() - t0
         self.cache.crop(self.length - self.cache.get_seq_length())  # transformers 5: a negative count drops tokens
@@ -70,17 +78,20 @@ def _stats(seconds: list[float]) -> dict:
 def _sweep(targets: dict, step: _Timed, fed: torch.Tensor, tokens_fed: list[int], repeats: int, warmup: int):
     """`warmup` untimed rounds, then `repeats` timed ones; each k-token forward comes right after a draft step
     and a 1-token forward at the same context, so slow drift of the machine (other jobs, clocks) lands on both
-    sides of each ratio. Returns ({context: {k: [(1-token s, k-token s)]}}, [draft step s])."""
+    sides of each ratio; the same k tokens are then fed as a tree verify (4-D mask). Returns ({context: {k:
+    [(1-token s, k-token s)]}}, the same for tree verifies, [draft step s])."""
     pairs = {n: {k: [] for k in tokens_fed} for n in targets}
+    trees = {n: {k: [] for k in tokens_fed} for n in targets}
     draft_s = []
     for r in range(warmup + repeats):
         for n, timed in targets.items():
             for k in tokens_fed:
-                d, one, many = step(fed[:, :1]), timed(fed[:, :1]), timed(fed[:, :k])
+                d, one, many, tree = step(fed[:, :1]), timed(fed[:, :1]), timed(fed[:, :k]), timed(fed[:, :k], True)
                 if r >= warmup:
                     draft_s.append(d)
                     pairs[n][k].append((one, many))
-    return pairs, draft_s
+                    trees[n][k].append((one, tree))
+    return pairs, trees, draft_s
 
 
 def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
@@ -114,14 +125,15 @@ def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, token
     ids = torch.randint(0, n_vocab, (1, max(contexts + [draft_context]) + max(tokens_fed)), generator=g).to(device)
     targets = {n: _Timed(target, head_rows(target), ids[:, :n]) for n in contexts}
     step = _Timed(draft, head_rows(draft, vocab), ids[:, :draft_context])
-    pairs, draft_s = _sweep(targets, step, ids[:, -max(tokens_fed):], tokens_fed, repeats, warmup)
+    pairs, trees, draft_s = _sweep(targets, step, ids[:, -max(tokens_fed):], tokens_fed, repeats, warmup)
     table = {str(n): _row(by_k) for n, by_k in pairs.items()}
+    tree_table = {str(n): _row(by_k) for n, by_k in trees.items()}
     rows = len(vocab) if vocab is not None else draft.config.vocab_size
     return {"version": VERSION, "machine": machine(device, dtype),
             "shapes": {"target": shapes_of(target), "draft": shapes_of(draft, rows)},
             "settings": {"tokens_fed": tokens_fed, "contexts": contexts, "draft_context": draft_context,
                          "repeats": repeats, "warmup": warmup, "seed": seed},
-            "target": table, "draft": {"context": draft_context, **_stats(draft_s)}}
+            "target": table, "tree_target": tree_table, "draft": {"context": draft_context, **_stats(draft_s)}}
 
 
 def machine(device: torch.device, dtype: torch.dtype) -> dict:
@@ -145,10 +157,11 @@ def shapes_of(model, head_rows: int | None = None) -> dict:
     return out
 
 
-def _ratios(profile: dict, context: int | None) -> tuple[list[int], list[float]]:
-    """Measured token counts and their verify ratios, clamped to ≥ 1 and made non-decreasing by an isotonic
-    fit (pool adjacent violators): feeding more tokens is never cheaper, so a dip is noise."""
-    table = profile["target"][str(context or min(profile["settings"]["contexts"]))]
+def _ratios(profile: dict, context: int | None, kind: str = "target") -> tuple[list[int], list[float]]:
+    """Measured token counts and their verify ratios (kind "target": chain verifies, "tree_target": tree
+    verifies), clamped to ≥ 1 and made non-decreasing by an isotonic fit (pool adjacent violators): feeding more
+    tokens is never cheaper, so a dip is noise."""
+    table = profile[kind][str(context or min(profile["settings"]["contexts"]))]
     ks = sorted(int(k) for k in table)
     blocks: list[list[float]] = []  # [mean, count]
     for y in (max(1.0, table[str(k)]["ratio"]) for k in ks):
@@ -159,10 +172,11 @@ def _ratios(profile: dict, context: int | None) -> tuple[list[int], list[float]]
     return ks, [m for m, n in blocks for _ in range(int(n))]
 
 
-def verify_ratio(profile: dict, gamma: int, context: int | None = None) -> float:
+def verify_ratio(profile: dict, gamma: int, context: int | None = None, kind: str = "target") -> float:
     """r_γ = the target's (γ+1)-token forward / its 1-token forward at `context` (default the shortest),
-    interpolated linearly between measured token counts and extended along the last segment beyond them."""
-    ks, rs = _ratios(profile, context)
+    interpolated linearly between measured token counts and extended along the last segment beyond them;
+    kind "tree_target": the same forward run as a tree verify."""
+    ks, rs = _ratios(profile, context, kind)
     x = gamma + 1
     if len(ks) == 1 or x <= 1:
         return 1.0
@@ -183,7 +197,10 @@ def _target_ms(profile: dict) -> float:  # the 1-token step at the shortest cont
 def summary(profile: dict, max_gamma: int) -> dict:
     """The cost block callers of distill's measure_cost_ratio use: c, verify_ratio {γ: r_γ} for γ =
     1..max_gamma, draft_forward_ms, target_forward_ms."""
+    trees = {"tree_verify_ratio": {g: round(verify_ratio(profile, g, kind="tree_target"), 3)
+                                   for g in range(1, max_gamma + 1)}} if "tree_target" in profile else {}
     return {"c": c(profile), "verify_ratio": {g: round(verify_ratio(profile, g), 3) for g in range(1, max_gamma + 1)},
+            **trees,
             "draft_forward_ms": profile["draft"]["ms"], "target_forward_ms": _target_ms(profile)}
 
 

@@ -44,8 +44,19 @@ def test_derived_costs_are_positive_and_monotone(profile):
     assert ratios[0] == 1.0 and min(ratios) >= 1.0
     assert all(a <= b for a, b in zip(ratios, ratios[1:]))
     cost = cp.summary(profile, 4)
-    assert set(cost) == {"c", "verify_ratio", "draft_forward_ms", "target_forward_ms"}
-    assert list(cost["verify_ratio"]) == [1, 2, 3, 4]
+    assert set(cost) == {"c", "verify_ratio", "tree_verify_ratio", "draft_forward_ms", "target_forward_ms"}
+    assert list(cost["verify_ratio"]) == [1, 2, 3, 4] == list(cost["tree_verify_ratio"])
+    assert set(profile["tree_target"]) == set(profile["target"])  # tree verifies timed at the same points
+
+
+def test_a_tree_is_priced_by_the_tree_verifies_that_were_timed():
+    from pipeline.decoding.cost import pass_speedup
+
+    cost = {"c": 0.1, "verify_ratio": {3: 1.2}, "tree_verify_ratio": {3: 1.6}}
+    chain, tree = pass_speedup(1.0, 3, 3, cost), pass_speedup(1.0, 3, 3, cost, tree=True)
+    assert chain == pytest.approx(2 / (0.3 + 1.2)) and tree == pytest.approx(2 / (0.3 + 1.6))
+    del cost["tree_verify_ratio"]  # an older profile without tree timings: the chain's price
+    assert pass_speedup(1.0, 3, 3, cost, tree=True) == chain
 
 
 def _synthetic(ratios: dict[int, float]) -> dict:

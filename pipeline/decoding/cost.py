@@ -32,9 +32,12 @@ def predicted_speedup(accepted: float, draft_forwards: float, c: float, verify: 
     return (1.0 + accepted) / (draft_forwards * c + verify)
 
 
-def pass_speedup(accepted: float, draft_forwards: float, drafted: float, cost: Mapping) -> float:
-    """predicted_speedup with c and r(drafted) from a cost summary {"c", "verify_ratio"}."""
-    return predicted_speedup(accepted, draft_forwards, float(cost["c"]), verify_cost(cost.get("verify_ratio"), drafted))
+def pass_speedup(accepted: float, draft_forwards: float, drafted: float, cost: Mapping, tree: bool = False) -> float:
+    """predicted_speedup with c and r(drafted) from a cost summary {"c", "verify_ratio", "tree_verify_ratio"}:
+    a token tree's verify is priced as the tree verifies that were timed (4-D mask, explicit positions: another
+    attention path than a chain's), where the profile has them."""
+    ratios = (tree and cost.get("tree_verify_ratio")) or cost.get("verify_ratio")
+    return predicted_speedup(accepted, draft_forwards, float(cost["c"]), verify_cost(ratios, drafted))
 
 
 def iid_speedup(alpha, gamma: int, c: float):
