@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
+from pipeline.settings import check_keys
 from pipeline.sampling import Sampling, derive_seed
 
 BACKENDS = ("hf", "vllm")
@@ -91,15 +92,7 @@ class CollectSettings:
         root seed): every key of conf/collect/default.yaml, no other; checked before anything is loaded."""
         values = OmegaConf.to_container(collect_cfg, resolve=True)
         keys = [name for name in (f.name for f in fields(cls)) if name != "sampling"] + list(cls.SAMPLING)
-        unknown = [key for key in values if key not in keys]
-        if unknown:
-            raise PipelineError(f"unknown collect setting(s) {', '.join(f'collect.{key}' for key in unknown)}: use "
-                                "the keys of conf/collect/default.yaml (check the spelling of the override)")
-        missing = [key for key in keys if key not in values]
-        if missing:
-            raise PipelineError(f"collect setting(s) {', '.join(f'collect.{key}' for key in missing)} missing from "
-                                "the composed config: restore them in conf/collect/default.yaml, where every "
-                                "setting is declared")
+        check_keys(values, keys, "collect", "conf/collect/default.yaml")
         temperature, top_k, top_p = (_config_number(key, values.pop(key), kind)
                                      for key, kind in zip(cls.SAMPLING, (float, int, float)))
         try:

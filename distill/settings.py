@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
+from pipeline.settings import check_keys
 
 TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is.
@@ -243,15 +244,7 @@ def _build(cls, values, where: str):
         raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from "
                             "conf/distill/default.yaml")
     names = [f.name for f in fields(cls)]
-    unknown = [key for key in values if key not in names]
-    if unknown:
-        raise PipelineError(f"unknown distill setting(s) {', '.join(f'{where}.{key}' for key in unknown)}: "
-                            "use the keys of conf/distill/default.yaml (check the spelling of the override)")
-    missing = [key for key in names if key not in values]
-    if missing:
-        raise PipelineError(f"distill setting(s) {', '.join(f'{where}.{key}' for key in missing)} missing from the "
-                            "composed config: restore them in conf/distill/default.yaml, where every setting is "
-                            "declared")
+    check_keys(values, names, where, "conf/distill/default.yaml")
     types = get_type_hints(cls)
     return cls(**{name: _build(types[name], values[name], f"{where}.{name}") if is_dataclass(types[name])
                   else values[name] for name in names})

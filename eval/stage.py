@@ -152,7 +152,7 @@ def _hf_methods(evaluation: Evaluation) -> dict:
         def generate(ids, domain, n, seed):
             torch.manual_seed(seed)  # HF samples from the global RNG
             config = configs[domain][which] if draft is not None else None
-            return hf_generate(evaluation.target, ids, n, sampling, evaluation.stop, draft, config), None
+            return hf_generate(evaluation.target, ids, n, sampling, evaluation.stop, draft, config)
         return generate
 
     every = {"hf_generate": hf(), "hf_assisted": hf(assistant), "hf_assisted_fixed": hf(assistant, "fixed"),

@@ -381,7 +381,7 @@ def test_batched_generation_equals_unbatched_greedy(tiny_target):
     (["collect.topk=abc"], r"collect\.topk"),
     (["collect.temperature=abc"], r"^collect\.temperature='abc' must be a number"),
     (["collect.batch_size=0"], r"collect\.batch_size"),
-    (["+collect.no_such_knob=1"], r"^unknown collect setting\(s\) collect\.no_such_knob"),
+    (["+collect.no_such_knob=1"], r"^unknown setting\(s\) collect\.no_such_knob"),
     (["collect.keep_shards=maybe"], r"collect\.keep_shards='maybe' is not true or false"),
     (["collect.max_prompts_per_domain=abc"], r"collect\.max_prompts_per_domain='abc' must be an integer"),
     (["collect.max_minutes=0"], r"collect\.max_minutes=0\.0 must be > 0"),
