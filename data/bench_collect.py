@@ -13,6 +13,7 @@ OpenMP threads make batch 1 several times slower and the comparison meaningless.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -48,8 +49,20 @@ def disk_bytes(rows: list[dict], topk: int) -> int:
         return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        fail(f"{message}: see python -m data.bench_collect --help")
+
+
+def fail(message: str) -> None:
+    sys.stderr.write(f"[bench] error: {message}\n")
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.errors import PipelineError
+
+    parser = _Parser(prog="python -m data.bench_collect", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per measurement (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts-file", help="a prompt JSONL (our schema or Spec-Bench's question.jsonl); "
@@ -57,11 +70,21 @@ def main() -> None:
     parser.add_argument("--domains", default=",".join(MT_BENCH),
                         help="domains to draw prompts from, all when none match (default: Spec-Bench's MT-Bench ones)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. collect.batch_size=32")
-    args = parser.parse_args()
-
-    cfg, settings = load_settings(args.overrides, args.max_new_tokens)
-    target = load_target(cfg)
-    prompts = bench_prompts(cfg, args.prompts, args.domains.split(","), args.prompts_file)
+    args = parser.parse_args(argv)
+    for name in ("prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    if args.prompts_file and not Path(args.prompts_file).is_file():
+        fail(f"--prompts-file {args.prompts_file} is not a file: pass a prompt JSONL")
+    try:
+        cfg, settings = load_settings(args.overrides, args.max_new_tokens)
+        prompts = bench_prompts(cfg, args.prompts, args.domains.split(","), args.prompts_file)
+        if not prompts:
+            raise PipelineError("no prompts to measure on: pass --prompts-file <jsonl> or run "
+                                "`python -m pipeline stage=prepare`")
+        target = load_target(cfg)
+    except PipelineError as e:
+        fail(str(e))
     print(f"[bench] {target.path.name} on {target.device} ({str(target.dtype).removeprefix('torch.')}), "
           f"{torch.get_num_threads()} threads; {len(prompts)} prompts, max_new_tokens={settings.max_new_tokens}, "
           f"temperature={settings.sampling.temperature}, topk={settings.topk}")
@@ -75,8 +98,14 @@ def load_settings(overrides: list[str], max_new_tokens: int):
 
     from data.collect_rows import CollectSettings
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    from pipeline.errors import PipelineError
+
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+    except Exception as e:  # Hydra's override / composition errors: one line, as python -m pipeline gives them
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise PipelineError(f"bad configuration: {first.strip()}") from None
     if cfg.runtime.get("threads"):
         torch.set_num_threads(int(cfg.runtime.threads))
     settings = replace(CollectSettings.from_config(cfg.collect, cfg.seed), max_new_tokens=max_new_tokens,

@@ -11,12 +11,11 @@ for, with the gain over the undistilled draft. Exports calibrated for different 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from eval.learning_curve import OVERALL, _f, load_exports
+from eval.learning_curve import OVERALL, OneLineParser, _f, check_out, load_exports, write_files
 from pipeline.errors import PipelineError
 from pipeline.spec import SpeculativeSpec
 
@@ -84,20 +83,20 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m eval.arms", description=__doc__.split("\n\n")[0])
     parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs), one per arm")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
+    out = Path(args.out)
     try:
+        check_out(out)
         rows = [arm_row(Path(src).name, spec) for src, spec in load_exports(args.drafts)]
         check_comparable(rows)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "arms.md").write_text(markdown(rows))
-    (out / "arms.json").write_text(json.dumps(rows, indent=1))
+    md, data = markdown(rows), json.dumps(rows, indent=1)
+    write_files(out, {"arms.md": lambda path: path.write_text(md), "arms.json": lambda path: path.write_text(data)})
     print((out / "arms.md").read_text())
     return 0
 

@@ -10,7 +10,6 @@ prepare stage's held-out split by default, or Spec-Bench's question.jsonl), spre
 --draft, the draft is the target's first --draft-layers layers sharing its embeddings, final norm and head.
 """
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -56,10 +55,10 @@ def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
 
     return {
         "own_ar": lambda ids: own(autoregressive_generate(target, ids, max_new_tokens=n, eos_token_id=stop)),
-        "hf_generate": lambda ids: (hf_generate(target, ids, n, GREEDY, stop), None),
+        "hf_generate": lambda ids: hf_generate(target, ids, n, GREEDY, stop),
         "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, drafting=gamma, max_new_tokens=n,
                                                                 eos_token_id=stop)),
-        "hf_assisted": lambda ids: (hf_generate(target, ids, n, GREEDY, stop, draft, fixed_gamma), None),
+        "hf_assisted": lambda ids: hf_generate(target, ids, n, GREEDY, stop, draft, fixed_gamma),
     }
 
 
@@ -148,8 +147,36 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        sys.stderr.write(f"[bench] error: {message}: see python -m eval.bench --help\n")
+        sys.exit(2)
+
+
+def check_args(args) -> None:
+    """Bad input as one-line PipelineErrors before any model is loaded (and before anything is written)."""
+    for name in ("target", "draft"):
+        path = getattr(args, name)
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise PipelineError(f"--{name} {path} is not an HF model directory (no config.json): pass a directory "
+                                "the pipeline exported or converted, e.g. artifacts/models/<target>")
+    for name in ("draft_layers", "n_prompts", "max_new_tokens", "gamma", "repeats"):
+        if getattr(args, name) < 1:
+            raise PipelineError(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    if args.threads < 0:
+        raise PipelineError(f"--threads {args.threads} is negative: pass 0 (torch's default) or a thread count")
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        raise PipelineError(f"--device {args.device} is not cpu or cuda")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise PipelineError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if args.json is not None and args.json.is_dir():
+        raise PipelineError(f"--json {args.json} is a directory: pass a file path")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipeline.atomic import write_json
+
+    parser = _Parser(prog="python -m eval.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
     parser.add_argument("--draft", help="HF model directory of the draft (default: target's first layers)")
     parser.add_argument("--draft-layers", type=int, default=2)
@@ -162,17 +189,18 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    parser.add_argument("--json", type=Path, help="also write the numbers to this file (atomically)")
     args = parser.parse_args(argv)
     try:
+        check_args(args)
         result = run(args)
     except PipelineError as e:
-        sys.exit(f"[bench] error: {e}")
+        sys.stderr.write(f"[bench] error: {e}\n")
+        sys.exit(2)
     print(report(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":
     main()
-

@@ -183,12 +183,40 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
     return "\n".join(lines) + "\n"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with bad arguments as one line on stderr and exit code 2 (no usage block)."""
+
+    def error(self, message):
+        sys.stderr.write(f"error: {message}: see {self.prog} --help\n")
+        sys.exit(2)
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise PipelineError(f"--out {out} is a file, not a directory: pass a directory to write the report into")
+
+
+def write_files(out: Path, writers: dict) -> None:
+    """{file name: fn(path) that writes it}: all written into a staging directory beside `out`, then each renamed
+    into `out`, so a failure leaves nothing half-written there."""
+    import tempfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as staging:
+        for name, write in writers.items():
+            write(Path(staging) / name)
+        for name in writers:
+            (Path(staging) / name).replace(out / name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m eval.learning_curve", description=__doc__.split("\n\n")[0])
     parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs)")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
+    out = Path(args.out)
     try:
+        check_out(out)
         exports = load_exports(args.drafts)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -198,13 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec)) for src, spec in exports
               if spec.learning_curve]
     gains = doubling_gains(points)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot(points, curves, out / "learning_curve.png")
     needed = tokens_needed(points)
-    (out / "learning_curve.md").write_text(markdown(points, gains, curves, needed))
-    (out / "learning_curve.json").write_text(json.dumps({"runs": points, "gains": gains, "tokens_needed": needed,
-                                                         "in_run": dict(curves)}, indent=1))
+    md = markdown(points, gains, curves, needed)
+    data = json.dumps({"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves)}, indent=1)
+    write_files(out, {"learning_curve.png": lambda path: plot(points, curves, path),
+                      "learning_curve.md": lambda path: path.write_text(md),
+                      "learning_curve.json": lambda path: path.write_text(data)})
     print((out / "learning_curve.md").read_text())
     return 0
 

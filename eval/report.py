@@ -300,8 +300,16 @@ def control_lines(metrics: dict) -> list[str]:
     clean = control.get("without_disturbed")
     if not clean:
         return [head + f" — every request was disturbed by other load ({names}): read no timing of this run."]
-    speedups = "; ".join(f"{method_label(m)} {_speedup(v)}" for m, v in clean["speedup"].items())
-    return [head + f" — disturbed by other load: {names}. Overall without them: {speedups}.",
+    # the unfiltered figure (every request, the headline) first, the filtered one beside it, each labelled
+    unfiltered = (control.get("unfiltered") or {}).get("speedup", {})
+    n, kept = control["n_requests"], control["n_requests"] - len(control["disturbed"])
+
+    def both(method: str, filtered: dict) -> str:
+        first = f"{_speedup(unfiltered[method])} unfiltered (all {n} requests), " if method in unfiltered else ""
+        return f"{method_label(method)} {first}{_speedup(filtered)} filtered (without the disturbed, {kept} requests)"
+    speedups = "; ".join(both(m, v) for m, v in clean["speedup"].items())
+    return [head + f" (band fixed before the run, eval.control_band) — disturbed by other load: {names}. "
+                   f"Overall speedup: {speedups}.",
             *[_comparison("overall without them", name.removeprefix("speculative_vs_"), c)
               for name, c in clean["comparisons"].items()]]
 

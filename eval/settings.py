@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.decoding import POLICIES, DraftLength, parse_tree
 from pipeline.errors import PipelineError
+from pipeline.settings import check_keys
 from pipeline.sampling import Sampling
 
 ENGINES = ("ours", "llamacpp")  # eval/engine_llamacpp.py; HF assisted generation runs as eval.baselines
@@ -71,6 +72,7 @@ class EvalSettings:
     sweep_prompts_per_domain: int        # prompts per domain (all their turns) the sweeps run on
     fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
     fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
+    control_band: tuple[float, float]    # [low, high] tokens/s ratio of the control pair outside which a request is disturbed
     warmup_tokens: int                   # untimed warm-up tokens per method before measuring
     engine: str                          # where the methods run: one of ENGINES
 
@@ -78,15 +80,7 @@ class EvalSettings:
     def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
         """The settings of `cfg.eval` (interpolations resolved); every key of conf/eval/default.yaml, no other."""
         values = OmegaConf.to_container(eval_cfg, resolve=True)
-        names = [f.name for f in fields(cls)]
-        unknown = [key for key in values if key not in names]
-        if unknown:
-            raise PipelineError(f"unknown eval setting(s) {', '.join(f'eval.{key}' for key in unknown)}: "
-                                "use the keys of conf/eval/default.yaml (check the spelling of the override)")
-        missing = [key for key in names if key not in values]
-        if missing:
-            raise PipelineError(f"eval setting(s) {', '.join(f'eval.{key}' for key in missing)} missing from the "
-                                "composed config: restore them in conf/eval/default.yaml, where every setting is declared")
+        check_keys(values, [f.name for f in fields(cls)], "eval", "conf/eval/default.yaml")
         return cls(**values)
 
     def __post_init__(self):
@@ -95,6 +89,7 @@ class EvalSettings:
         except PipelineError as e:  # the core names the field; prefix it with where it is set
             raise PipelineError(f"eval.{e}") from None
         self._check_counts()
+        self._check_control_band()
         self._check_drafting()
         self._check_methods()
 
@@ -134,6 +129,15 @@ class EvalSettings:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < least):
                 _bad(key, value, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+
+    def _check_control_band(self) -> None:
+        band = self.control_band
+        if (not isinstance(band, (list, tuple)) or len(band) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in band)
+                or not 0 < band[0] < 1 < band[1]):
+            _bad("control_band", band, "is not a band [low, high] with 0 < low < 1 < high",
+                 "use e.g. eval.control_band=[0.8,1.25] (fix it before the run)")
+        self._normalise("control_band", (float(band[0]), float(band[1])))
 
     def _check_drafting(self) -> None:
         self._normalise("compare_draft_lengths", _names("compare_draft_lengths", self.compare_draft_lengths,

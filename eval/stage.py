@@ -255,7 +255,7 @@ def decode_prompt(prompt: dict, methods: dict, names: list, evaluation: Evaluati
 
 def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
     settings, drafts = evaluation.settings, evaluation.drafts
-    core = M.build(records, evaluation.plans, evaluation.sampling.temperature)
+    core = M.build(records, evaluation.plans, evaluation.sampling.temperature, band=settings.control_band)
     init = drafts.get("speculative_init")
     return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings.top_k,
             "top_p": settings.top_p, "max_new_tokens": settings.max_new_tokens,

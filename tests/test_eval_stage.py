@@ -223,12 +223,18 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     assert replace(settings, gamma=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
     with pytest.raises(PipelineError, match="eval.gamma=0 is not a draft length"):
         replace(settings, gamma=0)
-    for override, message in (("+eval.gama=3", "unknown eval setting"), ("eval.max_draft=12.5", "integer >= 1"),
+    for override, message in (("+eval.gama=3", "unknown setting"), ("eval.max_draft=12.5", "integer >= 1"),
                               ("eval.compare_draft_lengths=fixed", "unknown policy"),
-                              ("eval.baselines_draft=other", "not a draft eval loads")):
+                              ("eval.baselines_draft=other", "not a draft eval loads"),
+                              ("eval.control_band=[1.0,1.25]", "0 < low < 1 < high"),
+                              ("eval.control_band=[0.8,0.9]", "0 < low < 1 < high"),
+                              ("eval.control_band=[1.25,0.8]", "0 < low < 1 < high"),
+                              ("eval.control_band=[0.8]", "0 < low < 1 < high")):
         with pytest.raises(PipelineError, match=message) as info:
             eval_settings(tmp_path, override)
         assert "\n" not in str(info.value)
+    assert settings.control_band == (0.8, 1.25)  # conf/eval/default.yaml's pre-registered band
+    assert eval_settings(tmp_path, "eval.control_band=[0.5,2]").control_band == (0.5, 2.0)
 
 
 def test_empty_prompts_file_is_refused(tmp_path, models):

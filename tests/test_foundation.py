@@ -192,7 +192,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 ])
 def test_cli_bad_input_is_one_line_without_traceback(args, needle, tmp_path):
     proc = _cli(*args, f"paths.artifacts={tmp_path}/artifacts", "tracking.enabled=false", cwd=REPO)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip()
     assert "Traceback" not in err
     assert len(err.splitlines()) == 1, err

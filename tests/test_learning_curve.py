@@ -118,3 +118,23 @@ def test_tokens_needed_solves_the_log_line_through_the_last_runs():
     assert chat["0.4"] == {"tokens": 32000, "how": "extrapolated"}
     assert chat["0.6"]["how"] == "out of reach"  # 2^6 = 64 times the data: past what a log-line can tell
     assert needed["flat"]["tokens"]["0.3"] == {"tokens": None, "how": "out of reach"}  # a curve that does not rise
+
+
+def test_a_failure_while_writing_leaves_nothing_half_written(tmp_path, monkeypatch):
+    import eval.learning_curve as lc
+
+    curve = [{"step": 10, "train_tokens": 500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}}]
+    dirs = [_export(tmp_path / f"share-{n}", n, {"chat": a, "overall": a}, curve) for n, a in ((1000, 0.2), (2000, 0.3))]
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "learning_curve.md").write_text("an earlier report")
+
+    def failing_plot(points, curves, path):
+        path.write_bytes(b"\x89PNG half")  # a partial file, then the crash
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(lc, "plot", failing_plot)
+    with pytest.raises(RuntimeError, match="disk full"):
+        main([*dirs, "--out", str(out)])
+    assert [p.name for p in out.iterdir()] == ["learning_curve.md"] and (out / "learning_curve.md").read_text() == "an earlier report"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.tmp")]  # the staging directory is gone

@@ -179,8 +179,20 @@ def test_the_control_pair_names_disturbed_requests_and_gives_the_figures_without
     measured = M.summarize(disturbed, greedy=False)["speculative"]["speedup"]
     assert clean == pytest.approx(M.summarize(records, greedy=False)["speculative"]["speedup"], rel=0.05)
     assert measured > clean  # the slowed plain decoding inflated every measured speedup
+    assert control["unfiltered"]["speedup"]["speculative"]["speedup"] == pytest.approx(measured)
+    assert control["band"] == [0.8, 1.25]
     lines = control_lines({"control": control})
     assert "1 of 12 requests" in lines[0] and "chat chat-3 turn 0" in lines[0]
+    # the unfiltered figure (every request) comes first, the filtered one beside it, both labelled
+    own = lines[0].split("own speculative ", 1)[1].split(";")[0]
+    assert own.index(f"{measured:.2f}× ") < own.index("unfiltered (all 12 requests)") \
+        < own.index(f"{clean:.2f}× ") < own.index("filtered (without the disturbed, 11 requests)"), own
+    # the band is a setting fixed before the run: a wider one keeps the threefold-slowed request, a narrow one
+    # that even 5% jitter leaves filters more
+    assert M.control_check(disturbed, greedy=False, band=(0.25, 4.0))["disturbed"] == []
+    assert M.build(disturbed, {"speculative": {"chat": {}, "default": {"gamma": 4}}}, 1.0,
+                   band=(0.25, 4.0))["control"]["band"] == [0.25, 4.0]
+    assert len(M.control_check(records, greedy=False, band=(0.999, 1.001))["disturbed"]) > 1
     assert any(line.startswith("overall without them") for line in lines[1:])
     for r in disturbed:  # every request disturbed: nothing left to recompute on, and the report says so
         if r["method"] == "autoregressive":
