@@ -83,8 +83,10 @@ def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str
 def draft_length(spec, domain: str, settings: EvalSettings, gamma: int) -> DraftLength:
     """The draft-length policy: a fixed eval.gamma; else eval.draft_length's policy (the calibrated one where
     the calibration chose that policy); else the calibrated policy; else fixed γ."""
+    if settings.gamma:  # a forced γ is that γ, whatever fixed γ the calibration chose
+        return DraftLength("fixed", int(settings.gamma))
     calibrated = spec.draft_length_for(domain) if spec is not None else None
-    wanted = "fixed" if settings.gamma else settings.draft_length
+    wanted = settings.draft_length
     if wanted is None:
         return calibrated or DraftLength("fixed", gamma)
     if calibrated is not None and calibrated.policy == wanted:

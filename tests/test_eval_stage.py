@@ -336,6 +336,7 @@ def test_draft_length_comes_from_the_calibration_unless_overridden(tmp_path):
     assert policy("chat", draft_length="confidence") == DraftLength("confidence", 12, 0.4)
     assert policy("code", draft_length="heuristic") == DraftLength("heuristic", 5)
     assert policy("code", gamma=2) == DraftLength("fixed", 2)  # an explicit γ wins
+    assert policy("chat", gamma=2) == DraftLength("fixed", 2)  # also over a calibrated fixed γ (it returned 3)
 
 
 @pytest.mark.parametrize("override,message", [

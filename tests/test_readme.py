@@ -40,3 +40,14 @@ def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target
     assert scope["out"].tokens.tolist() == reference.tokens.tolist()  # greedy: lossless means identical
     assert tokenizer.decode(reference.tokens) in printed
     assert isinstance(scope["ids"], torch.Tensor) and scope["ids"].dim() == 2
+
+
+def test_every_speedup_in_the_readme_results_is_in_docs_results():
+    """The README's results paragraph quotes only figures measured in docs/results.md (where each has its date,
+    machine, command and interval)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Results"):text.index("## Serving the exported draft")]
+    results = (REPO / "docs/results.md").read_text()
+    figures = re.findall(r"\d+\.\d+× \[\d+\.\d+, \d+\.\d+\]|\d+\.\d+×", section)
+    assert len(figures) >= 5, figures
+    assert [f for f in figures if f not in results] == []
