@@ -164,13 +164,15 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
         draft_dirs["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
     for name, path in draft_dirs.items():
-        if not (path / "config.json").is_file():
-            raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir>")
-    drafts = {name: path / "draft.gguf" if (path / "draft.gguf").is_file() else draft_gguf(root, path, gguf_dir, quant)
-              for name, path in draft_dirs.items()}  # an export calibrated for llama.cpp ships its draft.gguf
+        if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
+            raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir | .gguf>")
+    drafts = {name: path if path.suffix == ".gguf" else path / "draft.gguf" if (path / "draft.gguf").is_file()
+              else draft_gguf(root, path, gguf_dir, quant) for name, path in draft_dirs.items()}
+    # a .gguf draft is served as published (e.g. a pretrained draft); an export calibrated for llama.cpp ships its
+    # draft.gguf; any other export is converted here
     tokenizer = load_tokenizer(target_path)
     stop = stop_token_ids(tokenizer)  # EOS and the template's end-of-turn marker
-    spec = SpeculativeSpec.read(draft_dirs["speculative"])
+    spec = SpeculativeSpec.read(draft_dirs["speculative"]) if draft_dirs["speculative"].is_dir() else None
     plan = server_plan(spec, list(prompts), drafts)
     requests = requests_of(prompts, tokenizer)
     log(f"{len(requests)} requests in {len(prompts)} domains from {source}; methods {', '.join(plan)}; target "

@@ -107,7 +107,8 @@ def model_gguf(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> 
     package = spec.get("package")
     if not package:
         return None
-    out = converted_dir(paths["models"], spec, name).with_suffix(".gguf")
+    directory = converted_dir(paths["models"], spec, name)
+    out = directory.with_name(directory.name + ".gguf")  # not with_suffix: names such as "Qwen2.5-…" hold dots
     if not out.is_file():
         chunks = package.get("chunks") or [package]
         parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in chunks]
