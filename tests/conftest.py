@@ -66,17 +66,22 @@ def target():
     return decoder_llama(0)
 
 
+def noisy_copy(model, scale: float, seed: int = 5):
+    """A copy of `model` with Gaussian noise of `scale` × each tensor's std added to every weight."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std())
+    return draft
+
+
 @pytest.fixture(scope="module")
 def close_draft(target):
     """The target with small weight noise: agrees often (greedy agreement and acceptance well above the far draft)."""
-    import copy
-
-    draft = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std())
-    return draft
+    return noisy_copy(target, 0.1)
 
 
 @pytest.fixture(scope="module")

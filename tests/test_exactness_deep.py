@@ -14,7 +14,6 @@ is concentrated on the hidden token, so a wrong residual, sibling update, column
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 
@@ -33,7 +32,7 @@ from pipeline.decoding import (
     tree_sampling,
 )
 from pipeline.sampling import Sampling
-from tests.conftest import chi_square_pvalue, decoder_llama
+from tests.conftest import chi_square_pvalue, decoder_llama, noisy_copy
 
 torch.set_num_threads(1)
 
@@ -55,11 +54,8 @@ def target():
 @pytest.fixture(scope="module")
 def draft(target):
     """The target plus weight noise (2% of each tensor's std), with a head bias of −3 on BLIND (its q ≈ p/20)."""
-    model = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(5)
+    model = noisy_copy(target, 0.02)
     with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.02 * param.std())
         old = model.get_output_embeddings()
         head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
         head.weight.copy_(old.weight)
