@@ -24,7 +24,7 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
                files: dict[str, Path] | None = None) -> Path:
     """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile,
     `files` copied in by name such as draft.gguf) into `out_dir`, replacing it atomically; a subset draft's head
-    rows outside the subset are `head_fill`."""
+    rows outside the subset are `head_fill`. (Nine parameters: each is one part of the export directory.)"""
     out_dir = Path(out_dir)
     if spec is not None and spec.vocab_subset:
         draft = exported_weights(draft, spec.vocab_subset, head_fill)

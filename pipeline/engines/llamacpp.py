@@ -165,7 +165,8 @@ def free_port() -> int:
 
 
 class Server:
-    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager."""
+    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
+    arguments are the server's own: models, draft flags, threads, context, log file and start timeout."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
