@@ -12,7 +12,6 @@ the calibration part wins; "off" (plain decoding) when even that does not beat 1
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -89,15 +88,11 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
 
 
 def draft_gguf(root: Path, draft, tokenizer, out: Path, quant: str | None) -> Path:
-    """The export's weights as GGUF through llama.cpp's own converter (f16), quantised to `quant` (None: f16)."""
+    """The export's weights (a model in memory) as GGUF, through a temporary HF directory."""
     with tempfile.TemporaryDirectory() as tmp:
         draft.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        f16 = llamacpp.convert(root, tmp, Path(tmp) / "draft-f16.gguf", "f16")
-        if quant is None:
-            shutil.move(f16, out)
-            return out
-        return llamacpp.quantize(root, f16, out, quant)
+        return llamacpp.hf_to_gguf(root, tmp, out, quant)
 
 
 def typical_context(heldout: cal.HeldOut) -> int:
@@ -106,7 +101,7 @@ def typical_context(heldout: cal.HeldOut) -> int:
     return max(1, int(sum(lengths) / max(len(lengths), 1)))
 
 
-def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, log) -> tuple[SpeculativeSpec, dict[str, Path]]:
+def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill, log) -> tuple[SpeculativeSpec, dict[str, Path]]:
     """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
     ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for."""
     settings = inputs.settings.calibration
@@ -120,10 +115,9 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, log) -> tu
     if target is None:  # an HF-directory target: llama.cpp's own converter, unquantised
         target = scratch / f"target-{split.fingerprint}-F16.gguf"
         if not target.is_file():
-            llamacpp.convert(root, resolve_model(inputs.cfg.model.target, "target", paths), target, "f16")
+            llamacpp.hf_to_gguf(root, resolve_model(inputs.cfg.model.target, "target", paths), target, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
-    fill = cal.out_of_subset_fill(inputs.draft, heldouts.calibration, split.vocab)
-    weights = exported_weights(inputs.draft, split.vocab_list, fill).to(inputs.serving_dtype)
+    weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
     gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / f"draft-{split.fingerprint}.gguf", quant)
     cost = engine_cost(root, target, gguf, max(chosen.n_max), typical_context(heldouts.reporting), chosen.repeats,
                        engine.threads)

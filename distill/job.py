@@ -77,10 +77,11 @@ class HeldOuts:
 class Calibration:
     """Per domain (and overall): the draft temperature, the best fixed γ, the draft-length policy and the tree
     (None: a chain), whether to speculate at all (False: plain decoding is predicted no slower); the cost
-    summary they were chosen with."""
+    summary they were chosen with; the head row the export gives tokens outside the FR-Spec subset."""
     temperature: dict[str, float]
     gamma: dict[str, int]
     draft_length: dict[str, DraftLength]
     tree: dict[str, list | None]
     speculate: dict[str, bool]
     cost: dict
+    head_fill: torch.Tensor | None = None  # distill.calibrate.out_of_subset_fill of these weights; None: no subset

@@ -48,7 +48,8 @@ def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: 
         log(f"plain decoding (off) for {', '.join(off)}: no drafting predicted ≥ {1 + settings.speculate_margin:.2f}× "
             f"on the calibration part ({', '.join(f'{d} {best_speedup[d]:.2f}×' for d in off)})")
     return Calibration(temperature=taus, gamma=best, cost=cost, tree=trees, speculate=speculate,
-                       draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()})
+                       draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()},
+                       head_fill=cal.out_of_subset_fill(draft, heldout, vocab))
 
 
 def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dict, cost: dict,

@@ -89,9 +89,9 @@ def _run(cfg: DictConfig, tracker) -> dict:
     profile = cost_profile(inputs, split.vocab)
     calibration = calibrate(inputs, split, heldouts.calibration, profile)
     spec = build_spec(inputs, split, heldouts, before, training, selected, calibration)
-    spec, engine_files = calibrate_engines(inputs, split, heldouts, spec, log)
+    spec, engine_files = calibrate_engines(inputs, split, heldouts, spec, calibration.head_fill, log)
     calibration_dtype = next(inputs.draft.parameters()).dtype
-    export(inputs, split, heldouts, spec, profile, engine_files)
+    export(inputs, split, spec, profile, calibration.head_fill, engine_files)
     if settings.calibrate_init:
         export_calibrated_init(inputs, split, heldouts, before, initial_weights, calibration_dtype, profile,
                                calibration if selected["selected"] == "init" else None)
@@ -292,8 +292,7 @@ def build_spec(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, t
     calibrated = cal.acceptance_at(inputs.draft, reporting, calibration.temperature, split.vocab)
     trees = tree_candidates(inputs, split, reporting, calibration)
     # what engines that run the exported checkpoint's full head get (export.py writes the subset into it)
-    fill = cal.out_of_subset_fill(inputs.draft, heldouts.calibration, split.vocab)
-    full_head = cal.acceptance_at(exported_weights(inputs.draft, split.vocab_list, fill), reporting,
+    full_head = cal.acceptance_at(exported_weights(inputs.draft, split.vocab_list, calibration.head_fill), reporting,
                                   calibration.temperature)
     return SpeculativeSpec(
         inputs.target_ident, inputs.sampling,
@@ -325,12 +324,12 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint}
 
 
-def export(inputs: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec, profile: dict,
+def export(inputs: Inputs, split: Split, spec: SpeculativeSpec, profile: dict, head_fill: torch.Tensor | None,
            engine_files: dict[str, Path]) -> None:
     """The tuned draft in the serving dtype with speculative.json, a model card and the files its engines serve
     (draft.gguf); the table; MLflow."""
     paths = inputs.cfg.paths
-    save_calibrated(inputs, heldouts, split, spec, profile, paths.draft, "distilled", engine_files)
+    save_calibrated(inputs, spec, profile, head_fill, paths.draft, "distilled", engine_files)
     if not inputs.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / split.fingerprint, ignore_errors=True)
     print(format_table(spec))
@@ -347,17 +346,16 @@ def export(inputs: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSp
     inputs.tracker.log_artifact(str(Path(paths.draft) / "README.md"))
 
 
-def save_calibrated(inputs: Inputs, heldouts: HeldOuts, split: Split, spec: SpeculativeSpec, profile: dict, path: str,
+def save_calibrated(inputs: Inputs, spec: SpeculativeSpec, profile: dict, head_fill: torch.Tensor | None, path: str,
                     label: str, files: dict[str, Path] | None = None) -> None:
     """The draft in the serving dtype with its calibration, model card and cost profile (each argument is an
     earlier step's product)."""
-    fill = cal.out_of_subset_fill(inputs.draft, heldouts.calibration, split.vocab)
     generation_config = copy.deepcopy(inputs.target.generation_config)
     for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
         setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
     save_draft(inputs.draft.to(inputs.serving_dtype), inputs.draft_tokenizer, path, spec,
                model_card(spec, f"{inputs.cfg.model.draft.name} ({label})"), generation_config,
-               extra={FILENAME: profile}, head_fill=fill, files=files)
+               extra={FILENAME: profile}, head_fill=head_fill, files=files)
 
 
 def export_calibrated_init(inputs: Inputs, split: Split, heldouts: HeldOuts, before: dict, initial_weights: dict,
@@ -370,7 +368,7 @@ def export_calibrated_init(inputs: Inputs, split: Split, heldouts: HeldOuts, bef
     none = TrainingResult(steps=0, tokens=0, minutes=0.0, curve=[])                        # shipped the initial weights
     selected = {"selected": "init", "after_training": _acceptances(before["reporting"]), "after": before["reporting"]}
     spec = build_spec(inputs, split, heldouts, before, none, selected, calibration, distilled=False)
-    save_calibrated(inputs, heldouts, split, spec, profile, inputs.cfg.paths.draft_init, "undistilled, calibrated")
+    save_calibrated(inputs, spec, profile, calibration.head_fill, inputs.cfg.paths.draft_init, "undistilled, calibrated")
     log(f"exported {inputs.cfg.paths.draft_init} with its own calibration (predicted speedup "
         f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
 

@@ -44,22 +44,16 @@ class EngineStats:
     drafted: list[int] = field(default_factory=list)
 
 
-def draft_gguf(root: Path, draft_dir: Path, out_dir: Path, quant: str | None) -> Path:
-    """The draft as GGUF: llama.cpp's converter (f16), then llama-quantize to `quant` (None: keep f16); cached by
-    the hash of the draft's weights."""
-    weights = sorted(draft_dir.glob("*.safetensors"))
+def cached_gguf(root: Path, model_dir: Path, out_dir: Path, quant: str | None) -> Path:
+    """An HF model directory (a draft export, an HF-directory target) as GGUF (llamacpp.hf_to_gguf), cached
+    under `out_dir` by the hash of its weights."""
+    weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
-        raise PipelineError(f"{draft_dir} holds no safetensors weights: point eval.draft at a draft export")
+        raise PipelineError(f"{model_dir} holds no safetensors weights: point eval.draft at a draft export")
     digest = hashlib.sha256(b"".join(w.read_bytes()[:1 << 20] + str(w.stat().st_size).encode() for w in weights))
-    stem = f"{draft_dir.name}-{digest.hexdigest()[:12]}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"{stem}-{quant or 'F16'}.gguf"
-    if final.is_file():
-        return final
-    f16 = out_dir / f"{stem}-F16.gguf"
-    if not f16.is_file():
-        llamacpp.convert(root, draft_dir, f16, "f16")
-    return f16 if quant is None else llamacpp.quantize(root, f16, final, quant)
+    final = out_dir / f"{model_dir.name}-{digest.hexdigest()[:12]}-{quant or 'F16'}.gguf"
+    return final if final.is_file() else llamacpp.hf_to_gguf(root, model_dir, final, quant)
 
 
 def calibrated(spec: SpeculativeSpec | None, domain: str) -> dict | None:
@@ -158,7 +152,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     target = model_gguf(cfg.model.target, "target", cfg.paths)
     gguf_dir = Path(cfg.paths.engines) / "gguf"
     if target is None:
-        target = draft_gguf(root, Path(target_path), gguf_dir, None)
+        target = cached_gguf(root, Path(target_path), gguf_dir, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
     if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
@@ -167,7 +161,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
         if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
             raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir | .gguf>")
     drafts = {name: path if path.suffix == ".gguf" else path / "draft.gguf" if (path / "draft.gguf").is_file()
-              else draft_gguf(root, path, gguf_dir, quant) for name, path in draft_dirs.items()}
+              else cached_gguf(root, path, gguf_dir, quant) for name, path in draft_dirs.items()}
     # a .gguf draft is served as published (e.g. a pretrained draft); an export calibrated for llama.cpp ships its
     # draft.gguf; any other export is converted here
     tokenizer = load_tokenizer(target_path)

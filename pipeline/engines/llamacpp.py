@@ -122,6 +122,19 @@ def quantize(root: Path, source: str | Path, out: str | Path, kind: str) -> Path
     return out
 
 
+def hf_to_gguf(root: Path, hf_dir: str | Path, out: str | Path, quant: str | None) -> Path:
+    """An HF directory as GGUF at `out`: llama.cpp's converter (f16), then llama-quantize to `quant` (None: the
+    f16 file itself); the f16 intermediate is removed once quantised."""
+    out = Path(out)
+    if quant is None:
+        return convert(root, hf_dir, out, "f16")
+    f16 = convert(root, hf_dir, out.with_name(out.name + ".f16"), "f16")
+    try:
+        return quantize(root, f16, out, quant)
+    finally:
+        f16.unlink(missing_ok=True)
+
+
 def gguf_file_type(path: str | Path) -> str | None:
     """The quantisation family of a GGUF file (general.file_type as llama-quantize names it), or None."""
     import gguf
