@@ -100,3 +100,34 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: 
             counter.handle.remove()
     tokens = out[0, input_ids.shape[1]:].tolist()
     return tokens, None if counter is None else counter.stats(input_ids.shape[1], len(tokens))
+
+
+def hf_engine_methods(evaluation) -> dict:
+    """eval.engine=hf: every method inside HF `generate`, so speedups are HF assisted over HF plain on the same
+    requests. `autoregressive` is HF generate; each loaded draft is HF assisted generation with its domain's
+    calibrated draft-length policy (what the export's generation_config carries, per domain), and HF plain where
+    its domain is calibrated "off" (HF's generation_config cannot say "off": a deployment routes such a domain to
+    the target alone). HF has no token trees: a domain calibrated for a tree runs its chain policy. A γ sweep's
+    `gamma` fixes num_assistant_tokens."""
+    sampling, stop, target = evaluation.sampling, evaluation.stop, evaluation.target
+
+    def autoregressive(ids, domain, n, seed):
+        torch.manual_seed(seed)  # HF samples from the global RNG
+        tokens, _ = hf_generate(target, ids, n, sampling, stop)
+        return tokens, DecodeStats(target_passes=len(tokens), n_generated=len(tokens))  # one token per forward
+
+    def assisted(name: str):
+        draft = evaluation.drafts[name].model
+        configs = {domain: assistant_configs(draft, plan["gamma"], plan["draft_length"].hf_generation_config())
+                   for domain, plan in evaluation.plans[name].items()}
+
+        def generate(ids, domain, n, seed, gamma=None):
+            plan = evaluation.plans[name][domain]
+            if not (plan["speculate"] or gamma):
+                return autoregressive(ids, domain, n, seed)
+            config = assistant_configs(draft, gamma)["fixed"] if gamma else configs[domain]["calibrated"]
+            torch.manual_seed(seed)
+            return hf_generate(target, ids, n, sampling, stop, draft, config)
+        return generate
+
+    return {"autoregressive": autoregressive, **{name: assisted(name) for name in evaluation.drafts}}

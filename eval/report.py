@@ -210,6 +210,9 @@ def _cost_line(spec: dict, measured: float) -> str:
     """
     gamma, c = spec.get("drafted_per_pass") or spec.get("gamma", 0), spec.get("c", 0.0)
     mal = spec.get("mean_accepted_length", 0.0)
+    if c is None:  # HF generate and the engines time whole requests, not each forward
+        return (f"mean accepted length {mal:.2f} at {gamma:.2f} drafts per pass, measured {measured:.2f}× (this engine "
+                "reports no per-forward times, so c and the time model's prediction are not shown)")
     draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
     step_ms = draft_ms / c if c else 0.0
     r = verify_ms / step_ms if step_ms and verify_ms else 1.0
@@ -226,7 +229,7 @@ def slowdown_advice(metrics: dict) -> str | None:
     """When speculative decoding ran slower than plain decoding: why, in the time model's terms, and what to
     change. None when it did not."""
     spec, speedup = metrics["overall"].get("speculative") or {}, metrics["overall"].get("speedup") or 0.0
-    if not spec or speedup >= 1.0:
+    if not spec or speedup >= 1.0 or spec.get("c") is None:  # no per-forward times: nothing to explain it with
         return None
     length, drafted, c = spec.get("mean_accepted_length", 0.0), spec.get("drafted_per_pass", 0.0), spec.get("c", 0.0)
     step_ms = spec.get("draft_forward_ms", 0.0) / c if c else 0.0

@@ -23,7 +23,7 @@ from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
 from pipeline.sampling import Sampling
 
-ENGINES = ("ours", "llamacpp")  # eval/engine_llamacpp.py; HF assisted generation runs as eval.baselines
+ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
 RESERVED = ("init", "fixed", "confidence", "heuristic")  # speculative_<these> name other methods: no extra draft's name
 
@@ -163,7 +163,12 @@ class EvalSettings:
     def _check_methods(self) -> None:
         if self.engine not in ENGINES:
             _bad("engine", self.engine, "is not an engine eval runs in",
-                 f"use one of {', '.join(ENGINES)} (HF assisted generation: eval.baselines; vLLM needs CUDA and vllm)")
+                 f"use one of {', '.join(ENGINES)} (vllm needs CUDA and `pip install vllm`)")
+        if self.engine == "hf":  # HF assisted generation runs chains of the calibrated policy, nothing else
+            for key, off in (("trees", "[]"), ("compare_draft_lengths", "false"), ("baselines", "false")):
+                if getattr(self, key):
+                    _bad(key, getattr(self, key), "runs in this project's decoder, not in HF generate",
+                         f"set eval.{key}={off} with eval.engine=hf")
         self._normalise("extra_drafts", dict(self.extra_drafts or {}))
         for name in self.extra_drafts:
             if name in RESERVED or not str(name).isidentifier():

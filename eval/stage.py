@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from eval import metrics as M
-from eval.baselines import assistant_configs, hf_generate
+from eval.baselines import assistant_configs, hf_engine_methods, hf_generate
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
@@ -164,6 +164,8 @@ def _hf_methods(evaluation: Evaluation) -> dict:
 
 def make_methods(evaluation: Evaluation) -> dict:
     """{method name: fn(input_ids, domain, max_new_tokens, seed) -> (token ids, DecodeStats | None)}."""
+    if evaluation.settings.engine == "hf":
+        return hf_engine_methods(evaluation)
     target, sampling, stop = evaluation.target, evaluation.sampling, evaluation.stop
 
     def generator(seed: int):

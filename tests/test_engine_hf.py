@@ -1,0 +1,48 @@
+"""eval.engine=hf: every method inside HF generate (plain vs assisted with each draft's calibrated policy), on
+tiny random models: HF's greedy tokens unchanged by the draft, HF's drafted/accepted tokens counted per pass, a
+domain calibrated "off" served by HF plain, and what HF cannot run refused in one line."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from pipeline.decoding.draft_length import DraftLength
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+from pipeline.spec import SpeculativeSpec
+from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
+
+
+def test_hf_engine_measures_hf_assisted_against_hf_plain_with_the_same_greedy_tokens(tmp_path, models):
+    metrics, out, _ = run_stage(tmp_path, models, "eval.engine=hf", f"eval.draft={models['draft']}",
+                                f"eval.draft_init={models['draft_init']}", "eval.temperature=0", "eval.gammas=[1]")
+    for name, domain in metrics["domains"].items():
+        assert {"autoregressive", "speculative", "speculative_init"} <= set(domain)
+        spec = domain["speculative"]
+        assert spec["greedy_match"] == 1.0 and domain["speculative_init"]["greedy_match"] == 1.0
+        assert spec["n_drafted"] > 0 and 0.0 <= spec["acceptance_rate"] <= 1.0  # HF's own passes, counted
+        assert spec["gamma"] == (2 if name == "chat" else 3)  # the calibrated γ reached num_assistant_tokens
+    assert metrics["setup"]["settings"]["engine"] == "hf"
+    assert set(metrics["gamma_sweep"]["by_gamma"]) == {"1"}  # γ sweeps run in HF too
+    assert (out / "report.md").stat().st_size > 0
+
+
+def test_hf_engine_serves_a_domain_calibrated_off_with_hf_plain(tmp_path, models):
+    variant = tmp_path / "draft_off"
+    shutil.copytree(models["draft"], variant)
+    spec = SpeculativeSpec.read(variant)
+    replace(spec, sampling=Sampling(0.0), speculate={"code": False, "default": True},
+            draft_length={"default": DraftLength("fixed", 3).to_dict()}).write(variant)
+    metrics, _, _ = run_stage(tmp_path, models, "eval.engine=hf", f"eval.draft={variant}", "eval.draft_init=none",
+                              "eval.temperature=0", "eval.gammas=[]")
+    code, chat = metrics["domains"]["code"]["speculative"], metrics["domains"]["chat"]["speculative"]
+    assert code["n_drafted"] == 0 and code["greedy_match"] == 1.0
+    assert chat["n_drafted"] > 0 and chat["greedy_match"] == 1.0
+
+
+@pytest.mark.parametrize("override", ["eval.trees=[[2,1]]", "eval.baselines=true", "eval.compare_draft_lengths=true"])
+def test_hf_engine_refuses_what_only_our_decoder_runs(tmp_path, models, override):
+    with pytest.raises(PipelineError, match="eval.engine=hf"):
+        run_stage(tmp_path, models, "eval.engine=hf", override)
