@@ -1,0 +1,189 @@
+"""The online guard: speculation that switches itself down or off when the running acceptance says it loses.
+
+A calibration plans with held-out acceptance; a request may be harder (a novel domain, a long answer in
+another language) and then drafting costs more than it yields. The guard is a draft-length policy wrapped
+around the calibrated one. Before each pass it prices every draft length γ = 0 … L with the one cost model
+(pipeline/decoding/cost.py: tokens per pass over the pass's cost in target steps) and drafts the best:
+
+- expected tokens of a pass of γ: 1 + Σ_{k ≤ γ} Π_{j ≤ k} a_j, with a_j the running chance that draft j is
+  accepted once drafts 1 … j−1 were (per position, decayed counts seeded from the calibrated acceptance);
+- its cost: γ draft steps and a verify of γ tokens (a token tree: its depth in draft steps and the verify of
+  its nodes up to that depth), priced from the calibrated cost profile the plan carries.
+
+γ = 0 is a plain decoding step (1 token for 1 target step). When it wins, the guard stays off for
+`probe_every` passes and then probes with one draft, so a recovered acceptance re-enables speculation.
+
+Lossless by construction: the guard decides only how many tokens are drafted, never how they are drawn or
+accepted (every draft is verified by the same rule, and a pass of no drafts is the target's own step).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Mapping
+
+from pipeline.decoding.cost import pass_speedup
+from pipeline.decoding.draft_length import Policy
+from pipeline.errors import PipelineError
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The guard's knobs (conf/eval/default.yaml `eval.guard` says what each does)."""
+    window: float = 16.0  # passes of memory per draft position: counts decay by 1 − 1/window per observation
+    prior_passes: float = 4.0  # weight of the calibrated acceptance, in observations
+    probe_every: int = 8  # passes off before one probing pass of a single draft
+    margin: float = 0.0  # speculate only when the best length is predicted ≥ (1 + margin) × plain decoding
+    longest: int = 8  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
+
+    def __post_init__(self):
+        checks = (("window", self.window, _number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
+                  ("prior_passes", self.prior_passes, _number(self.prior_passes) and self.prior_passes > 0,
+                   "a positive number, e.g. 4"),
+                  ("probe_every", self.probe_every, _integer(self.probe_every) and self.probe_every >= 1,
+                   "an integer >= 1, e.g. 8"),
+                  ("margin", self.margin, _number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
+                  ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"))
+        for key, value, ok, fix in checks:
+            if not ok:
+                raise PipelineError(f"guard.{key}={value!r} is invalid: use {fix}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> "GuardSettings":
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise PipelineError(f"guard has unknown keys {unknown}: use {', '.join(known)}")
+        return cls(**values)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What one domain's guard prices with: the cost summary of its plan ({"c", "verify_ratio",
+    "tree_verify_ratio"}, pipeline/cost_profile.py `summary`) and the calibrated acceptance P_k (the chance the
+    first k drafts of a block are accepted: speculative.json `per_position_acceptance`)."""
+    cost: Mapping
+    prior: tuple[float, ...]
+    settings: GuardSettings = field(default_factory=GuardSettings)
+
+    def __post_init__(self):
+        c = self.cost.get("c") if isinstance(self.cost, Mapping) else None
+        if not _number(c) or c < 0:
+            raise PipelineError(f"guard cost {self.cost!r} has no draft cost c >= 0: pass a cost summary such as "
+                                "speculative.json's `cost`")
+        prior = tuple(float(p) for p in self.prior)
+        if not prior or not all(0.0 <= p <= 1.0 for p in prior):
+            raise PipelineError(f"guard prior {self.prior!r} is not a non-empty list of probabilities: pass the "
+                                "calibrated per_position_acceptance")
+        object.__setattr__(self, "prior", prior)
+
+    def wrap(self, policy: Policy, tree_depths: tuple[int, ...] | None = None) -> "GuardedPolicy":
+        """`policy` guarded for one generate call; `tree_depths` (a token tree's node depths) prices budgets
+        as that tree truncated to a depth instead of as chains."""
+        return GuardedPolicy(policy, self, tree_depths)
+
+    def to_dict(self) -> dict:
+        return {"settings": asdict(self.settings), "prior": list(self.prior)}
+
+
+@dataclass
+class GuardStats:
+    """The guard's decisions over one generate call (or summed over many: `add`)."""
+    passes: int = 0  # passes the guard decided
+    off: int = 0  # passes it decoded plainly (no drafts)
+    probes: int = 0  # single-draft passes after a stretch off
+    shortened: int = 0  # passes it drafted fewer than the policy wanted
+    lengthened: int = 0  # passes it drafted more than the policy wanted
+
+    def add(self, other: "GuardStats") -> "GuardStats":
+        return GuardStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:
+    """a_k = P_k / P_{k−1} for k = 1 … n from cumulative P_k; past the list, its last rate."""
+    rates, before = [], 1.0
+    for p in prior[:n]:
+        rates.append(min(p / before, 1.0) if before > 0 else 0.0)
+        before = p
+    return rates + [rates[-1]] * (n - len(rates))
+
+
+class GuardedPolicy(Policy):
+    """A draft-length policy under the guard: `budget()` may be 0 (a plain step), shorter or longer than the
+    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both."""
+
+    def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None):
+        self.inner, self.settings = inner, guard.settings
+        self.needs_confidence = inner.needs_confidence
+        tree = tree_depths is not None
+        self.longest = max(tree_depths) if tree else max(inner.budget(), guard.settings.longest)
+        sizes = ([sum(d <= depth for d in tree_depths) for depth in range(self.longest + 1)] if tree
+                 else list(range(self.longest + 1)))
+        # pass_speedup of 0 accepted is 1 / the pass's cost in target steps: the one cost model, priced once.
+        self.per_cost = [pass_speedup(0.0, gamma, sizes[gamma], guard.cost, tree) for gamma in range(self.longest + 1)]
+        weight = guard.settings.prior_passes
+        self.hits = [weight * a for a in conditional_rates(guard.prior, self.longest)]
+        self.seen = [weight] * self.longest
+        self.keep = 1.0 - 1.0 / guard.settings.window
+        self.resting = -1  # passes still to spend off before the next probe; -1 = on
+        self.stats = GuardStats()
+
+    def best(self) -> int:
+        """The draft length with the most expected tokens per target step (0 = plain decoding)."""
+        tokens, reach, best, best_rate = 1.0, 1.0, 0, self.per_cost[0] * (1.0 + self.settings.margin)
+        for gamma in range(1, self.longest + 1):
+            reach *= self.hits[gamma - 1] / self.seen[gamma - 1]
+            tokens += reach
+            if tokens * self.per_cost[gamma] > best_rate:
+                best, best_rate = gamma, tokens * self.per_cost[gamma]
+        return best
+
+    def budget(self) -> int:
+        self.stats.passes += 1
+        if self.resting > 0:
+            self.resting -= 1
+            self.stats.off += 1
+            return 0
+        if self.resting == 0:  # a stretch off ended: one draft to see whether acceptance recovered
+            self.resting = -1
+            self.stats.probes += 1
+            return 1
+        wanted, chosen = self.inner.budget(), self.best()
+        if chosen == 0:
+            self.resting = self.settings.probe_every - 1
+            self.stats.off += 1
+            return 0
+        self.resting = -1
+        self.stats.shortened += chosen < wanted
+        self.stats.lengthened += chosen > wanted
+        return chosen
+
+    def keep_going(self, confidence) -> bool:
+        return self.inner.keep_going(confidence)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Drafts 1 … accepted were accepted, draft accepted + 1 (if drafted) rejected; later ones never judged."""
+        for k in range(min(accepted + 1, drafted, self.longest)):
+            self.hits[k] = self.keep * self.hits[k] + (k < accepted)
+            self.seen[k] = self.keep * self.seen[k] + 1.0
+        self.inner.update(drafted, accepted)
+
+
+def guarded(policy: Policy, guard: Guard | None, stats, tree_depths: tuple[int, ...] | None = None) -> Policy:
+    """`policy` under `guard` (itself when there is none), its decisions recorded in `stats.guard`."""
+    if guard is None:
+        return policy
+    wrapped = guard.wrap(policy, tree_depths)
+    stats.guard = wrapped.stats
+    return wrapped
