@@ -105,6 +105,11 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
     ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for."""
     settings = inputs.settings.calibration
+    if {"vllm", "sglang"} & set(settings.engines):
+        weights = exported_weights(inputs.draft, split.vocab_list, head_fill)
+        gpu = calibrate_gpu_engines(inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, log)
+        spec = replace(spec, engines={**spec.engines, **{name: gpu[name] for name in ("vllm", "sglang")
+                                                         if name in settings.engines}})
     if "llamacpp" not in settings.engines:
         return spec, {}
     engine, paths, chosen = inputs.cfg.engines.llamacpp, inputs.cfg.paths, settings.llamacpp
@@ -132,3 +137,67 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
              "cost": cost, "by_domain": table, "flags": flags}
     return replace(spec, engines={**spec.engines, "llamacpp": entry}), {"draft.gguf": gguf}
+
+
+# ---------------------------------------------------------------- vLLM and SGLang
+
+def weights_read_per_step(model) -> int:
+    """Parameters a batch-1 decoding step reads: all but the input embedding, of which it reads one row (a tied
+    embedding is read whole, as the head)."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    return total - (0 if embedding is head else embedding.numel())
+
+
+def gpu_cost(exported_draft, target, settings) -> dict:
+    """The cost summary vLLM and SGLang are planned with: measured on the GPU that serves them when the user gives
+    `distill.calibration.gpu.c`, else the memory-bound model of batch-1 GPU decoding (a step costs the weights it
+    reads; a verify of a few tokens costs one step, Leviathan et al. 2023 §3.4)."""
+    measured = settings.c is not None
+    c = float(settings.c) if measured else weights_read_per_step(exported_draft) / weights_read_per_step(target)
+    return {"engine": "gpu", "c": c, "verify_ratio": {n: float(settings.verify_ratio) for n in settings.gammas},
+            "source": "given (distill.calibration.gpu)" if measured else
+            "assumed: memory-bound batch-1 decoding (c = weights read per step, draft / target; verify = 1 step)"}
+
+
+def choose_fixed_greedy(draft, heldouts, vocab, cost: dict, gammas: list[int], margin: float) -> dict[str, dict]:
+    """Per domain (and default): the γ of a fixed greedy-draft chain with the best predicted speedup on the
+    calibration part, "off" below 1 + margin; acceptance α_t = p_T(argmax q_t) (the engines draft the argmax and
+    accept it with the target's probability of it: q one-hot)."""
+    parts = {name: (cal.acceptance(draft, heldout, [0.0], vocab)[0], heldout)
+             for name, heldout in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting))}
+
+    def predict(part, mask, gamma):
+        alpha, heldout = parts[part]
+        drafted, accepted = simulate(alpha, None, heldout, mask, gamma)
+        return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
+
+    out, reporting_masks = {}, cal.domain_index(heldouts.reporting)
+    for domain, mask in cal.domain_index(heldouts.calibration).items():
+        best = max(gammas, key=lambda g: predict("calibration", mask, g)[0])
+        on = predict("calibration", mask, best)[0] > 1 + margin
+        speedup, acceptance = predict("reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
+        out[DEFAULT if domain == cal.OVERALL else domain] = {
+            "speculate": on, "num_speculative_tokens": best, "predicted_speedup": round(speedup if on else 1.0, 3),
+            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
+    return out
+
+
+def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, log) -> dict[str, dict]:
+    """speculative.json `engines.vllm` (speculative_config per domain; null = serve that domain without a draft)
+    and `engines.sglang` (its STANDALONE server arguments per domain). Both engines draft greedily, a fixed number
+    of tokens per pass, and route per domain only by running two servers: the tables say which domain goes where.
+    The draft directory is this export ("." in the files: replace with where it is served from)."""
+    cost = gpu_cost(exported_draft, target, settings)
+    table = choose_fixed_greedy(draft, heldouts, vocab, cost, list(settings.gammas), settings.margin)
+    log("vLLM/SGLang calibration (c = {:.3f}, {}): {}".format(cost["c"], cost["source"].split(":")[0], "; ".join(
+        f"{d} " + (f"k {e['num_speculative_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
+                   else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+    vllm = {domain: {"model": ".", "method": "draft_model", "num_speculative_tokens": e["num_speculative_tokens"]}
+            if e["speculate"] else None for domain, e in table.items()}
+    sglang = {domain: ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ".",
+                       "--speculative-num-steps", str(k := e["num_speculative_tokens"]), "--speculative-eagle-topk", "1",
+                       "--speculative-num-draft-tokens", str(k + 1)] if e["speculate"] else []
+              for domain, e in table.items()}
+    return {"vllm": {"cost": cost, "by_domain": table, "speculative_config": vllm},
+            "sglang": {"cost": cost, "by_domain": table, "args": sglang}}

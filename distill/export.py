@@ -132,6 +132,7 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
               "c the draft/target step cost and r the target's verify forward over its 1-token forward for the "
               "drafted tokens (a tree: all its nodes)"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
+    lines += _engine_lines(spec)
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
               "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]
@@ -154,3 +155,18 @@ def format_table(spec: SpeculativeSpec) -> str:
     lines.append(f"c = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target {cost['target_forward_ms']:.1f} "
                  f"ms, {cost['device']} {cost['dtype']}); numbers on the reporting part of the held-out prompts\n")
     return "\n".join(lines)
+
+
+def _engine_lines(spec: SpeculativeSpec) -> list[str]:
+    """Per serving engine calibrated for (speculative.json `engines`): what each domain runs there."""
+    lines = []
+    for name, entry in spec.engines.items():
+        table, cost = entry.get("by_domain", {}), entry.get("cost", {})
+        settings = {d: (f"n_max {e['n_max']}, p_min {e['p_min']:g}" if "n_max" in e else
+                        f"num_speculative_tokens {e['num_speculative_tokens']}") for d, e in table.items()}
+        source = cost.get("source") or f"measured in the engine on {cost.get('device_name')}"
+        lines += ["", f"In **{name}** (c = {_fmt(cost.get('c'))}; {source}), per domain:"]
+        lines += [f"- {d}: " + (f"{settings[d]} (predicted {e['predicted_speedup']:.2f}×)" if e["speculate"] else
+                                f"off, serve without the draft ({e['predicted_speedup_if_on']:.2f}× if on)")
+                  for d, e in table.items()]
+    return lines

@@ -129,7 +129,22 @@ class LlamaCppCalibrationSettings:
                                 f"p_min={list(self.p_min)} shares in [0, 1): use e.g. n_max=[1,2,4] p_min=[0.0,0.5]")
 
 
-ENGINES = ("llamacpp",)  # engines distill can calibrate the export for, beside this project's decoder
+@dataclass(frozen=True)
+class GpuCalibrationSettings:
+    """`distill.calibration.gpu`: how vLLM and SGLang are planned (distill/engines.py calibrate_gpu_engines)."""
+    gammas: tuple[int, ...]            # num_speculative_tokens values compared
+    margin: float                      # "off" unless the best is predicted above 1 + margin
+    c: float | None                    # draft step / target step measured on the serving GPU; null = weights ratio
+    verify_ratio: float                # a verify pass of up to max(gammas) drafts, in target steps
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration.gpu", "gammas")
+        if not self.gammas or min(self.gammas) < 1 or (self.c is not None and self.c <= 0) or self.verify_ratio < 1:
+            raise PipelineError(f"distill.calibration.gpu: gammas={list(self.gammas)} must be integers >= 1, c={self.c} "
+                                f"> 0 or null, verify_ratio={self.verify_ratio} >= 1: use e.g. gammas=[1,2,4] c=null")
+
+
+ENGINES = ("llamacpp", "vllm", "sglang")  # engines distill can calibrate the export for, beside this project's decoder
 
 
 @dataclass(frozen=True)
@@ -146,6 +161,7 @@ class CalibrationSettings:
     cost: CostSettings
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
     llamacpp: LlamaCppCalibrationSettings
+    gpu: GpuCalibrationSettings
 
     def __post_init__(self):
         _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines")

@@ -309,11 +309,19 @@ def run(cfg: DictConfig, tracker) -> dict:
     settings = EvalSettings.from_config(cfg.eval)  # checked before any model is loaded: bad input writes nothing
     sampling = settings.sampling
     out_dir = output_dir(cfg)
+    if settings.engine == "vllm":
+        from eval.engine_vllm import require_vllm
+
+        require_vllm()  # before any prompt or model is read
     prompts, source = load_eval_prompts(cfg, settings)
     if settings.engine == "llamacpp":
         from eval.engine_llamacpp import run_llamacpp  # builds and starts llama.cpp only when asked for
 
         return run_llamacpp(cfg, tracker, settings, prompts, source, out_dir)
+    if settings.engine == "vllm":
+        from eval.engine_vllm import run_vllm  # imports vLLM only when asked for
+
+        return run_vllm(cfg, tracker, settings, prompts, source, out_dir)
     evaluation = load_models(cfg, settings, sampling)
     evaluation.plans = make_plans(evaluation, list(prompts))
     methods = make_methods(evaluation)

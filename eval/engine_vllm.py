@@ -1,0 +1,157 @@
+"""`eval.engine=vllm`: the drafts measured inside vLLM's offline engine on CUDA, on the same held-out prompts.
+
+    python -m pipeline stage=eval eval.engine=vllm        (a CUDA machine with `pip install vllm`)
+
+Methods (metrics.json names): `autoregressive` (the target alone), `speculative` (the tuned draft with
+speculative.json `engines.vllm` speculative_config per domain where it has one, else a fixed k of its decoder
+calibration; a domain calibrated "off" is answered by the plain engine, as a deployment would route it),
+`speculative_init` (the undistilled draft at the same k). One engine per distinct config shares the GPU
+(engines.vllm.gpu_memory_utilization split evenly); each request is the first user turn, chat template applied by
+the target's tokenizer, sent as token ids, one at a time (batch 1, where speculation is meant to pay), engines in
+rotating order; times are wall-clock around each generate call, acceptance the engine's own spec-decode counters
+read before and after each request. vLLM drafts the draft's argmax and accepts it with the target's probability
+of it, the rule distill's `engines.vllm` calibration simulates (distill/engines.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from eval.engine_llamacpp import EngineStats, method_metrics, requests_of
+from pipeline.atomic import atomic_dir, write_json
+from pipeline.chat import stop_token_ids
+from pipeline.errors import PipelineError
+from pipeline.models import load_tokenizer, resolve_model
+from pipeline.sampling import derive_seed
+from pipeline.spec import DEFAULT, SpeculativeSpec
+
+COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def log(msg: str) -> None:
+    print(f"[eval:vllm] {msg}", flush=True)
+
+
+def require_vllm() -> None:
+    """One line naming the fix when vLLM or CUDA is missing (checked before anything is loaded or written)."""
+    import torch
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise PipelineError("eval.engine=vllm needs `pip install vllm` on a CUDA machine: install it, or use "
+                            "eval.engine=ours|hf|llamacpp") from None
+    if not torch.cuda.is_available():
+        raise PipelineError("eval.engine=vllm needs a CUDA GPU (torch.cuda.is_available() is False): run it on a GPU "
+                            "machine, or use eval.engine=ours|hf|llamacpp")
+
+
+def speculative_config(spec: SpeculativeSpec | None, domain: str, draft_dir: Path, default_k: int) -> dict | None:
+    """The vLLM speculative_config a domain is served with: speculative.json engines.vllm's (None = "off"), else
+    method draft_model at the decoder calibration's fixed γ (or `default_k`)."""
+    table = ((spec.engines or {}).get("vllm") or {}).get("speculative_config") if spec is not None else None
+    if table:
+        config = table.get(domain, table.get(DEFAULT))
+        return None if config is None else {**config, "model": str(draft_dir)}
+    k = (spec.for_domain("gamma", domain) if spec is not None else None) or default_k
+    return {"model": str(draft_dir), "method": "draft_model", "num_speculative_tokens": int(k)}
+
+
+def engine_plan(drafts: dict[str, Path], domains: list[str], default_k: int) -> dict[str, dict[str, str | None]]:
+    """{method: {domain: config key | None}} and the configs by key (JSON of the speculative_config)."""
+    spec = SpeculativeSpec.read(drafts["speculative"]) if (drafts["speculative"] / "speculative.json").is_file() else None
+    plan = {"autoregressive": {d: None for d in domains}}
+    for name, path in drafts.items():
+        plan[name] = {}
+        for d in domains:
+            config = speculative_config(spec, d, path, default_k)
+            if name != "speculative" and config is not None:  # the undistilled draft at the tuned draft's k
+                config = {**config, "model": str(path)}
+            plan[name][d] = None if config is None else json.dumps(config, sort_keys=True)
+    return plan
+
+
+def start_engines(target: Path, plan: dict, options, dtype: str) -> dict:
+    """{config key | None: vllm.LLM}, one engine per distinct speculative_config (None: the plain engine)."""
+    from vllm import LLM
+
+    keys = sorted({key for by_domain in plan.values() for key in by_domain.values()}, key=lambda k: k or "")
+    share = float(options.gpu_memory_utilization) / len(keys)
+    engines = {}
+    for key in keys:
+        engines[key] = LLM(model=str(target), dtype=dtype, gpu_memory_utilization=share, seed=0,
+                           max_model_len=options.max_model_len, enforce_eager=bool(options.enforce_eager),
+                           disable_log_stats=False, speculative_config=None if key is None else json.loads(key))
+        log(f"engine {'plain' if key is None else key} ready ({share:.2f} of GPU memory)")
+    return engines
+
+
+def counters(llm) -> dict[str, float]:
+    return {m.name: float(m.value) for m in llm.get_metrics() if m.name in COUNTERS}
+
+
+def generate(llm, ids: list[int], settings, seed: int, stop: list[int]) -> tuple[list[int], float, EngineStats]:
+    """One request at batch 1: (token ids, seconds, the engine's drafted/accepted counts for it)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sampling = settings.sampling
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+                            max_tokens=settings.max_new_tokens, seed=seed % 2**31, stop_token_ids=stop,
+                            detokenize=False)
+    before = counters(llm)
+    started = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
+    seconds = time.perf_counter() - started
+    after = counters(llm)
+    drafted, accepted = (int(after.get(name, 0.0) - before.get(name, 0.0)) for name in COUNTERS)
+    return list(out.token_ids), seconds, EngineStats([accepted], [drafted])
+
+
+def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
+    """The eval stage inside vLLM (module docstring): metrics.json, requests.jsonl and report.md under `out_dir`."""
+    require_vllm()
+    from eval.engine_llamacpp import report
+
+    drafts = {"speculative": Path(settings.draft or cfg.paths.draft)}
+    if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
+        drafts["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
+    for path in drafts.values():
+        if not (path / "config.json").is_file():
+            raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir>")
+    target = Path(resolve_model(cfg.model.target, "target", cfg.paths))
+    tokenizer = load_tokenizer(target)
+    stop = stop_token_ids(tokenizer)
+    plan = engine_plan(drafts, list(prompts), int(settings.default_gamma))
+    requests = requests_of(prompts, tokenizer)
+    engines = start_engines(target, plan, cfg.engines.vllm, "bfloat16" if cfg.runtime.dtype == "auto" else
+                            str(cfg.runtime.dtype))
+    for llm in engines.values():  # warm-up: CUDA graphs and the allocator stay out of the timed requests
+        generate(llm, requests[0]["ids"], settings, int(cfg.seed), stop)
+    records, methods = [], list(plan)
+    for k, request in enumerate(requests):
+        request_seed = derive_seed(int(cfg.seed), "eval-vllm", request["prompt_id"])
+        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
+            tokens, seconds, stats = generate(engines[plan[method][request["domain"]]], request["ids"], settings,
+                                              request_seed, stop)
+            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
+                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
+    greedy = settings.sampling.greedy
+    metrics = {"engine": "vllm", "version": __import__("vllm").__version__, "temperature": settings.temperature,
+               "methods": methods, "plan": plan, "source": source,
+               "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
+               "overall": method_metrics(records, greedy)}
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        with open(tmp / "requests.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
+                                    "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
+                                    "drafted": r["stats"].drafted[0]}) + "\n")
+        (tmp / "report.md").write_text(report(metrics).replace("llama.cpp", "vLLM", 1))
+    print(report(metrics).replace("llama.cpp", "vLLM", 1))
+    tracker.log_metrics({f"vllm.{d}.{m}.speedup": v.get("speedup", 1.0)
+                         for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
