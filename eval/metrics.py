@@ -94,7 +94,19 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
             # None where the method timed no forwards (HF assisted generation: counted by hooks, not timed)
             "c": draft_s / ar_step_s if ar_step_s > 0 and draft_s > 0 else None,
             "c_verify": draft_s / verify_s if verify_s > 0 and draft_s > 0 else None,
-            "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s}
+            "draft_forward_ms": 1000 * draft_s, "verify_forward_ms": 1000 * verify_s, **guard_decisions(stats)}
+
+
+def guard_decisions(stats_list) -> dict:
+    """{"guard": the online guard's decisions summed over the requests} (passes it decided, off, probes,
+    shortened, lengthened; pipeline/decoding/guard.py), or {} where no request ran under a guard."""
+    counts = [s.guard for s in stats_list if getattr(s, "guard", None) is not None]
+    if not counts:
+        return {}
+    total = counts[0]
+    for more in counts[1:]:
+        total = total.add(more)
+    return {"guard": total.to_dict()}
 
 
 def per_depth_acceptance(stats_list) -> list[float]:

@@ -71,10 +71,12 @@ def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when
     alpha = torch.full((n,), 0.8)
     drafted, accepted = simulate(alpha, None, heldout, everywhere, 4)
     assert drafted == 4 and accepted == pytest.approx(sum(0.8 ** k for k in range(1, 5)), rel=0.02)  # Leviathan eq. 1
-    # positions alternate sure (α = 1, the draft is confident) and hopeless (α = 0, unsure): a confidence stop
-    # drafts through the sure ones and stops at the first unsure one, which fixed γ cannot
-    alpha = torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))
-    keep = {0.5: torch.tensor([1.0, 1.0, 1.0, 0.0] * (n // 4))}
+    # stretches of sure positions (α = 1, the draft is confident) of varying length, each ended by a hopeless one
+    # (α = 0, unsure): a confidence stop drafts through each stretch and stops at its unsure end, which no fixed γ
+    # can (with equal stretches the decoder's passes would line up with them and a fixed γ would do as well)
+    pattern = [v for run in (1, 5, 2, 7, 3) for v in [1.0] * run + [0.0]]
+    alpha = torch.tensor(pattern * (n // len(pattern) + 1))[:n]
+    keep = {0.5: alpha.clone()}
     options = [DraftLength("fixed", g) for g in (1, 2, 4, 8)] + [DraftLength("confidence", 16, 0.5)]
     best = choose(alpha, keep, heldout, options, c=0.3, verify_ratio=None)["overall"]
     assert best["draft_length"].policy == "confidence", best
@@ -150,3 +152,37 @@ def test_sibling_acceptance_matches_exact_enumeration_and_rejects_iid_siblings()
     assert estimate.tolist() == pytest.approx(exact, abs=0.015)
     assert max(abs(a - b) for a, b in zip(iid[1:], exact[1:])) > 0.05  # the wrong rule is told apart
     assert all(a <= b + 1e-9 for a, b in zip(exact, exact[1:])) and exact[-1] <= 0.9 + 1e-9  # never the bucket
+
+
+def test_the_simulator_averages_over_the_passes_the_decoder_runs_not_over_every_start():
+    """Monte Carlo of the decoder's passes over rows with clustered hard and easy stretches (each pass from t draws
+    its acceptances with the rows' α and starts the next pass at t + accepted + 1): the simulator's accepted drafts
+    per pass match the draws within 3 SE; the average over every start alike (renewal=False) is rejected."""
+    from distill.calibrate import HeldOut
+    from distill.policy import simulate
+    from pipeline.sampling import Sampling
+
+    gen = torch.Generator().manual_seed(0)
+    n_rows, length, gamma = 64, 60, 3
+    stretch = torch.tensor([0.9] * 10 + [0.1] * 10).repeat(length // 20)  # easy, hard, easy, ...
+    alpha = (stretch + 0.05 * torch.randn(n_rows, length, generator=gen)).clamp(0, 1)
+    heldout = HeldOut([{}] * n_rows, ["d"] * n_rows, torch.zeros(n_rows * length, 1, dtype=torch.long),
+                      torch.zeros(n_rows * length, 1), torch.zeros(n_rows * length),
+                      torch.arange(n_rows).repeat_interleave(length), Sampling(), 1, 0)
+    everywhere = torch.ones(n_rows * length, dtype=torch.bool)
+    accepted_per_pass = []
+    for _ in range(40):
+        for row in alpha:
+            t = 0
+            while t < length:
+                k = 0
+                while k < gamma and t + k < length and bool(torch.rand((), generator=gen) < row[t + k]):
+                    k += 1
+                accepted_per_pass.append(k)
+                t += k + 1
+    draws = torch.tensor(accepted_per_pass, dtype=torch.float64)
+    mean, se = float(draws.mean()), float(draws.std() / len(draws) ** 0.5)
+    _, renewal = simulate(alpha.flatten(), None, heldout, everywhere, gamma)
+    _, uniform = simulate(alpha.flatten(), None, heldout, everywhere, gamma, renewal=False)
+    assert abs(renewal - mean) < 3 * se, (renewal, mean, se)
+    assert abs(uniform - mean) > 10 * se, (uniform, mean, se)

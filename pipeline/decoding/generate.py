@@ -6,7 +6,8 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decoding.chain import chain_step
-from pipeline.decoding.draft_length import DraftLength
+from pipeline.decoding.draft_length import DraftLength, Policy
+from pipeline.decoding.guard import Guard, guarded
 from pipeline.decoding.loop import (DecodeStats, GenerationOutput, Profile, Run, check_request, eos_set, forward,
                                     model_device, prompt_tensor)
 from pipeline.decoding.tree import Tree, TreePlan, TreeStats, check_tree, parse_tree, tree_step
@@ -38,7 +39,7 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
                          drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
                          max_new_tokens: int = 128, draft_temperature: float | None = None,
                          draft_vocab: torch.Tensor | None = None, eos_token_id=None,
-                         generator: torch.Generator | None = None) -> GenerationOutput:
+                         generator: torch.Generator | None = None, guard: Guard | None = None) -> GenerationOutput:
     """Samples from exactly the target's distribution `sampling`, drafting per target pass as `drafting` says:
     a chain whose length a DraftLength policy decides, or a static token tree.
 
@@ -47,6 +48,8 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
     LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
     must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
     (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
+    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay; its
+    decisions land in `stats.guard`.
     """
     check_request(sampling, max_new_tokens)
     if drafting is None:
@@ -59,16 +62,20 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
         check_tree(drafting, run.pair)
         plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
 
-        def step(seq, room):
-            depth = min(drafting.depth, room)
-            if depth not in plans:
-                plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
-            return tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
-    else:
-        policy = drafting.make()
+        policy = guarded(Policy(drafting.depth), guard, run.stats, drafting.depths)
 
         def step(seq, room):
-            budget = min(policy.budget(), room)
+            depth = min(policy.budget(), room) if room else 0
+            if depth not in plans:
+                plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
+            seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
+            policy.update(depth, run.stats.accepted[-1])
+            return seq, new_tokens
+    else:
+        policy = guarded(drafting.make(), guard, run.stats)
+
+        def step(seq, room):
+            budget = min(policy.budget(), room) if room else 0
             return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile)
 
     return run.decode(step, max_new_tokens, eos_token_id)

@@ -1,0 +1,120 @@
+"""Where the plan and the decoder disagree: held-out acceptance as calibration predicts it beside the decoder's own
+acceptance on the same held-out prompts, same draft, same serving distribution, side by side in one run.
+
+    python -m distill.acceptance_gap [hydra overrides, e.g. paths.draft=... distill.split.calibration_share=0.5]
+        (+acceptance_gap.gammas=[1,2] +acceptance_gap.repeats=2 +acceptance_gap.json=<file>)
+
+Per domain of the reporting part (the rows distill reports on): the plan's acceptance A/D averaged over every
+block start (how calibration averaged until the renewal fix) and over the starts the decoder visits
+(distill/policy.py `visit_weights`, what calibration uses now), and the decoder's accepted/drafted when it decodes
+each row's prompt with the export's τ and FR-Spec head, for as many tokens as the row's completion, with a
+bootstrap CI over prompts. Both predictions come from one teacher-forced pass over the rows' own completions.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from distill import calibrate as cal
+from distill.policy import simulate
+from distill.split import split_by_prompt
+from distill.stage import build_heldouts, load_inputs
+from pipeline.decoding import speculative_generate
+from pipeline.errors import PipelineError
+from pipeline.models import load_model
+from pipeline.sampling import derive_seed
+from pipeline.spec import SpeculativeSpec
+
+
+def predicted(alpha, heldout, mask, gamma: int) -> dict:
+    drafted, uniform = simulate(alpha, None, heldout, mask, gamma, renewal=False)
+    visited_drafted, renewal = simulate(alpha, None, heldout, mask, gamma)
+    return {"every_start": uniform / drafted, "visited_starts": renewal / visited_drafted}
+
+
+def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -> dict[str, list[tuple[int, int]]]:
+    """{domain: [(accepted, drafted) per request]} from the decoder on every reporting row's prompt."""
+    from tqdm.auto import tqdm
+
+    vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
+    out: dict[str, list[tuple[int, int]]] = {}
+    for i, (row, domain) in enumerate(tqdm(list(zip(heldout.rows, heldout.domains)), desc=f"decoder γ={gamma}")):
+        for r in range(repeats):
+            generator = torch.Generator().manual_seed(derive_seed(seed, "gap", i, r) % 2**63)
+            stats = speculative_generate(inputs.target, draft, torch.tensor([row["prompt_ids"]]),
+                                         sampling=inputs.sampling, drafting=gamma,
+                                         max_new_tokens=len(row["completion_ids"]),
+                                         draft_temperature=spec.for_domain("draft_temperature", domain),
+                                         draft_vocab=vocab, eos_token_id=inputs.stops, generator=generator).stats
+            out.setdefault(domain, []).append((stats.n_accepted, stats.n_drafted))
+    return out
+
+
+def ratio_ci(pairs: list[tuple[int, int]], seed: int = 0, n_boot: int = 2000) -> tuple[float, list[float]]:
+    counts = np.array(pairs, dtype=float)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
+    boot = counts[picks, 0].sum(1) / np.maximum(counts[picks, 1].sum(1), 1)
+    return counts[:, 0].sum() / max(counts[:, 1].sum(), 1), [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+
+
+def main(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=["tracking.enabled=false", *overrides])
+    options = dict(cfg.get("acceptance_gap") or {})
+    gammas, repeats = list(options.get("gammas", [1, 2])), int(options.get("repeats", 2))
+    if not (Path(cfg.paths.draft) / "speculative.json").is_file():
+        raise PipelineError(f"no draft export at {cfg.paths.draft}: run stage=distill first or set paths.draft=<dir>")
+    inputs = load_inputs(cfg, tracker=None)
+    spec = SpeculativeSpec.read(cfg.paths.draft)
+    draft = load_model(cfg.paths.draft, dtype=next(inputs.target.parameters()).dtype).eval()
+    split = inputs.settings.split
+    _, held_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
+                                  float(split.heldout_fraction), split.heldout_max_prompts_per_domain, int(cfg.seed))
+    reporting = build_heldouts(inputs, SimpleNamespace(heldout_idx=held_idx)).reporting
+    vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
+    taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(reporting.domains), cal.OVERALL]}
+    alpha = cal.acceptance_at(draft, reporting, taus, vocab)
+    result = {"rows": len(reporting.rows), "positions": reporting.n_positions, "sampling": inputs.sampling.to_dict(),
+              "by_gamma": {}}
+    for gamma in gammas:
+        runs = decoded(inputs, draft, spec, reporting, gamma, repeats, int(cfg.seed))
+        runs[cal.OVERALL] = [pair for pairs in runs.values() for pair in pairs]
+        table = {}
+        for domain, mask in cal.domain_index(reporting).items():
+            measured, ci = ratio_ci(runs[domain])
+            table[domain] = {**predicted(alpha, reporting, mask, gamma), "decoder": measured, "decoder_ci95": ci,
+                             "requests": len(runs[domain])}
+        result["by_gamma"][str(gamma)] = table
+    print(render(result))
+    if options.get("json"):
+        Path(options["json"]).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def render(result: dict) -> str:
+    lines = [f"held-out reporting part: {result['rows']} rows, {result['positions']} positions, {result['sampling']}"]
+    for gamma, table in result["by_gamma"].items():
+        lines.append(f"\nγ = {gamma}: acceptance (accepted / drafted)\n{'domain':<15}{'plan, every start':>19}"
+                     f"{'plan, visited starts':>22}{'decoder [95% CI]':>26}")
+        for domain, row in table.items():
+            lo, hi = row["decoder_ci95"]
+            lines.append(f"{domain:<15}{row['every_start']:>19.3f}{row['visited_starts']:>22.3f}"
+                         f"{row['decoder']:>12.3f} [{lo:.3f}, {hi:.3f}]")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
