@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.decoding import POLICIES, DraftLength, parse_tree
+from pipeline.decoding import POLICIES, DraftLength, GuardSettings, parse_tree
 from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
 from pipeline.sampling import Sampling
@@ -75,6 +75,7 @@ class EvalSettings:
     control_band: tuple[float, float]    # [low, high] tokens/s ratio of the control pair outside which a request is disturbed
     warmup_tokens: int                   # untimed warm-up tokens per method before measuring
     engine: str                          # where the methods run: one of ENGINES
+    guard: dict                          # the online guard: {enabled, compare, GuardSettings' knobs}
 
     @classmethod
     def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
@@ -92,6 +93,7 @@ class EvalSettings:
         self._check_control_band()
         self._check_drafting()
         self._check_methods()
+        self._check_guard()
 
     @property
     def sampling(self) -> Sampling:
@@ -182,3 +184,23 @@ class EvalSettings:
             self._normalise("domains", (self.domains,))
         elif self.domains is not None:
             self._normalise("domains", tuple(self.domains))
+
+    @property
+    def guard_settings(self) -> GuardSettings | None:
+        """The guard's knobs when eval.guard.enabled, else None (speculation as planned, never switched down)."""
+        knobs = {k: v for k, v in self.guard.items() if k not in ("enabled", "compare")}
+        return GuardSettings(**knobs) if self.guard["enabled"] else None
+
+    def _check_guard(self) -> None:
+        values = dict(self.guard or {})
+        missing = sorted({"enabled", "compare", *(f.name for f in fields(GuardSettings))} - set(values))
+        if missing:
+            _bad("guard", self.guard, f"lacks {missing}", "give every key of conf/eval/default.yaml's eval.guard")
+        for key in ("enabled", "compare"):
+            if not isinstance(values.get(key), bool):
+                _bad(f"guard.{key}", values.get(key), "is not true or false", f"set eval.guard.{key}: true or false")
+        try:
+            GuardSettings.from_dict({k: v for k, v in values.items() if k not in ("enabled", "compare")})
+        except PipelineError as e:  # the core names the knob; prefix it with where it is set
+            raise PipelineError(f"eval.{e}") from None
+        self._normalise("guard", values)

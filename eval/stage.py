@@ -31,7 +31,7 @@ from eval.report import (comparison_lines, control_lines, domain_rows, draft_row
 from eval.settings import EvalSettings
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
-from pipeline.decoding import DraftLength, autoregressive_generate, speculative_generate
+from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
 from pipeline.timing import synced_clock
@@ -115,7 +115,18 @@ def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Samp
     overridden = settings.gamma or settings.draft_length is not None or isinstance(settings.tree, tuple)
     speculate = overridden or spec is None or spec.sampling != sampling or spec.speculates(domain)
     return {"gamma": int(gamma), "draft_length": policy, "tree": tree, "speculate": bool(speculate),
-            "draft_temperature": None if tau is None or sampling.greedy else float(tau)}
+            "draft_temperature": None if tau is None or sampling.greedy else float(tau),
+            "guard": guard_for(spec, domain, settings)}
+
+
+def guard_for(spec, domain: str, settings: EvalSettings) -> Guard | None:
+    """The online guard of one domain (eval.guard): the draft's calibrated cost profile and per-position
+    acceptance as its prior; None when it is off or the draft has no calibration to price passes with."""
+    knobs = settings.guard_settings
+    if knobs is None or spec is None or not spec.cost.get("c"):
+        return None
+    prior = spec.per_position_acceptance.get(domain) or spec.per_position_acceptance.get("overall")
+    return Guard(spec.cost, tuple(prior), knobs) if prior else None
 
 
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
@@ -127,6 +138,8 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
               "at the eval temperature (set eval.draft_temperature to choose one)")
     plans = {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
              for name, draft in evaluation.drafts.items()}
+    if settings.guard["compare"]:  # the evaluated draft as planned, never switched down: the guard's own baseline
+        plans["speculative_unguarded"] = {domain: plan | {"guard": None} for domain, plan in plans["speculative"].items()}
     if settings.compare_draft_lengths:  # the evaluated draft once per policy, side by side in the same run
         for policy in settings.compare_draft_lengths:
             forced = replace(settings, draft_length=policy, gamma=None)
@@ -181,17 +194,21 @@ def make_methods(evaluation: Evaluation) -> dict:
 
         def generate(ids, domain, n, seed, gamma=None, tree=None):
             plan = evaluation.plans[name][domain]
+            guard = None if gamma or tree else plan["guard"]  # the sweeps measure each length as it is
             policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
             if tree is None:  # the tree sweep gives one
                 tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
             drafting = (tree or policy) if plan["speculate"] or gamma else None  # None: plain, as calibrated
             out = speculative_generate(target, draft.model, ids, sampling=sampling, drafting=drafting,
                                        max_new_tokens=n, draft_temperature=plan["draft_temperature"],
-                                       draft_vocab=draft.vocab, eos_token_id=stop, generator=generator(seed))
+                                       draft_vocab=draft.vocab, eos_token_id=stop, generator=generator(seed),
+                                       guard=guard)
             return out.tokens.tolist(), out.stats
         return generate
 
     methods = {"autoregressive": autoregressive, **{name: speculative(name) for name in evaluation.drafts}}
+    if evaluation.settings.guard["compare"]:
+        methods["speculative_unguarded"] = speculative("speculative_unguarded", "speculative")
     if evaluation.settings.compare_draft_lengths:
         methods.update({f"speculative_{policy}": speculative(f"speculative_{policy}", "speculative")
                         for policy in evaluation.settings.compare_draft_lengths})

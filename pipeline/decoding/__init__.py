@@ -9,7 +9,9 @@ The public API, imported by the eval and distill stages and by users:
 
 Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
 `tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
-`draft_length` (draft-length policies), `guard` (the online guard: fewer or no drafts while they lose), `cost` (the one speedup model), `generate` (the entry points).
+`draft_length` (draft-length policies),
+`guard` (the online guard: fewer drafts, or none, while they do not pay), `cost` (the one speedup model),
+`generate` (the entry points).
 """
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost
 from pipeline.decoding.draft_length import POLICIES, DraftLength
@@ -19,6 +21,7 @@ from pipeline.decoding.loop import DecodeStats, GenerationOutput, uses_sliding_w
 from pipeline.decoding.tree import MAX_TREE_NODES, Tree, TreeStats, nodes, parse_tree, tree_key
 from pipeline.sampling import Sampling
 
-__all__ = ["DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings", "GuardStats", "MAX_TREE_NODES", "POLICIES", "Sampling",
-           "Tree", "TreeStats", "as_drafting", "autoregressive_generate", "nodes", "parse_tree", "pass_speedup",
-           "predicted_speedup", "speculative_generate", "tree_key", "uses_sliding_window", "verify_cost"]
+__all__ = ["DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings", "GuardStats",
+           "MAX_TREE_NODES", "POLICIES", "Sampling", "Tree", "TreeStats", "as_drafting", "autoregressive_generate",
+           "nodes", "parse_tree", "pass_speedup", "predicted_speedup", "speculative_generate", "tree_key",
+           "uses_sliding_window", "verify_cost"]

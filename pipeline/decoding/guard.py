@@ -121,7 +121,9 @@ def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:
 
 class GuardedPolicy(Policy):
     """A draft-length policy under the guard: `budget()` may be 0 (a plain step), shorter or longer than the
-    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both."""
+    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both. A policy that stops on the
+    draft's confidence drafts fewer tokens than a chain of its budget, so the chain prices overstate its cost:
+    the guard only switches it off (when no length pays) or leaves it alone."""
 
     def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None):
         self.inner, self.settings = inner, guard.settings
@@ -165,6 +167,8 @@ class GuardedPolicy(Policy):
             self.stats.off += 1
             return 0
         self.resting = -1
+        if self.inner.needs_confidence:  # its stop drafts fewer than priced: the guard decides only on or off
+            return wanted
         self.stats.shortened += chosen < wanted
         self.stats.lengthened += chosen > wanted
         return chosen
