@@ -23,7 +23,7 @@ from distill.batch import completion_hidden
 from distill.export import exported_weights
 from distill.policy import simulate
 from pipeline.decoding.cost import pass_speedup
-from pipeline.engines import llamacpp
+from pipeline.engines import hf, llamacpp
 from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
@@ -110,6 +110,9 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
         gpu = calibrate_gpu_engines(inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, log)
         spec = replace(spec, engines={**spec.engines, **{name: gpu[name] for name in ("vllm", "sglang")
                                                          if name in settings.engines}})
+    if "hf" in settings.engines:  # HF runs the exported checkpoint's full head, in the serving dtype
+        weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
+        spec = replace(spec, engines={**spec.engines, "hf": calibrate_hf(inputs, weights, heldouts, settings.hf, log)})
     if "llamacpp" not in settings.engines:
         return spec, {}
     engine, paths, chosen = inputs.cfg.engines.llamacpp, inputs.cfg.paths, settings.llamacpp
@@ -201,3 +204,41 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
               for domain, e in table.items()}
     return {"vllm": {"cost": cost, "by_domain": table, "speculative_config": vllm},
             "sglang": {"cost": cost, "by_domain": table, "args": sglang}}
+
+
+# ---------------------------------------------------------------- HF assisted generation
+
+def calibrate_hf(inputs, exported_draft, heldouts, settings, log) -> dict:
+    """speculative.json `engines.hf`: per domain the num_assistant_tokens (constant schedule, no confidence stop)
+    HF assisted generation is predicted fastest with, or "off", priced by HF's own passes timed here
+    (pipeline/engines/hf.py pass_costs: its per-pass host work included). HF's draft samples at the serving
+    temperature and HF verifies by rejection sampling (greedy: argmax match), so α is Σ min(p, q) at τ = T."""
+    rows = heldouts.calibration.rows[:settings.prompts]
+    device = next(inputs.target.parameters()).device
+    prompts = [torch.tensor([row["prompt_ids"]], device=device) for row in rows]
+    cost = hf.pass_costs(inputs.target, exported_draft, prompts, list(settings.gammas), inputs.sampling, inputs.stops,
+                         int(settings.max_new_tokens))
+    tau = 0.0 if inputs.sampling.greedy else float(inputs.sampling.temperature)
+    parts = {name: (cal.acceptance(exported_draft, part, [tau])[0], part)
+             for name, part in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting))}
+    table = {}
+    reporting_masks = cal.domain_index(heldouts.reporting)
+    for domain, mask in cal.domain_index(heldouts.calibration).items():
+        def predict(part, where, gamma):
+            alpha, heldout = parts[part]
+            drafted, accepted = simulate(alpha, None, heldout, where, gamma)
+            return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
+
+        best = max(settings.gammas, key=lambda g: predict("calibration", mask, g)[0])
+        on = predict("calibration", mask, best)[0] > 1 + settings.margin
+        speedup, acceptance = predict("reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
+        table[DEFAULT if domain == cal.OVERALL else domain] = {
+            "speculate": on, "num_assistant_tokens": best, "predicted_speedup": round(speedup if on else 1.0, 3),
+            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
+    log("HF assisted calibration (a pass of γ = {}: {} plain steps): {}".format(
+        ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()), "; ".join(
+            f"{d} " + (f"γ {e['num_assistant_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
+                       else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+    configs = {d: {"num_assistant_tokens": e["num_assistant_tokens"], "num_assistant_tokens_schedule": "constant",
+                   "assistant_confidence_threshold": 0.0} if e["speculate"] else None for d, e in table.items()}
+    return {"cost": cost, "by_domain": table, "generation_config": configs}

@@ -163,6 +163,7 @@ def _engine_lines(spec: SpeculativeSpec) -> list[str]:
     for name, entry in spec.engines.items():
         table, cost = entry.get("by_domain", {}), entry.get("cost", {})
         settings = {d: (f"n_max {e['n_max']}, p_min {e['p_min']:g}" if "n_max" in e else
+                        f"num_assistant_tokens {e['num_assistant_tokens']}" if "num_assistant_tokens" in e else
                         f"num_speculative_tokens {e['num_speculative_tokens']}") for d, e in table.items()}
         source = cost.get("source") or f"measured in the engine on {cost.get('device_name')}"
         lines += ["", f"In **{name}** (c = {_fmt(cost.get('c'))}; {source}), per domain:"]

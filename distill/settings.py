@@ -144,7 +144,22 @@ class GpuCalibrationSettings:
                                 f"> 0 or null, verify_ratio={self.verify_ratio} >= 1: use e.g. gammas=[1,2,4] c=null")
 
 
-ENGINES = ("llamacpp", "vllm", "sglang")  # engines distill can calibrate the export for, beside this project's decoder
+@dataclass(frozen=True)
+class HfCalibrationSettings:
+    """`distill.calibration.hf`: HF assisted generation's settings compared and how its passes are timed."""
+    gammas: tuple[int, ...]            # num_assistant_tokens values compared (constant schedule)
+    margin: float                      # "off" unless the best is predicted above 1 + margin
+    prompts: int                       # calibration prompts HF's passes are timed on
+    max_new_tokens: int                # tokens per timed request
+
+    def __post_init__(self):
+        _tuple(self, "distill.calibration.hf", "gammas")
+        if not self.gammas or min(self.gammas) < 1 or self.prompts < 1 or self.max_new_tokens < 2:
+            raise PipelineError(f"distill.calibration.hf: gammas={list(self.gammas)} must be integers >= 1, prompts="
+                                f"{self.prompts} >= 1, max_new_tokens={self.max_new_tokens} >= 2: use e.g. gammas=[1,2,4]")
+
+
+ENGINES = ("hf", "llamacpp", "vllm", "sglang")  # engines distill can calibrate the export for, beside this project's decoder
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,7 @@ class CalibrationSettings:
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
     llamacpp: LlamaCppCalibrationSettings
     gpu: GpuCalibrationSettings
+    hf: HfCalibrationSettings
 
     def __post_init__(self):
         _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines")

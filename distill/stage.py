@@ -351,8 +351,11 @@ def save_calibrated(inputs: Inputs, spec: SpeculativeSpec, profile: dict, head_f
     """The draft in the serving dtype with its calibration, model card and cost profile (each argument is an
     earlier step's product)."""
     generation_config = copy.deepcopy(inputs.target.generation_config)
-    for key, value in spec.draft_length_for(DEFAULT).hf_generation_config().items():
-        setattr(generation_config, key, value)  # HF assisted generation reads these from the assistant
+    hf_setting = ((spec.engines.get("hf") or {}).get("generation_config") or {}).get(DEFAULT)
+    # HF assisted generation reads these from the assistant: HF's own calibration where there is one (a default
+    # calibrated "off" keeps our decoder's; the card says to serve without the draft there)
+    for key, value in (hf_setting or spec.draft_length_for(DEFAULT).hf_generation_config()).items():
+        setattr(generation_config, key, value)
     save_draft(inputs.draft.to(inputs.serving_dtype), inputs.draft_tokenizer, path, spec,
                model_card(spec, f"{inputs.cfg.model.draft.name} ({label})"), generation_config,
                extra={FILENAME: profile}, head_fill=head_fill, files=files)

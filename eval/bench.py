@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eval.baselines import assistant_configs, hf_generate
+from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, autoregressive_generate, speculative_generate
 from pipeline.errors import PipelineError

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from eval import metrics as M
-from eval.baselines import assistant_configs, hf_engine_methods, hf_generate
+from eval.baselines import hf_engine_methods
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
@@ -32,6 +32,7 @@ from eval.settings import EvalSettings
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
 from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate
+from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
 from pipeline.timing import synced_clock

@@ -1,10 +1,10 @@
 """HF assisted generation's own drafted and accepted tokens per target pass, counted from forward hooks
-(eval/baselines.py PassCounter), so its acceptance sits beside our decoder's at equal policy."""
+(pipeline/engines/hf.py PassCounter), so its acceptance sits beside our decoder's at equal policy."""
 from __future__ import annotations
 
 import torch
 
-from eval.baselines import assistant_configs, hf_generate
+from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.sampling import Sampling
 from tests.conftest import decoder_llama
 
