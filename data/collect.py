@@ -54,6 +54,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,8 @@ def _save_shard(final: Path, rows: list[dict], topk: int, meta: dict) -> None:
     from datasets import Dataset
 
     with atomic_dir(final) as tmp, quiet_datasets():
-        Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp / "data"))
+        if rows:  # a shard whose every request was skipped (collect.backend=server) is its meta.json alone
+            Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp / "data"))
         write_json(tmp / "meta.json", meta)
 
 
@@ -178,7 +180,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
 
     from pipeline.models import load_tokenizer, resolve_device, resolve_model
 
-    device, _ = resolve_device({**(cfg.get("runtime") or {}), "dtype": "float32"})  # the device is enough here
+    device, dtype = resolve_device({**(cfg.get("runtime") or {}), "dtype": "float32"})  # the device is enough here
     # Under `accelerate launch` (torch.distributed env vars) this joins the process group; CPU
     # processes need cpu=True to get the gloo backend. A plain run is one process.
     state = PartialState(cpu=device.type == "cpu")
@@ -186,11 +188,13 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         raise PipelineError("collect.backend=vllm batches and spreads over GPUs itself: run it in one process "
                             "(set collect.vllm.tensor_parallel_size) or use collect.backend=hf under accelerate")
     target_path = resolve_model(cfg.model.target, "target", cfg.paths)
-    with state.main_process_first():  # runtime.dtype=auto times the target once; the other processes read that
-        device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
+    if settings.backend != "server":  # a server backend uses only the target's tokenizer and hashes here
+        with state.main_process_first():  # runtime.dtype=auto times the target once; the other processes read that
+            device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
     identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
-    fingerprint = _fingerprint(identity, settings, str(dtype).removeprefix("torch."))
+    fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
+                               else str(dtype).removeprefix("torch."))
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
                       _plan(prompts, settings.shard_size), state, started)
 
@@ -270,13 +274,16 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
     turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
     with tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl", dynamic_ncols=True,
               disable=not job.state.is_local_main_process) as bar:
+        if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
+            backend.show_rates = bar.set_postfix_str
         for shard in mine:
             if job.out_of_time():
                 print(f"[collect] collect.max_minutes={job.max_minutes} reached: stopping before shard {shard.name}; "
                       "rerun stage=collect (with a larger budget) to continue")
                 return
             tokens_per_s = _generate_shard(job, backend, shard, bar.update)
-            bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
+            if not hasattr(backend, "show_rates"):
+                bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
             tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
 
 
@@ -285,6 +292,10 @@ def _make_backend(job: CollectJob):
 
     settings = job.settings
     stop_ids = job.identity["stop_token_ids"]
+    if settings.backend == "server":
+        from data.collect_server import ServerBackend
+
+        return ServerBackend.connect(settings, job.tokenizer, stop_ids)
     if settings.backend == "vllm":
         from data.collect_vllm import VLLMBackend
 
@@ -311,7 +322,9 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
     meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,
             "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
             "process_index": job.state.process_index}
-    _save_shard(job.shard_dir / shard.name, rows, job.settings.topk, meta)
+    if hasattr(backend, "take_stats"):  # the server backend: skipped requests, where the ids came from, which server
+        meta.update(backend.take_stats(), server=backend.describe())
+    _save_shard(job.shard_dir / shard.name, rows, job.settings.label_topk, meta)
     return tokens / seconds
 
 
@@ -329,9 +342,20 @@ def _merge_shards(job: CollectJob):
             continue
         if not job.finished(shard):
             raise PipelineError(f"shard {shard_path} is missing after generation: rerun stage=collect to finish it")
-        parts.append(load_from_disk(str(shard_path / "data")))
         metas.append(json.loads((shard_path / "meta.json").read_text()))
+        if metas[-1]["rows"]:
+            parts.append(load_from_disk(str(shard_path / "data")))
+    if not parts:
+        raise PipelineError(f"every request of the collect was skipped ({_skipped(metas)}): see the manifest keys "
+                            "`skipped` in docs/architecture.md and fix the servers' context or the prompts")
     return concatenate_datasets(parts), metas
+
+
+def _skipped(metas: list[dict]) -> dict:
+    counts = Counter()
+    for meta in metas:
+        counts.update(meta.get("skipped") or {})
+    return dict(sorted(counts.items()))
 
 
 def _write_dataset_and_manifest(job: CollectJob, dataset, shard_metas: list[dict]) -> dict:
@@ -363,8 +387,10 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "max_new_tokens": settings.max_new_tokens,
         "samples_per_prompt": settings.samples_per_prompt,
         "seed": settings.seed,
-        "topk": settings.topk,
-        "backend": settings.backend, "dtype": job.dtype_name, "num_processes": job.state.num_processes,
+        "topk": settings.label_topk,
+        "labels": _labels_source(settings),
+        "backend": settings.backend, "dtype": job.dtype_name if settings.backend != "server" else None,
+        "num_processes": job.state.num_processes,
         "shard_size": settings.shard_size, "shards": len(job.plan),
         "budget": {"max_minutes": job.max_minutes, "shards_done": len(shard_metas),
                    "stopped_early": len(shard_metas) < len(job.plan)},
@@ -377,7 +403,28 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),
+        **(_server_record(shard_metas) if settings.backend == "server" else {}),
     }
+
+
+def _labels_source(settings: CollectSettings) -> str:
+    """Where the rows' top-k labels come from (distill/labels.py computes them for rows that have none)."""
+    if not settings.topk:
+        return "none"
+    if settings.backend == "server":
+        return "server" if settings.server.logprobs else "distill"  # distill: its own target pass labels the rows
+    return "target-forward"
+
+
+def _server_record(shard_metas: list[dict]) -> dict:
+    """The servers the rows came from (the last shard's), requests skipped and token-id sources over all shards."""
+    token_ids = Counter()
+    for meta in shard_metas:
+        token_ids.update(meta.get("token_ids") or {})
+    skipped = _skipped(shard_metas)
+    return {"server": shard_metas[-1].get("server") if shard_metas else None,
+            "skipped": skipped, "skipped_total": sum(skipped.values()),
+            "token_ids": dict(sorted(token_ids.items()))}
 
 
 def _remove_shards_unless_kept(job: CollectJob) -> None:

@@ -15,7 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
 from pipeline.sampling import Sampling, derive_seed
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "server")
 _FIX = "fix the override or conf/collect/default.yaml"
 
 
@@ -28,25 +28,28 @@ class CollectSettings:
     conf/collect/default.yaml, except that `temperature`, `top_k` and `top_p` are the one `sampling` (the
     core's Sampling, which checks them itself). What each setting does and why its default: that file's comments.
 
-    No field has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`, which refuses a missing
+    No field but `server` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`, which refuses a missing
     or an unknown key; direct construction (tests) names every field. Checks raise a one-line PipelineError before
     anything is loaded or written; what needs the target or the process group (top-k against the vocabulary, vllm
     under accelerate, unknown domains) is checked where those are known (data/collect.py, pipeline/prompts.py).
     Validation also normalises (numbers to their type, `domains` to a tuple, a single domain string a 1-tuple,
-    `vllm` to a read-only mapping); it is idempotent, so `dataclasses.replace` works on a built instance."""
+    `vllm` to a read-only mapping, `server` to ServerSettings); it is idempotent, so `dataclasses.replace` works on a built instance."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
     topk: int                           # white-box label width; 0 = no labels
     batch_size: int                     # sequences per generate call
     shard_size: int                     # prompts per shard and domain
-    backend: str                        # hf | vllm
+    backend: str                        # hf | vllm | server
     seed: int                           # collect.seed (null = the root seed)
     keep_shards: bool                   # keep the shards after the merge
     domains: tuple[str, ...] | None     # domains to collect; None = every train domain
     max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
     max_minutes: float | None           # no new shard starts after this long; None = no limit
     vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
+    # collect.backend=server only (data/collect_server.py): a mapping is checked; the one field with a default,
+    # None = no servers, so code that builds settings for the in-process backends need not name it
+    server: "ServerSettings | Mapping | None" = None
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
 
@@ -63,6 +66,10 @@ class CollectSettings:
         if not isinstance(self.vllm, Mapping):
             raise PipelineError(f"collect.vllm={self.vllm!r} is not a group of settings: {_FIX}")
         self._normalise("vllm", MappingProxyType(dict(self.vllm)))
+        if self.server is None:
+            self._normalise("server", ServerSettings.none())
+        elif not isinstance(self.server, ServerSettings):
+            self._normalise("server", ServerSettings.from_mapping(self.server))
         checks = [
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
@@ -73,7 +80,10 @@ class CollectSettings:
             (self.sampling.greedy and self.samples_per_prompt > 1,
              "collect.temperature=0 (greedy) makes every sample identical: use samples_per_prompt=1 "
              "or a temperature > 0"),
-            (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf or vllm"),
+            (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf, vllm or server"),
+            (self.backend == "server" and not self.server.urls,
+             "collect.backend=server needs collect.server.urls: list the servers' base URLs, e.g. "
+             "collect.server.urls=[http://127.0.0.1:8080]"),
             (not isinstance(self.keep_shards, bool), f"collect.keep_shards={self.keep_shards!r} is not true or "
                                                      f"false: {_FIX}"),
             (self.domains is not None and not self.domains,
@@ -111,9 +121,75 @@ class CollectSettings:
         resume may change it (e.g. after an out-of-memory); keep_shards only decides the cleanup; the
         prompts (domains, max_prompts_per_domain) are in each shard's own name; max_minutes and vllm's
         memory options decide how far and how fast a run gets, not its rows."""
-        return {"sampling": self.sampling.to_dict(), "max_new_tokens": self.max_new_tokens,
-                "samples_per_prompt": self.samples_per_prompt, "topk": self.topk, "shard_size": self.shard_size,
-                "backend": self.backend, "seed": self.seed}
+        key = {"sampling": self.sampling.to_dict(), "max_new_tokens": self.max_new_tokens,
+               "samples_per_prompt": self.samples_per_prompt, "topk": self.topk, "shard_size": self.shard_size,
+               "backend": self.backend, "seed": self.seed}
+        if self.backend == "server":  # the urls, concurrency and fault handling decide where and how fast, not what
+            key["server"] = {"model": self.server.model, "endpoint": self.server.endpoint,
+                             "logprobs": self.server.logprobs}
+        return key
+
+    @property
+    def label_topk(self) -> int:
+        """The top-k width of the labels the rows carry: collect.topk, except on a server not asked for its
+        log-probs (collect.server.logprobs=false), whose rows carry none: distill's label pass computes them."""
+        return self.topk if self.backend != "server" or self.server.logprobs else 0
+
+
+ENDPOINTS = ("completions", "chat")
+ENGINES = ("auto", "llamacpp", "vllm", "sglang", "openai")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """`collect.server.*`: the OpenAI-compatible servers of collect.backend=server (what each key does:
+    conf/collect/default.yaml). Checked when the settings are built, whatever the backend."""
+    urls: tuple[str, ...]
+    model: str | None
+    endpoint: str
+    engine: str
+    concurrency: int
+    timeout: float
+    retries: int
+    backoff: float
+    logprobs: bool
+
+    @classmethod
+    def none(cls) -> "ServerSettings":
+        return cls(urls=(), model=None, endpoint="completions", engine="auto", concurrency=1, timeout=600.0,
+                   retries=0, backoff=0.0, logprobs=False)
+
+    @classmethod
+    def from_mapping(cls, values) -> "ServerSettings":
+        if not isinstance(values, Mapping):
+            raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
+        names = [f.name for f in fields(cls)]
+        check_keys(dict(values), names, "collect.server", "conf/collect/default.yaml")
+        urls = values["urls"]
+        urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
+        numbers = {key: _config_number(f"server.{key}", values[key], kind)
+                   for key, kind in (("concurrency", int), ("timeout", float), ("retries", int), ("backoff", float))}
+        settings = cls(urls=tuple(u.rstrip("/") for u in urls), model=values["model"], endpoint=values["endpoint"],
+                       engine=values["engine"], logprobs=values["logprobs"], **numbers)
+        checks = [
+            (any(not u.startswith(("http://", "https://")) for u in settings.urls),
+             f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
+            (settings.model is not None and not isinstance(settings.model, str),
+             f"collect.server.model={settings.model!r} must be a model name or null: {_FIX}"),
+            (settings.endpoint not in ENDPOINTS,
+             f"unknown collect.server.endpoint={settings.endpoint!r}: use completions or chat"),
+            (settings.engine not in ENGINES,
+             f"unknown collect.server.engine={settings.engine!r}: use {', '.join(ENGINES)}"),
+            (settings.concurrency < 1, f"collect.server.concurrency={settings.concurrency} must be ≥ 1: {_FIX}"),
+            (settings.timeout <= 0, f"collect.server.timeout={settings.timeout} must be > 0 seconds: {_FIX}"),
+            (settings.retries < 0, f"collect.server.retries={settings.retries} must be ≥ 0: {_FIX}"),
+            (settings.backoff < 0, f"collect.server.backoff={settings.backoff} must be ≥ 0 seconds: {_FIX}"),
+            (not isinstance(settings.logprobs, bool),
+             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}")]
+        for bad, message in checks:
+            if bad:
+                raise PipelineError(message)
+        return settings
 
 
 def _config_number(key: str, value, kind: type):
@@ -156,18 +232,27 @@ def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: i
     """Rows for one shard: every turn of every prompt, samples_per_prompt completions each.
 
     Turn t+1 of a prompt is conditioned on sample 0's answer to turn t. Each turn is one
-    `backend.generate` call seeded from (shard seed, turn).
+    `backend.generate` call seeded from (shard seed, turn). A backend may return None for a request it had to
+    skip (collect.backend=server: a context longer than the server's): that row is left out, and so are the
+    later turns of a prompt whose sample 0 was skipped (they would have no answer to follow).
     """
     answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
     rows = []
     for turn in range(max(len(prompt["turns"]) for prompt in prompts)):
-        active = [prompt for prompt in prompts if len(prompt["turns"]) > turn]
-        contexts = [encode_chat(tokenizer, messages_for(prompt, answers[prompt["id"]], turn))[0].tolist()
-                    for prompt in active]
-        requests = [(prompt, context, sample) for prompt, context in zip(active, contexts)
+        active = [prompt for prompt in prompts if len(prompt["turns"]) > turn and len(answers[prompt["id"]]) == turn]
+        if not active:
+            break
+        messages = [messages_for(prompt, answers[prompt["id"]], turn) for prompt in active]
+        contexts = [encode_chat(tokenizer, chat)[0].tolist() for chat in messages]
+        requests = [(prompt, context, sample, chat) for prompt, context, chat in zip(active, contexts, messages)
                     for sample in range(samples_per_prompt)]
-        completions = backend.generate([context for _, context, _ in requests], derive_seed(seed, turn), progress)
-        for (prompt, context, sample), completion in zip(requests, completions):
+        wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
+            else {}  # a server's chat endpoint renders the messages with its own template
+        completions = backend.generate([context for _, context, _, _ in requests], derive_seed(seed, turn), progress,
+                                       **wants_messages)
+        for (prompt, context, sample, _), completion in zip(requests, completions):
+            if completion is None:
+                continue
             row = _row(tokenizer, prompt, turn, sample, context, completion)
             if sample == 0:
                 answers[prompt["id"]].append(row["text"])

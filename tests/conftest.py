@@ -411,3 +411,23 @@ def assert_headlines_match_requests(metrics: dict, out_dir: Path, methods=("spec
             assert got["acceptance_rate"] == pytest.approx(want["n_accepted"] / got["n_drafted"]), (group, method)
             assert got["mean_accepted_length"] == pytest.approx(want["n_tokens"] / want["passes"]), (group, method)
         assert entry["speedup"] == pytest.approx(recomputed[group]["speculative"]["speedup"], rel=1e-9), group
+
+
+# ---------------------------------------------------------------- llama.cpp on the embedded model
+@pytest.fixture(scope="session")
+def llamacpp_build():
+    """llama.cpp built from the pinned sdist (cached under artifacts/engines; a few minutes the first time)."""
+    from pipeline.engines import llamacpp
+
+    return llamacpp.build(REPO / "artifacts/engines")
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf(real_target_path) -> Path:
+    """The embedded target's packaged GGUF (the file llama-server serves), next to its converted directory."""
+    from omegaconf import OmegaConf
+
+    from pipeline.models import model_gguf
+
+    spec = OmegaConf.load(REPO / "conf/model/smollm2-135m.yaml").target
+    return model_gguf(spec, "target", {"models": REPO / "artifacts/models", "cache": REPO / "artifacts/cache"})
