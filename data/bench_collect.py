@@ -2,6 +2,13 @@
 
     python -m data.bench_collect [--prompts 16] [--max-new-tokens 128] [hydra overrides ...]
     e.g. python -m data.bench_collect collect.batch_size=32 runtime.device=cuda
+    python -m data.bench_collect --server [--server-parallel 4] --prompts 64 collect.topk=0 runtime.threads=2
+
+--server: the HF backend at collect.batch_size against collect.backend=server on a llama-server this script
+starts on the target's GGUF (pipeline/engines/llamacpp.py; `--server-parallel` slots, as many requests in
+flight), the same prompts and sampling settings, the same thread count (runtime.threads, else every core). The
+prompts are cut into chunks of collect.batch_size, measured alternately HF then server; the ratio of target
+tokens/s (server / HF) gets a 95% bootstrap interval over the chunks.
 
 Runs the collect stage's own HF backend on the configured target (default: the embedded
 SmolLM2-135M-Instruct) with the configured sampling settings and top-k labels, then measures the
@@ -69,9 +76,13 @@ def main(argv: list[str] | None = None) -> None:
                         "default: the prepared train prompts")
     parser.add_argument("--domains", default=",".join(MT_BENCH),
                         help="domains to draw prompts from, all when none match (default: Spec-Bench's MT-Bench ones)")
+    parser.add_argument("--server", action="store_true",
+                        help="the HF backend against llama-server on the target's GGUF, side by side")
+    parser.add_argument("--server-parallel", type=int, default=1,
+                        help="llama-server slots (-np) and requests in flight (default 1: reproducible rows)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. collect.batch_size=32")
     args = parser.parse_args(argv)
-    for name in ("prompts", "max_new_tokens"):
+    for name in ("prompts", "max_new_tokens", "server_parallel"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
     if args.prompts_file and not Path(args.prompts_file).is_file():
@@ -88,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[bench] {target.path.name} on {target.device} ({str(target.dtype).removeprefix('torch.')}), "
           f"{torch.get_num_threads()} threads; {len(prompts)} prompts, max_new_tokens={settings.max_new_tokens}, "
           f"temperature={settings.sampling.temperature}, topk={settings.topk}")
+    if args.server:
+        try:
+            measure_server_vs_hf(cfg, target, settings, prompts, args.server_parallel)
+        except PipelineError as e:
+            fail(str(e))
+        return
     rows = measure_batching(target, settings, prompts)
     report_disk(rows, settings.topk)
 
@@ -149,6 +166,61 @@ def measure_batching(target, settings, prompts: list[dict]) -> list[dict]:
     (t1, s1, _), (tb, sb, rows) = results[1], results[max(results)]
     print(f"[bench] speed-up from batching: {(tb / sb) / (t1 / s1):.2f}x")
     return rows
+
+
+def measure_server_vs_hf(cfg, target, settings, prompts: list[dict], parallel: int) -> None:
+    """Target tokens/s of the HF backend and of llama-server on the same prompt chunks, alternately; the ratio
+    with its bootstrap interval over the chunks."""
+    import os
+
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from data.collect_hf import HFBackend
+    from data.collect_rows import collect_shard
+    from data.collect_server import ServerBackend
+    from eval.metrics import bootstrap_ci
+    from pipeline.engines import llamacpp
+    from pipeline.errors import PipelineError
+    from pipeline.models import model_gguf
+
+    gguf = model_gguf(cfg.model.target, "target", cfg.paths)
+    if gguf is None:
+        raise PipelineError("--server needs the target as a GGUF file (a packaged preset or model.target.path=*.gguf)")
+    root = llamacpp.build(cfg.paths.engines, str(cfg.engines.llamacpp.version))
+    threads = int(cfg.runtime.threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    size = settings.batch_size
+    chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+    hf = HFBackend(target.model, target.tokenizer.pad_token_id, target.stop_ids, settings)
+    measured = {"hf": ([], []), "server": ([], [])}  # tokens, seconds per chunk
+    with tempfile.TemporaryDirectory() as tmp, \
+            llamacpp.Server(root, gguf, threads=threads, context=int(cfg.engines.llamacpp.context) * parallel,
+                            log_path=Path(tmp) / "server.log", parallel=parallel) as server:
+        options = {**OmegaConf.to_container(cfg.collect.server, resolve=True), "urls": [server.url], "launch": False,
+                   "model": None, "endpoint": "completions", "concurrency": parallel, "logprobs": False}
+        served = replace(settings, backend="server", topk=0, server=options)
+        backends = {"hf": hf, "server": ServerBackend.connect(served, target.tokenizer, target.stop_ids)}
+        print(f"[bench] HF batch {size} vs llama-server {gguf.name} ({parallel} slot(s), {parallel} in flight), "
+              f"{threads} threads each; {len(chunks)} chunks of {size} prompts, alternately")
+        for backend in backends.values():
+            collect_shard(backend, target.tokenizer, prompts[:1], 1, seed=0)  # warm-up
+        for c, chunk in enumerate(chunks):
+            for name, backend in backends.items():
+                start = time.perf_counter()
+                rows = collect_shard(backend, target.tokenizer, chunk, 1, seed=c)
+                measured[name][1].append(time.perf_counter() - start)
+                measured[name][0].append(sum(len(r["completion_ids"]) for r in rows))
+    rate = {name: sum(tokens) / sum(seconds) for name, (tokens, seconds) in measured.items()}
+    for name, (tokens, seconds) in measured.items():
+        print(f"[bench] {name:>6}: {sum(tokens):>6} tokens in {sum(seconds):7.1f}s = {rate[name]:8.1f} tokens/s")
+
+    def ratio(tok_s, sec_s, tok_h, sec_h, axis=-1):
+        return (np.sum(tok_s, axis) / np.sum(sec_s, axis)) / (np.sum(tok_h, axis) / np.sum(sec_h, axis))
+
+    ci = bootstrap_ci((*measured["server"], *measured["hf"]), ratio)
+    interval = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "(one chunk: no interval)"
+    print(f"[bench] server / HF target tokens/s: {rate['server'] / rate['hf']:.2f}x, 95% CI {interval}")
 
 
 def report_disk(rows: list[dict], topk: int) -> None:

@@ -50,6 +50,7 @@ k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -264,13 +265,17 @@ def _announce(job: CollectJob) -> None:
 
 def _generate_missing_shards(job: CollectJob, tracker) -> None:
     """This process's unfinished shards in plan order, under one progress bar, until collect.max_minutes (a
-    stopped run resumes from the next shard); loads the target only when there is work."""
-    from tqdm.auto import tqdm
-
+    stopped run resumes from the next shard); loads the target (or starts its server) only when there is work."""
     mine = job.my_unfinished_shards()
     if not mine:
         return
-    backend = _make_backend(job)
+    with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
+        _generate_shards(job, tracker, mine, _make_backend(job, stack))
+
+
+def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> None:
+    from tqdm.auto import tqdm
+
     turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
     with tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl", dynamic_ncols=True,
               disable=not job.state.is_local_main_process) as bar:
@@ -287,7 +292,7 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
             tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
 
 
-def _make_backend(job: CollectJob):
+def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
     from pipeline.models import load_model
 
     settings = job.settings
@@ -295,6 +300,8 @@ def _make_backend(job: CollectJob):
     if settings.backend == "server":
         from data.collect_server import ServerBackend
 
+        if settings.server.launch:
+            settings = _launch_server(job, stack)
         return ServerBackend.connect(settings, job.tokenizer, stop_ids)
     if settings.backend == "vllm":
         from data.collect_vllm import VLLMBackend
@@ -310,6 +317,29 @@ def _make_backend(job: CollectJob):
     from data.collect_hf import HFBackend
 
     return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
+
+
+def _launch_server(job: CollectJob, stack: contextlib.ExitStack) -> CollectSettings:
+    """collect.server.launch: one llama-server on 127.0.0.1 serving the target's GGUF for this run (stopped with
+    `stack`); the settings with its URL."""
+    from dataclasses import replace
+
+    from pipeline.engines import llamacpp
+    from pipeline.models import model_gguf
+
+    cfg = job.cfg
+    gguf = model_gguf(cfg.model.target, "target", cfg.paths)
+    if gguf is None:
+        raise PipelineError("collect.server.launch=true needs the target as a GGUF (a packaged preset or "
+                            "model.target.path=<file>.gguf): start a server yourself and set collect.server.urls")
+    engine = cfg.engines.llamacpp
+    root = llamacpp.build(cfg.paths.engines, str(engine.version))
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    server = stack.enter_context(llamacpp.Server(root, gguf, threads=engine.threads, context=int(engine.context),
+                                                 log_path=job.out_dir / "llama-server.log",
+                                                 start_timeout=float(engine.start_timeout)))
+    print(f"[collect] llama-server on {gguf.name} at {server.url} (log: {server.log_path})")
+    return replace(job.settings, server=replace(job.settings.server, urls=(server.url,), launch=False))
 
 
 def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:

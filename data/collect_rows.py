@@ -81,9 +81,9 @@ class CollectSettings:
              "collect.temperature=0 (greedy) makes every sample identical: use samples_per_prompt=1 "
              "or a temperature > 0"),
             (self.backend not in BACKENDS, f"unknown collect.backend={self.backend!r}: use hf, vllm or server"),
-            (self.backend == "server" and not self.server.urls,
+            (self.backend == "server" and not self.server.urls and not self.server.launch,
              "collect.backend=server needs collect.server.urls: list the servers' base URLs, e.g. "
-             "collect.server.urls=[http://127.0.0.1:8080]"),
+             "collect.server.urls=[http://127.0.0.1:8080], or set collect.server.launch=true"),
             (not isinstance(self.keep_shards, bool), f"collect.keep_shards={self.keep_shards!r} is not true or "
                                                      f"false: {_FIX}"),
             (self.domains is not None and not self.domains,
@@ -153,11 +153,12 @@ class ServerSettings:
     retries: int
     backoff: float
     logprobs: bool
+    launch: bool
 
     @classmethod
     def none(cls) -> "ServerSettings":
         return cls(urls=(), model=None, endpoint="completions", engine="auto", concurrency=1, timeout=600.0,
-                   retries=0, backoff=0.0, logprobs=False)
+                   retries=0, backoff=0.0, logprobs=False, launch=False)
 
     @classmethod
     def from_mapping(cls, values) -> "ServerSettings":
@@ -170,7 +171,7 @@ class ServerSettings:
         numbers = {key: _config_number(f"server.{key}", values[key], kind)
                    for key, kind in (("concurrency", int), ("timeout", float), ("retries", int), ("backoff", float))}
         settings = cls(urls=tuple(u.rstrip("/") for u in urls), model=values["model"], endpoint=values["endpoint"],
-                       engine=values["engine"], logprobs=values["logprobs"], **numbers)
+                       engine=values["engine"], logprobs=values["logprobs"], launch=values["launch"], **numbers)
         checks = [
             (any(not u.startswith(("http://", "https://")) for u in settings.urls),
              f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
@@ -185,7 +186,11 @@ class ServerSettings:
             (settings.retries < 0, f"collect.server.retries={settings.retries} must be ≥ 0: {_FIX}"),
             (settings.backoff < 0, f"collect.server.backoff={settings.backoff} must be ≥ 0 seconds: {_FIX}"),
             (not isinstance(settings.logprobs, bool),
-             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}")]
+             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}"),
+            (not isinstance(settings.launch, bool),
+             f"collect.server.launch={settings.launch!r} is not true or false: {_FIX}"),
+            (settings.launch and settings.urls,
+             "collect.server.launch=true starts its own llama-server: leave collect.server.urls empty")]
         for bad, message in checks:
             if bad:
                 raise PipelineError(message)

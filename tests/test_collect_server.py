@@ -17,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from data.server_client import probe
 from pipeline.errors import PipelineError
 from pipeline.tracking import _NullRun
 from tests.conftest import REPO, tiny_tokenizer
@@ -35,7 +36,8 @@ def write_prompts(artifacts: Path, prompts=PROMPTS) -> None:
 
 
 def overrides(artifacts: Path, target: Path, extra=()) -> list[str]:
-    return [f"paths.artifacts={artifacts}", f"model.target.path={target}", "tracking.enabled=false",
+    target = [f"model.target.path={target}"] if target else []  # None: the packaged preset's own target
+    return [f"paths.artifacts={artifacts}", *target, "tracking.enabled=false",
             "runtime.device=cpu", "runtime.dtype=float32", "runtime.threads=1", "collect.max_new_tokens=10",
             "collect.shard_size=1", "collect.batch_size=4", "collect.topk=0", *extra]
 
@@ -190,6 +192,22 @@ def test_the_chat_endpoint_renders_the_same_prompt_and_gives_the_completions_row
                 greedy + on_server(server.url, f"collect.server.endpoint={endpoint}"))
     assert rows_of(tmp_path / "chat") == rows_of(tmp_path / "completions")
     assert manifest_of(tmp_path / "chat")["server"]["endpoint"] == "chat"
+
+
+@pytest.mark.smoke
+def test_launch_serves_the_targets_gguf_for_the_run_with_the_rows_of_a_given_url(tmp_path, real_target_path, server):
+    sampled = ["collect.temperature=0.7", "engines.llamacpp.threads=1"]
+    write_prompts(tmp_path / "url", PROMPTS[:2])
+    collect(tmp_path / "url", real_target_path, sampled + on_server(server.url))
+    write_prompts(tmp_path / "launch", PROMPTS[:2])
+    models = {"paths.models": REPO / "artifacts/models", "paths.cache": REPO / "artifacts/cache",
+              "paths.engines": REPO / "artifacts/engines"}
+    collect(tmp_path / "launch", None, sampled + [f"{k}={v}" for k, v in models.items()]
+            + ["collect.backend=server", "collect.server.launch=true"])
+    assert rows_of(tmp_path / "launch") == rows_of(tmp_path / "url")
+    url = manifest_of(tmp_path / "launch")["server"]["urls"][0]
+    with pytest.raises(PipelineError, match="does not answer"):  # stopped with the run
+        probe((url,), None, "auto")
 
 
 def run_collect_cli(artifacts: Path, target: Path, extra: list[str]) -> subprocess.CompletedProcess:

@@ -179,16 +179,18 @@ def free_port() -> int:
 
 class Server:
     """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
-    arguments are the server's own: models, draft flags, threads, context, log file and start timeout."""
+    arguments are the server's own: models, draft flags, threads, context, log file, start timeout and parallel
+    slots (-np; one unless a caller batches requests, e.g. data/bench_collect.py)."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
-                 log_path: str | Path | None = None, start_timeout: float = 120.0):
+                 log_path: str | Path | None = None, start_timeout: float = 120.0, parallel: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
         command = [str(binary(root, "llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-c", str(context), "-np", "1", "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
+                   "-c", str(context), "-np", str(int(parallel)), "-t", str(threads or os.cpu_count() or 1),
+                   "--no-webui"]  # parallel > 1: that many slots decoded as one batch (collect throughput)
         if draft is not None:
             command += ["-md", str(draft), "--spec-type", "draft-simple", *settings.flags()]
         self.command, self.start_timeout, self.process = command, start_timeout, None
