@@ -98,15 +98,17 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
 
 
 def guard_decisions(stats_list) -> dict:
-    """{"guard": the online guard's decisions summed over the requests} (passes it decided, off, probes,
-    shortened, lengthened; pipeline/decoding/guard.py), or {} where no request ran under a guard."""
+    """{"guard_decisions": the online guard's decisions summed over the requests} (passes it decided, off,
+    probes, shortened, lengthened, timing; pipeline/decoding/guard.py) and the mean measured cost factor κ, or {}
+    where no request ran under a guard."""
     counts = [s.guard for s in stats_list if getattr(s, "guard", None) is not None]
     if not counts:
         return {}
     total = counts[0]
     for more in counts[1:]:
         total = total.add(more)
-    return {"guard": total.to_dict()}
+    # plans also carry a "guard" (its settings and prior): the decisions sit beside it under their own key
+    return {"guard_decisions": total.to_dict() | {"cost_factor": statistics.fmean(c.cost_factor for c in counts)}}
 
 
 def per_depth_acceptance(stats_list) -> list[float]:

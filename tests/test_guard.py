@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from pipeline.decoding import DecodeStats, DraftLength, autoregressive_generate, chain, speculative_generate
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import Policy
-from pipeline.decoding.guard import Guard, GuardedPolicy, GuardSettings, conditional_rates
+from pipeline.decoding.guard import Guard, GuardedPolicy, GuardSettings, PassTimes, conditional_rates
 from pipeline.decoding.loop import Pair, Profile
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
@@ -22,7 +22,8 @@ NEVER_PAYS = {"c": 5.0, "verify_ratio": {1: 2.0}}  # a draft step dearer than th
 
 
 def guard(cost=COST, prior=PRIOR, **settings) -> Guard:
-    return Guard(cost, prior, GuardSettings(**settings))
+    """A guard on the calibrated costs alone unless told otherwise: its decisions then never depend on the clock."""
+    return Guard(cost, prior, GuardSettings(**{"measure_every": 0, **settings}))
 
 
 def decisions(stats_list):
@@ -98,6 +99,51 @@ def test_a_pass_that_pays_is_left_alone_and_a_longer_one_is_chosen_when_it_pays(
     assert sure.budget() == 4 and sure.stats.lengthened == 1
     as_calibrated = GuardedPolicy(Policy(1), guard(prior=(0.3, 0.09), longest=1))
     assert as_calibrated.budget() == 1 and as_calibrated.stats.shortened == as_calibrated.stats.lengthened == 0
+
+
+class FakeClock:
+    """Each pass lasts what the test says: plain passes `plain` s, passes with drafts `factor` × their price."""
+    def __init__(self, plain: float, factor: float):
+        self.now, self.plain, self.factor, self.pending = 0.0, plain, factor, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.pending
+        self.pending = 0.0
+        return self.now
+
+
+def run_timed(policy: GuardedPolicy, clock: FakeClock, passes: int) -> list[int]:
+    budgets = []
+    for _ in range(passes):
+        budgets.append(policy.budget())
+        steps = 1.0 / policy.per_cost[budgets[-1]]
+        clock.pending = clock.plain * (clock.factor * steps if budgets[-1] else 1.0)
+        policy.update(budgets[-1], budgets[-1])
+    return budgets
+
+
+def test_measured_costs_switch_off_what_the_calibrated_ones_would_keep():
+    """The calibrated profile says one draft pays (2 tokens for 1.2 steps); the clock says a pass with drafts
+    costs twice what it was priced (2 tokens for 2.4 steps): the guard goes off. With the clock agreeing, it
+    keeps drafting."""
+    half = (0.5, 0.25, 0.125)
+    for factor, expect_off in ((2.0, True), (1.0, False)):
+        clock = FakeClock(plain=0.05, factor=factor)
+        policy = GuardedPolicy(Policy(1), guard(prior=half, measure_every=8, longest=1), clock=clock)
+        budgets = run_timed(policy, clock, 60)  # every draft accepted: 2 tokens a pass
+        assert policy.stats.timing > 0
+        assert policy.stats.cost_factor == pytest.approx(factor, rel=1e-6)
+        assert (budgets[-20:].count(0) > 10) == expect_off
+
+
+def test_pass_times_leave_out_the_passes_that_read_the_prompt():
+    clock = FakeClock(plain=1.0, factor=1.0)
+    times = PassTimes(keep=0.9, clock=clock)
+    for seconds, steps, drafted in ((50.0, 1.0, False), (9.0, 1.5, True), (1.0, 1.0, False), (3.0, 1.5, True)):
+        times.start()
+        clock.pending = seconds
+        times.stop(steps, drafted)
+    assert times.factor == pytest.approx(2.0)  # (3 / 1.5) / 1: the 50 s and 9 s prompt reads left out
 
 
 def test_conditional_rates_from_cumulative_acceptance():
@@ -194,7 +240,7 @@ def test_metrics_count_the_guard_decisions(target, far_draft):
 
     stats = [speculative_generate(target, far_draft, prompt, drafting=4, max_new_tokens=30, guard=guard()).stats
              for prompt in random_prompts(3, seed=2)]
-    counted = speculative_counters([{"stats": s} for s in stats], ar_step_s=0.01)["guard"]
-    assert counted == decisions(stats).to_dict() and counted["off"] > 0
+    counted = speculative_counters([{"stats": s} for s in stats], ar_step_s=0.01)["guard_decisions"]
+    assert counted == decisions(stats).to_dict() | {"cost_factor": 1.0} and counted["off"] > 0
     assert "guard" not in speculative_counters([{"stats": DecodeStats(drafted=[1], accepted=[0], target_passes=1)}],
                                                ar_step_s=0.01)

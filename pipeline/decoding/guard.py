@@ -10,6 +10,11 @@ around the calibrated one. Before each pass it prices every draft length γ = 0 
 - its cost: γ draft steps and a verify of γ tokens (a token tree: its depth in draft steps and the verify of
   its nodes up to that depth), priced from the calibrated cost profile the plan carries.
 
+The calibrated prices are checked against the clock (PassTimes): the passes the guard runs are timed, one
+plain pass in `measure_every` times the plain step, and one factor κ (measured over calibrated cost of a
+speculative pass) scales every speculative price, so a profile measured under other load, in another dtype
+or for another shape (a tree verify priced as a chain's) cannot keep a losing setting on.
+
 γ = 0 is a plain decoding step (1 token for 1 target step). When it wins, the guard stays off for
 `probe_every` passes and then probes with one draft, so a recovered acceptance re-enables speculation.
 
@@ -19,6 +24,7 @@ accepted (every draft is verified by the same rule, and a pass of no drafts is t
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Mapping
 
@@ -35,6 +41,8 @@ class GuardSettings:
     probe_every: int = 8  # passes off before one probing pass of a single draft
     margin: float = 0.0  # speculate only when the best length is predicted ≥ (1 + margin) × plain decoding
     longest: int = 8  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
+    measure_every: int = 32  # one plain pass in this many times the plain step the passes' costs are checked
+                             #   against; 0 = the calibrated costs only
 
     def __post_init__(self):
         checks = (("window", self.window, _number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
@@ -43,7 +51,9 @@ class GuardSettings:
                   ("probe_every", self.probe_every, _integer(self.probe_every) and self.probe_every >= 1,
                    "an integer >= 1, e.g. 8"),
                   ("margin", self.margin, _number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
-                  ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"))
+                  ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
+                  ("measure_every", self.measure_every, _integer(self.measure_every) and self.measure_every >= 0,
+                   "an integer >= 0, e.g. 32 (0 = calibrated costs only)"))
         for key, value, ok, fix in checks:
             if not ok:
                 raise PipelineError(f"guard.{key}={value!r} is invalid: use {fix}")
@@ -102,9 +112,13 @@ class GuardStats:
     probes: int = 0  # single-draft passes after a stretch off
     shortened: int = 0  # passes it drafted fewer than the policy wanted
     lengthened: int = 0  # passes it drafted more than the policy wanted
+    timing: int = 0  # plain passes that timed the plain step (GuardSettings.measure_every)
+    cost_factor: float = 1.0  # the last measured/calibrated cost of a speculative pass (PassTimes.factor)
 
     def add(self, other: "GuardStats") -> "GuardStats":
-        return GuardStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        counts = [getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "cost_factor"]
+        return GuardStats(*counts, cost_factor=other.cost_factor)
+
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,13 +133,48 @@ def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:
     return rates + [rates[-1]] * (n - len(rates))
 
 
+class PassTimes:
+    """The calibrated prices checked against the clock: κ = (seconds per calibrated target step of the timed
+    speculative passes) / (seconds of the timed plain passes), decayed like the acceptance counts; 1 until both
+    kinds were timed. One factor for every draft length: the passes timed are those the guard runs, so κ is
+    right where the decisions are made. A pass is timed from `budget()` to `update()`, which follows the
+    pass's one host synchronisation, so the interval is the pass's on any device."""
+
+    def __init__(self, keep: float, clock=time.perf_counter):
+        self.keep, self.clock = keep, clock
+        self.plain, self.speculative = [0.0, 0.0], [0.0, 0.0]  # decayed (seconds per target step, weight)
+        self.started: float | None = None
+        self.timed = self.drafted = False  # whether a pass, and a pass with drafts, was seen
+
+    def start(self) -> None:
+        self.started = self.clock()
+
+    def stop(self, steps: float, drafted: bool) -> None:
+        """The pass since start() cost `steps` calibrated target steps (1 for a plain pass)."""
+        if self.started is None:
+            return
+        seconds, self.started = self.clock() - self.started, None
+        if not self.timed or (drafted and not self.drafted):  # the first pass, and the first with drafts, read
+            self.timed, self.drafted = True, self.drafted or drafted  # the prompt (target, draft): not a step
+            return
+        sums = self.speculative if drafted else self.plain
+        sums[0] = self.keep * sums[0] + seconds / steps
+        sums[1] = self.keep * sums[1] + 1.0
+
+    @property
+    def factor(self) -> float:
+        (plain, n_plain), (speculative, n_speculative) = self.plain, self.speculative
+        return (speculative / n_speculative) / (plain / n_plain) if n_plain and n_speculative and plain > 0 else 1.0
+
+
 class GuardedPolicy(Policy):
     """A draft-length policy under the guard: `budget()` may be 0 (a plain step), shorter or longer than the
     wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both. A policy that stops on the
     draft's confidence drafts fewer tokens than a chain of its budget, so the chain prices overstate its cost:
     the guard only switches it off (when no length pays) or leaves it alone."""
 
-    def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None):
+    def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None,
+                 clock=time.perf_counter):
         self.inner, self.settings = inner, guard.settings
         self.needs_confidence = inner.needs_confidence
         tree = tree_depths is not None
@@ -139,20 +188,24 @@ class GuardedPolicy(Policy):
         self.seen = [weight] * self.longest
         self.keep = 1.0 - 1.0 / guard.settings.window
         self.resting = -1  # passes still to spend off before the next probe; -1 = on
+        self.times = PassTimes(self.keep, clock) if guard.settings.measure_every else None
         self.stats = GuardStats()
 
     def best(self) -> int:
         """The draft length with the most expected tokens per target step (0 = plain decoding)."""
         tokens, reach, best, best_rate = 1.0, 1.0, 0, self.per_cost[0] * (1.0 + self.settings.margin)
+        measured = self.times.factor if self.times else 1.0
         for gamma in range(1, self.longest + 1):
             reach *= self.hits[gamma - 1] / self.seen[gamma - 1]
             tokens += reach
-            if tokens * self.per_cost[gamma] > best_rate:
-                best, best_rate = gamma, tokens * self.per_cost[gamma]
+            if tokens * self.per_cost[gamma] > best_rate * measured:
+                best, best_rate = gamma, tokens * self.per_cost[gamma] / measured
         return best
 
     def budget(self) -> int:
         self.stats.passes += 1
+        if self.times:
+            self.times.start()
         if self.resting > 0:
             self.resting -= 1
             self.stats.off += 1
@@ -161,6 +214,10 @@ class GuardedPolicy(Policy):
             self.resting = -1
             self.stats.probes += 1
             return 1
+        every = self.settings.measure_every
+        if every and self.stats.passes >= 3 and (self.stats.passes - 3) % every == 0:
+            self.stats.timing += 1  # a plain pass now and then: the clock's reference for the measured costs
+            return 0
         wanted, chosen = self.inner.budget(), self.best()
         if chosen == 0:
             self.resting = self.settings.probe_every - 1
@@ -178,6 +235,9 @@ class GuardedPolicy(Policy):
 
     def update(self, drafted: int, accepted: int) -> None:
         """Drafts 1 … accepted were accepted, draft accepted + 1 (if drafted) rejected; later ones never judged."""
+        if self.times:
+            self.times.stop(1.0 / self.per_cost[min(drafted, self.longest)], drafted > 0)
+            self.stats.cost_factor = self.times.factor
         for k in range(min(accepted + 1, drafted, self.longest)):
             self.hits[k] = self.keep * self.hits[k] + (k < accepted)
             self.seen[k] = self.keep * self.seen[k] + 1.0
