@@ -24,6 +24,7 @@ import torch
 
 from distill.batch import completion_hidden
 from distill.calibrate import OVERALL, HeldOut, domain_index
+from distill.policy import visit_weights
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes
 from pipeline.heads import column_map, head_logits, head_rows
@@ -130,22 +131,23 @@ def _race(p: torch.Tensor, q: torch.Tensor, samples: int, generator) -> torch.Te
 
 
 def simulate(hits: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, factors: tuple) -> float:
-    """A: expected accepted tokens per pass of the tree `factors`, averaged over block starts (module docstring);
-    positions past a completion's end count as misses."""
+    """A: expected accepted tokens per pass of the tree `factors` (module docstring), averaged over the block starts
+    the decoder visits (distill/policy.py `visit_weights`); positions past a completion's end count as misses."""
     rows = heldout.row_of[positions]
     chosen = hits[positions]
-    total, count = 0.0, 0
+    total, count = 0.0, 0.0
     for row in rows.unique():
-        h = chosen[rows == row]
-        alive = torch.ones(len(h))
-        accepted = torch.zeros(len(h))
+        h = chosen[rows == row].double()
+        alive, at_least = torch.ones(len(h), dtype=torch.float64), []
         for depth, width in enumerate(factors):
-            hit = torch.zeros(len(h))
+            hit = torch.zeros(len(h), dtype=torch.float64)
             hit[:len(h) - depth] = h[depth:, width - 1]
             alive = alive * hit
-            accepted += alive
-        total, count = total + float(accepted.sum()), count + len(h)
-    return total / max(count, 1)
+            at_least.append(alive.view(1, -1))  # P(the accepted path reaches depth + 1) from each start
+        weight = visit_weights(at_least)[0]
+        total += float((torch.cat(at_least).sum(0) * weight).sum())
+        count += float(weight.sum())
+    return total / max(count, 1e-12)
 
 
 def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tuple] = CANDIDATES) -> dict[str, dict]:
