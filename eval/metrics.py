@@ -6,8 +6,8 @@ A *record* is one timed request: one user turn of one prompt, decoded by one met
      "stats": DecodeStats of pipeline.decoding, or None for HF baselines}
 Definitions, pooled over a domain's requests (vLLM pools counters the same way):
 - acceptance_rate       = accepted draft tokens / proposed draft tokens
-- mean_accepted_length  = generated tokens / target passes, prefill excluded (bonus/correction token
-                          included; 1.0 for plain decoding; vLLM's 1 + accepted/drafts)
+- mean_accepted_length  = generated tokens / target passes (bonus/correction token included; 1.0 for plain
+                          decoding; the first pass is the plain prefill pass, 1 token and no drafts, as vLLM's)
 - per_position_acceptance[k] = P(draft token k+1 of a block is accepted | it was proposed)
 - c                     = mean draft forward / mean single-token target forward (Leviathan et al. 2023,
                           Thm 3.8: the cost of one draft run relative to one target run; the target step
@@ -18,6 +18,13 @@ Definitions, pooled over a domain's requests (vLLM pools counters the same way):
                           (Spec-Bench). With greedy decoding both produce the same tokens and this is exactly
                           AR time / method time; with sampling it does not penalise a method for the length
                           of the text it happened to sample.
+- ttft_p50_s / ttft_p95_s  = time to the first token per request (DecodeStats.chunk_times[0]: the first commit,
+                          a plain prefill pass for every own method); ttft_ratio = Σ TTFT of the method /
+                          Σ TTFT of autoregressive on the same requests, with its paired CI
+- itl_mean_s            = inter-token latency: Σ (last commit − first commit) / Σ (tokens − 1) over requests;
+                          itl_p50_s / itl_p95_s over every later token, a chunk of k tokens committed g seconds
+                          after the previous one counting as k tokens of g / k; itl_speedup = autoregressive
+                          itl_mean_s / the method's, with its paired CI (the end-to-end speedup without prefill)
 - speedup_ci95, acceptance_rate_ci95 = 95% bootstrap intervals of the same pooled statistics over requests
                           (null below 2 requests); comparisons[speculative_vs_<m>] = ratio of the two methods'
                           speedups with its interval, `within_noise` when that interval contains 1.
@@ -226,6 +233,54 @@ def compare(records: list[dict], other: list[dict]) -> dict:
     return {"ratio": float(_speedup_stat(*samples)), "ci95": ci, "n_requests": n, "within_noise": verdict}
 
 
+def _streamed(records: list[dict]) -> dict[tuple, tuple[float, float, int]]:
+    """(domain, prompt, turn) → (TTFT, last − first commit, tokens after the first) of the records whose stats
+    carry commit times (own methods; HF baselines report none)."""
+    out = {}
+    for r in records:
+        stats = r["stats"]
+        if getattr(stats, "chunk_times", None):
+            out[(r["domain"], r["prompt_id"], r["turn"])] = (stats.chunk_times[0],
+                                                             stats.chunk_times[-1] - stats.chunk_times[0],
+                                                             sum(stats.chunk_tokens) - 1)
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def streaming_latency(records: list[dict]) -> dict:
+    """TTFT and inter-token latency of one method's records; {} when none carries commit times."""
+    rows = _streamed(records)
+    if not rows:
+        return {}
+    ttft = [row[0] for row in rows.values()]
+    gaps = [g for r in records if getattr(r["stats"], "chunk_times", None) for g in r["stats"].token_gaps()]
+    later = sum(row[2] for row in rows.values())
+    return {"ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": _percentile(ttft, 50),
+            "ttft_p95_s": _percentile(ttft, 95),
+            "itl_mean_s": sum(row[1] for row in rows.values()) / later if later else None,
+            "itl_p50_s": _percentile(gaps, 50), "itl_p95_s": _percentile(gaps, 95)}
+
+
+def latency_ratios(records: list[dict], ar: list[dict]) -> dict:
+    """The method's TTFT over autoregressive's (1 = the same prefill) and autoregressive's mean inter-token
+    latency over the method's (the speedup of the stream after its first token), on the requests both ran,
+    with paired CIs; {} without commit times."""
+    mine, theirs = _streamed(records), _streamed(ar)
+    keys = [k for k in mine if k in theirs]
+    if not keys:
+        return {}
+    ttft_m, span_m, later_m, ttft_a, span_a, later_a = (np.array([rows[k][i] for k in keys], dtype=float)
+                                                        for rows in (mine, theirs) for i in range(3))
+    ones = np.ones(len(keys))
+    ttft = (ttft_m, ones, ttft_a, ones)  # (Σ ttft_m / n) / (Σ ttft_a / n) through the speedup statistic's form
+    itl = (later_m, span_m, later_a, span_a)  # tokens per second after the first token, method over AR
+    return {"ttft_ratio": float(_speedup_stat(*ttft)), "ttft_ratio_ci95": bootstrap_ci(ttft, _speedup_stat),
+            "itl_speedup": float(_speedup_stat(*itl)), "itl_speedup_ci95": bootstrap_ci(itl, _speedup_stat)}
+
+
 def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: float, greedy: bool) -> dict:
     """One non-AR method's entry: throughput, decode counters when it has them, speedup and their CIs."""
     m = throughput(recs)
@@ -234,6 +289,7 @@ def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: 
         m["acceptance_rate_ci95"] = acceptance_ci(recs)
     m["speedup"] = m["tokens_per_s"] / ar_tps if ar_tps else 0.0
     m["speedup_ci95"] = speedup_ci(recs, ar)
+    m.update(streaming_latency(recs) | latency_ratios(recs, ar))
     if greedy:
         m["greedy_match"] = greedy_match(recs, ar)
     return m
@@ -251,7 +307,7 @@ def summarize(records: list[dict], greedy: bool) -> dict:
     out: dict = {"n_prompts": len({r["prompt_id"] for r in ar}), "n_requests": len(ar)}
     ar_tps = throughput(ar)["tokens_per_s"]
     for method, recs in by_method.items():
-        out[method] = (throughput(recs) if method == AUTOREGRESSIVE
+        out[method] = (throughput(recs) | streaming_latency(recs) if method == AUTOREGRESSIVE
                        else _method_metrics(recs, ar, ar_tps, ar_step_s, greedy))
     spec = out.get(SPECULATIVE, {})
     out["speedup"] = spec.get("speedup", 0.0)

@@ -108,6 +108,26 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def latency_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """Streaming latency per domain and own method: TTFT and inter-token latency percentiles, TTFT over plain
+    decoding's, and the inter-token-latency speedup beside the end-to-end one (both with their intervals)."""
+    header = ["domain", "method", "TTFT p50 (ms)", "TTFT p95 (ms)", "ITL mean (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
+              "TTFT / AR", "ITL speedup", "speedup"]
+    rows = []
+    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
+        for method in sorted(metrics["methods"], key=_method_order):
+            m = d.get(method)
+            if not isinstance(m, dict) or m.get("ttft_p50_s") is None:
+                continue
+            ms = [_f(None if m.get(k) is None else 1000 * m[k], ".1f")
+                  for k in ("ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p50_s", "itl_p95_s")]
+            plain = method == "autoregressive"
+            rows.append([name, method, *ms, "1.00" if plain else _ci(m.get("ttft_ratio"), m.get("ttft_ratio_ci95")),
+                         "1.00×" if plain else _ci(m.get("itl_speedup"), m.get("itl_speedup_ci95"), unit="×"),
+                         "1.00×" if plain else _speedup(m)])
+    return header, rows
+
+
 def method_label(method: str) -> str:
     if method in METHOD_LABELS:
         return METHOD_LABELS[method]
@@ -368,8 +388,8 @@ def _result_lines(metrics: dict) -> list[str]:
         "## Results per domain", "",
         markdown_table(*domain_rows(metrics)), "",
         "acceptance = accepted / proposed draft tokens; mean acc. len = generated tokens per target pass "
-        "(prefill excluded, bonus token included); speedup = tokens/s of speculative over autoregressive "
-        "decoding on the same requests (equal to the time ratio when both emit the same tokens); "
+        "(bonus token included; the first pass is the plain prefill, 1 token); speedup = tokens/s of "
+        "speculative over autoregressive decoding on the same requests (equal to the time ratio when both emit the same tokens); "
         "draft τ `=T`: the draft samples at the target's temperature.", "",
         CI_NOTE, "",
         "## Methods (all domains)", "",
@@ -378,6 +398,13 @@ def _result_lines(metrics: dict) -> list[str]:
     ]
     if slowdown_advice(metrics):
         lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
+    header, rows = latency_rows(metrics)
+    if rows:
+        lines += ["## Streaming latency", "", markdown_table(header, rows), "",
+                  "TTFT = time to the first token (every own method's first pass is the same plain prefill); ITL = "
+                  "inter-token latency after it, a chunk of k tokens committed g after the previous one counting as "
+                  "k tokens of g/k (mean = Σ(last − first commit) / Σ(tokens − 1)); TTFT / AR and ITL speedup are "
+                  "paired over the same requests with 95% bootstrap CIs.", ""]
     if any(m.startswith("speculative_") and m != "speculative_init" and m.removeprefix("speculative_") not in
            ("fixed", "confidence", "heuristic") for m in metrics["methods"]):
         lines += ["## Drafts side by side (eval.extra_drafts)", "", markdown_table(*draft_rows(metrics)), ""]
@@ -424,6 +451,8 @@ def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str
                 row["n_tokens"] = len(r["tokens"])
                 if r["stats"] is not None and r["method"] != "autoregressive":
                     row["accepted"] = r["stats"].accepted  # accepted drafts per verify pass
+                if getattr(r["stats"], "chunk_times", None):  # own methods: when each pass's tokens were committed
+                    row["ttft_s"], row["itl_mean_s"] = r["stats"].ttft, r["stats"].mean_itl
                 f.write(json.dumps(row) + "\n")
         plots = write_plots(metrics, records, tmp)
         write_report(tmp / "report.md", metrics, plots)

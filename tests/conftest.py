@@ -108,19 +108,24 @@ def small_config(config_class, **kwargs):
 
 
 # distribution: chi-square of speculative samples against the target's exact joint of 2 tokens
-JOINT_PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~4 forwards of the tiny models
+JOINT_PROMPT = torch.tensor([3])  # short on purpose: each sample costs ~5 forwards of the tiny models
 N_SAMPLES = 1200  # ~4 s per case on one core; the wrong sampler below is rejected with p < 1e-10 at this size
 
 
-def exact_joint(target, temperature, top_k=0, top_p=1.0) -> np.ndarray:
-    """P(x1, x2 | JOINT_PROMPT) under the target with the same filtering, by enumerating x1 in one batch."""
+def exact_joint(target, temperature, top_k=0, top_p=1.0, prompt: torch.Tensor = JOINT_PROMPT) -> np.ndarray:
+    """P(x2, x3 | prompt) under the target with the same filtering, x1 summed out, by enumerating x1, x2
+    in one batch. x2, x3 are the speculative decoder's first drafted block: x1 comes from its plain prefill pass."""
     from pipeline.sampling import logits_to_probs
 
+    v = DECODER_VOCAB
     with torch.inference_mode():
-        p1 = logits_to_probs(target(JOINT_PROMPT.view(1, -1)).logits[0, -1], temperature, top_k, top_p)
-        both = torch.cat([JOINT_PROMPT.expand(DECODER_VOCAB, -1), torch.arange(DECODER_VOCAB).view(-1, 1)], 1)
-        p2 = logits_to_probs(target(both).logits[:, -1], temperature, top_k, top_p)
-    return (p1.view(-1, 1) * p2).double().numpy()
+        p1 = logits_to_probs(target(prompt.view(1, -1)).logits[0, -1], temperature, top_k, top_p)
+        firsts = torch.cat([prompt.expand(v, -1), torch.arange(v).view(-1, 1)], 1)
+        p2 = logits_to_probs(target(firsts).logits[:, -1], temperature, top_k, top_p)  # [x1, x2]
+        pairs = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(torch.arange(v), torch.arange(v))], 1)
+        p3 = logits_to_probs(target(pairs).logits[:, -1], temperature, top_k, top_p).view(v, v, v)  # [x1, x2, x3]
+    joint = (p1.view(-1, 1, 1) * p2.view(v, v, 1) * p3).sum(0)
+    return joint.double().numpy()
 
 
 def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -138,8 +143,8 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, top_k=0, top_p=1.0, drafting=2,
                              **kwargs) -> np.ndarray:
-    # max_new_tokens 3 with gamma 2: the first step drafts 2 tokens, so both draft positions, the
-    # residual at each and the rejection-then-next-step path all produce the first 2 tokens.
+    # max_new_tokens 4 with gamma 2: the first pass is a plain prefill (x1), the second drafts 2 tokens, so both
+    # draft positions, the residual at each and the rejection-then-next-step path all produce x2, x3.
     from pipeline.decoding import speculative_generate
     from pipeline.sampling import Sampling
 
@@ -147,9 +152,9 @@ def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, 
     counts = np.zeros((DECODER_VOCAB, DECODER_VOCAB))
     sampling = Sampling(temperature, top_k, top_p)
     for _ in range(n_samples):
-        x = speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=3,
+        x = speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=4,
                                  generator=generator, **kwargs).tokens
-        counts[x[0], x[1]] += 1
+        counts[x[1], x[2]] += 1
     return counts
 
 

@@ -1,16 +1,17 @@
-"""Deep exactness: the joint law of the 4th and 5th generated tokens against the target's exact one.
+"""Deep exactness: the joint law of the 5th and 6th generated tokens against the target's exact one.
 
 The distribution tests of test_speculative.py and test_tree.py look at the first two tokens of a 3-token
 generate, so a draft block there never holds more than 2 tokens. Here every case drafts long blocks (γ = 6, the
 draft-length policies at their real max, trees of depth 3 whose second pass is not truncated) with a draft
-that accepts most of them whole, and compares out.tokens[3], out.tokens[4] with the exact law
-P(x4, x5 | prompt), got by enumerating every x1..x4 (VOCAB^4 prefixes, one batched target forward) under the
-same per-step filtering (temperature, top-k, top-p) as the decoder's p.
+that accepts most of them whole, and compares out.tokens[4], out.tokens[5] with the exact law
+P(x5, x6 | prompt), got by enumerating every x1..x5 (VOCAB^5 prefixes, one batched target forward) under the
+same per-step filtering (temperature, top-k, top-p) as the decoder's p. x1 comes from the decoder's plain
+prefill pass, so x5, x6 sit in the drafting passes where the 4th and 5th tokens would sit without it.
 
 The draft: the target's weights plus small noise, and a head bias that nearly hides one token (BLIND) from it.
 It agrees with the target almost everywhere (long blocks accepted whole), and where it does not, the residual
 is concentrated on the hidden token, so a wrong residual, sibling update, column mapping or cache shows in the
-(x4, x5) law at a sample size the suite can afford. Each wrong variant below is rejected by the same test.
+(x5, x6) law at a sample size the suite can afford. Each wrong variant below is rejected by the same test.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from tests.conftest import chi_square_pvalue, decoder_llama, noisy_copy
 
 torch.set_num_threads(1)
 
-VOCAB = 8  # 64 cells of (x4, x5); VOCAB^4 = 4096 prefixes for the exact law
+VOCAB = 8  # 64 cells of (x5, x6); VOCAB^5 = 32768 prefixes for the exact law
+PAIR = 4  # out.tokens[PAIR], out.tokens[PAIR + 1] are compared (x5, x6)
 PROMPT = torch.tensor([3, 1])
 N = 1200  # samples per case (fixed seed); about 2.5 minutes for the file on one core; every wrong
 # variant below is rejected with p < 1e-12 at this size (1e-6 asserted)
@@ -67,56 +69,56 @@ def draft(target):
 
 @pytest.fixture(scope="module")
 def prefix_logits(target):
-    """Target logits [VOCAB^4, 5, V] predicting x1..x5 after PROMPT + each prefix x1..x4, and the prefixes."""
-    prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * 4)
+    """Target logits [VOCAB^5, 6, V] predicting x1..x6 after PROMPT + each prefix x1..x5, and the prefixes."""
+    prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * (PAIR + 1))
     ids = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes], 1)
     with torch.inference_mode():
         logits = target(ids).logits[:, len(PROMPT) - 1:]
     return logits, prefixes
 
 
-def exact_x4_x5(prefix_logits, sampling: Sampling) -> np.ndarray:
-    """P(x4, x5 | PROMPT) [V, V] with the filters applied at each step, marginalised over x1..x3."""
+def exact_pair(prefix_logits, sampling: Sampling) -> np.ndarray:
+    """P(x5, x6 | PROMPT) [V, V] with the filters applied at each step, marginalised over x1..x4."""
     logits, prefixes = prefix_logits
-    probs = sampling.probs(logits).double()  # [V^4, 5, V]: step s's distribution after prefix[:s]
+    probs = sampling.probs(logits).double()  # [V^5, 6, V]: step s's distribution after prefix[:s]
     path = torch.ones(len(prefixes), dtype=torch.float64)
-    for step in range(4):  # P(x1..x4) of each prefix
+    for step in range(PAIR + 1):  # P(x1..x5) of each prefix
         path = path * probs[:, step].gather(1, prefixes[:, step:step + 1]).squeeze(1)
-    joint = (path.view(-1, 1) * probs[:, 4]).view(*[VOCAB] * 5)
-    return joint.sum((0, 1, 2)).numpy()
+    joint = (path.view(-1, 1) * probs[:, PAIR + 1]).view(*[VOCAB] * (PAIR + 2))
+    return joint.sum(tuple(range(PAIR))).numpy()
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     drafting: object
-    max_new_tokens: int  # past the first block's budget, so no policy is clamped at the first pass
+    max_new_tokens: int  # past the first block's budget, so no policy is clamped at the first drafting pass
     sampling: Sampling = Sampling(1.0)
     kwargs: dict = dataclasses.field(default_factory=dict)
     min_tokens_per_pass: float = 2.0  # asserted: the draft's blocks are long and mostly accepted
-    min_whole_first_blocks: float = 0.0  # asserted: share of first blocks accepted whole
+    min_whole_first_blocks: float = 0.0  # asserted: share of first drafted blocks accepted whole
 
 
 CASES = {
-    "fixed_6": Case(6, 7, min_tokens_per_pass=3.0, min_whole_first_blocks=0.2),
-    "confidence_8": Case(DraftLength("confidence", 8, 0.3), 9, min_tokens_per_pass=1.7),
-    "heuristic_4": Case(DraftLength("heuristic", 4), 9, min_tokens_per_pass=2.5, min_whole_first_blocks=0.3),
-    "tree_3_2_1": Case((3, 2, 1), 8, min_tokens_per_pass=2.5, min_whole_first_blocks=0.4),
-    "tree_parents": Case(PARENTS, 8, Sampling(0.8), min_tokens_per_pass=2.4, min_whole_first_blocks=0.3),
-    "greedy_draft": Case(6, 7, kwargs=dict(draft_temperature=0.0), min_tokens_per_pass=1.2),
-    "tree_greedy_draft": Case((3, 2, 1), 8, kwargs=dict(draft_temperature=0.0), min_tokens_per_pass=1.6),
-    "top_k_top_p": Case(6, 7, Sampling(1.0, top_k=5, top_p=0.8), min_tokens_per_pass=2.5),
-    "tree_top_k_top_p": Case((3, 2, 1), 8, Sampling(0.9, top_k=4, top_p=0.9), min_tokens_per_pass=2.3),
-    "tau_below_T": Case(6, 7, Sampling(0.8), dict(draft_temperature=0.4), min_tokens_per_pass=2.0),
-    "tau_above_T": Case(6, 7, Sampling(0.8), dict(draft_temperature=1.2), min_tokens_per_pass=2.6),
-    "draft_vocab_tau": Case(6, 7, Sampling(1.0), dict(draft_vocab=SUBSET, draft_temperature=0.7),
+    "fixed_6": Case(6, 8, min_tokens_per_pass=3.0, min_whole_first_blocks=0.2),
+    "confidence_8": Case(DraftLength("confidence", 8, 0.3), 10, min_tokens_per_pass=1.7),
+    "heuristic_4": Case(DraftLength("heuristic", 4), 10, min_tokens_per_pass=2.5, min_whole_first_blocks=0.3),
+    "tree_3_2_1": Case((3, 2, 1), 9, min_tokens_per_pass=2.5, min_whole_first_blocks=0.4),
+    "tree_parents": Case(PARENTS, 9, Sampling(0.8), min_tokens_per_pass=2.4, min_whole_first_blocks=0.3),
+    "greedy_draft": Case(6, 8, kwargs=dict(draft_temperature=0.0), min_tokens_per_pass=1.2),
+    "tree_greedy_draft": Case((3, 2, 1), 9, kwargs=dict(draft_temperature=0.0), min_tokens_per_pass=1.6),
+    "top_k_top_p": Case(6, 8, Sampling(1.0, top_k=5, top_p=0.8), min_tokens_per_pass=2.5),
+    "tree_top_k_top_p": Case((3, 2, 1), 9, Sampling(0.9, top_k=4, top_p=0.9), min_tokens_per_pass=2.3),
+    "tau_below_T": Case(6, 8, Sampling(0.8), dict(draft_temperature=0.4), min_tokens_per_pass=2.0),
+    "tau_above_T": Case(6, 8, Sampling(0.8), dict(draft_temperature=1.2), min_tokens_per_pass=2.6),
+    "draft_vocab_tau": Case(6, 8, Sampling(1.0), dict(draft_vocab=SUBSET, draft_temperature=0.7),
                             min_tokens_per_pass=1.8),
-    "tree_draft_vocab_tau": Case(PARENTS, 8, Sampling(1.0), dict(draft_vocab=SUBSET, draft_temperature=1.3),
+    "tree_draft_vocab_tau": Case(PARENTS, 9, Sampling(1.0), dict(draft_vocab=SUBSET, draft_temperature=1.3),
                                  min_tokens_per_pass=1.9),
 }
 
 
 def deep_sample(target, draft, case: Case, n: int = N, seed: int = 0):
-    """Counts [V, V] of (out.tokens[3], out.tokens[4]) over n generates, and the acceptance they saw."""
+    """Counts [V, V] of (out.tokens[4], out.tokens[5]) over n generates, and the acceptance they saw."""
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
     tokens = passes = whole = first = 0
@@ -124,10 +126,12 @@ def deep_sample(target, draft, case: Case, n: int = N, seed: int = 0):
         out = speculative_generate(target, draft, PROMPT, sampling=case.sampling, drafting=case.drafting,
                                    max_new_tokens=case.max_new_tokens, generator=generator, **case.kwargs)
         assert len(out.tokens) == case.max_new_tokens
-        counts[out.tokens[3], out.tokens[4]] += 1
-        tokens, passes = tokens + out.stats.n_generated, passes + out.stats.target_passes
-        first += out.stats.accepted[0]
-        whole += out.stats.accepted[0] == (getattr(out.stats, "depths", None) or out.stats.drafted)[0]
+        counts[out.tokens[PAIR], out.tokens[PAIR + 1]] += 1
+        # Pass 0 is the plain prefill (x1, no drafts): the drafting passes are the rest.
+        assert out.stats.drafted[0] == 0 and out.stats.accepted[0] == 0
+        tokens, passes = tokens + out.stats.n_generated - 1, passes + out.stats.target_passes - 1
+        first += out.stats.accepted[1]
+        whole += out.stats.accepted[1] == (getattr(out.stats, "depths", None) or out.stats.drafted)[1]
     return counts, {"tokens_per_pass": tokens / passes, "whole_first_blocks": whole / n,
                     "first_pass_accepted": first / n}
 
@@ -135,7 +139,7 @@ def deep_sample(target, draft, case: Case, n: int = N, seed: int = 0):
 def deep_pvalue(target, draft, prefix_logits, name: str, case: Case, label: str | None = None):
     started = time.perf_counter()
     counts, acceptance = deep_sample(target, draft, case)
-    pvalue = chi_square_pvalue(counts, exact_x4_x5(prefix_logits, case.sampling))
+    pvalue = chi_square_pvalue(counts, exact_pair(prefix_logits, case.sampling))
     RESULTS[label or name] = dict(pvalue=pvalue, seconds=time.perf_counter() - started, **acceptance)
     print(f"\n[deep] {label or name}: N={N} p={pvalue:.3g} tokens/pass={acceptance['tokens_per_pass']:.2f} "
           f"whole first blocks={acceptance['whole_first_blocks']:.2f} "
@@ -147,12 +151,13 @@ def test_exact_law_is_a_distribution_and_matches_sampling_the_target(target, pre
     """Guards the enumeration: a proper law, and plain sampling from the target follows it."""
     from pipeline.decoding import autoregressive_generate
 
-    probs = exact_x4_x5(prefix_logits, Sampling(1.0))
+    probs = exact_pair(prefix_logits, Sampling(1.0))
     assert abs(probs.sum() - 1) < 1e-6 and (probs > 0).all()
     generator, counts = torch.Generator().manual_seed(1), np.zeros((VOCAB, VOCAB))
     for _ in range(600):
-        out = autoregressive_generate(target, PROMPT, sampling=Sampling(1.0), max_new_tokens=5, generator=generator)
-        counts[out.tokens[3], out.tokens[4]] += 1
+        out = autoregressive_generate(target, PROMPT, sampling=Sampling(1.0), max_new_tokens=PAIR + 2,
+                                      generator=generator)
+        counts[out.tokens[PAIR], out.tokens[PAIR + 1]] += 1
     assert chi_square_pvalue(counts, probs) > 1e-3
 
 

@@ -71,7 +71,7 @@ def test_greedy_speculative_equals_autoregressive_with_every_policy(target, draf
         expected = autoregressive_generate(target, prompt, max_new_tokens=24).tokens
         out = speculative_generate(target, drafts[draft_name], prompt, drafting=POLICIES[policy], max_new_tokens=24)
         assert out.tokens.tolist() == expected.tolist()
-        lengths.update(out.stats.drafted[:-1])  # the last pass is clamped by max_new_tokens
+        lengths.update(out.stats.drafted[1:-1])  # the first pass is the plain prefill, the last is clamped
     assert len(lengths) > 1, f"{policy} drafted a constant length {lengths}: the policy never acted"
 
 
@@ -81,9 +81,10 @@ def test_confidence_policy_stops_at_the_first_unsure_token(target, close_draft):
     prompt = random_prompts(1, seed=3)[0]
     out = speculative_generate(target, close_draft, prompt, drafting=DraftLength("confidence", 16, 0.6), max_new_tokens=30)
     seq = torch.cat([prompt, out.tokens])
-    position = len(prompt)
+    assert out.stats.drafted[0] == 0  # the plain prefill pass: its one token precedes the first block
+    position = len(prompt) + 1
     with torch.inference_mode():
-        for drafted, accepted in zip(out.stats.drafted[:-1], out.stats.accepted[:-1]):
+        for drafted, accepted in zip(out.stats.drafted[1:-1], out.stats.accepted[1:-1]):
             confidences = []
             context = seq[:position]
             for _ in range(drafted):
@@ -200,10 +201,11 @@ def test_eos_inside_an_accepted_block_ends_generation_there(target):
     prompt = torch.tensor([4, 1, 7])
     reference = greedy_reference(target, prompt, 30)
     eos = reference[2]
-    stop = reference.index(eos)  # first occurrence, inside the first block of γ+1 = 6 tokens
+    stop = reference.index(eos)  # first occurrence, inside the first block (tokens 1..6, after the prefill's)
+    assert stop >= 1
     out = speculative_generate(target, target, prompt, drafting=5, eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
-    assert out.stats.accepted[0] > stop  # the EOS was an accepted draft token, not the bonus token
+    assert out.stats.accepted[1] >= stop  # the EOS was an accepted draft token, not the bonus token
     ar = autoregressive_generate(target, prompt, eos_token_id=eos, max_new_tokens=30)
     assert ar.tokens.tolist() == reference[:stop + 1]
 
@@ -225,8 +227,9 @@ def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, ga
     out = speculative_generate(target, target, prompt, drafting=gamma, max_new_tokens=max_new_tokens)
     assert out.tokens.tolist() == greedy_reference(target, prompt, max_new_tokens)
     assert len(out.tokens) == max_new_tokens
-    # The identical draft accepts everything, so each step drafts exactly what still fits before the bonus.
-    remaining, expected_drafted = max_new_tokens, []
+    # The first pass is the plain prefill (no drafts, one token); then the identical draft accepts everything,
+    # so each step drafts exactly what still fits before the bonus.
+    remaining, expected_drafted = max_new_tokens - 1, [0]
     while remaining > 0:
         expected_drafted.append(min(gamma, remaining - 1))
         remaining -= expected_drafted[-1] + 1

@@ -217,7 +217,7 @@ def test_max_new_tokens_is_exact_and_the_tree_is_truncated(target, max_new_token
     prompt = torch.tensor([5, 6, 7])
     out = speculative_generate(target, target, prompt, drafting=(2, 2, 1), max_new_tokens=max_new_tokens)
     assert out.tokens.tolist() == autoregressive_generate(target, prompt, max_new_tokens=max_new_tokens).tokens.tolist()
-    remaining, depths = max_new_tokens, []
+    remaining, depths = max_new_tokens - 1, [0]  # the first pass is the plain prefill: depth 0, one token
     while remaining > 0:  # the identical draft accepts a full path every pass
         depths.append(min(3, remaining - 1))
         remaining -= depths[-1] + 1
@@ -242,7 +242,7 @@ def test_stats_are_consistent(target, close_draft):
         out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=(3, 2, 1), generator=generator, max_new_tokens=40)
         s = out.stats
         assert isinstance(s, TreeStats) and s.n_generated == len(out.tokens) == sum(a + 1 for a in s.accepted)
-        assert all(0 <= a <= d for a, d in zip(s.accepted, s.depths)) and s.drafted[0] == 3 + 6 + 6
+        assert all(0 <= a <= d for a, d in zip(s.accepted, s.depths)) and s.drafted[:2] == [0, 3 + 6 + 6]
         # One draft forward per depth of a non-empty tree, one target forward per pass; the first of each is prefill.
         assert s.target_passes == len(s.accepted) == len(s.target_times) + 1
         assert len(s.draft_times) == sum(d for d in s.depths) - 1

@@ -1,4 +1,4 @@
-"""The decoder: lossless speculative decoding (chains and token trees) and plain decoding, batch size 1.
+"""The decoder: lossless speculative decoding (chains and token trees) and plain decoding, as streams or outputs.
 
 The public API, imported by the eval and distill stages and by users:
 
@@ -6,22 +6,29 @@ The public API, imported by the eval and distill stages and by users:
     out = speculative_generate(target, draft, input_ids, sampling=Sampling(0.7), drafting=DraftLength("fixed", 4),
                                max_new_tokens=128)
     out.tokens, out.stats.acceptance_rate, out.stats.mean_accepted_length
+    for chunk in speculative_stream(target, draft, input_ids, ...):  # the same tokens, as each pass commits them
+        ...
+
+The first target pass is a plain prefill (time to first token = plain decoding's).
 
 Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
 `tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
 `draft_length` (draft-length policies),
 `guard` (the online guard: fewer drafts, or none, while they do not pay), `cost` (the one speedup model),
-`generate` (the entry points).
+`stream` (TokenStream), `generate` (the entry points).
 """
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost
 from pipeline.decoding.draft_length import POLICIES, DraftLength
-from pipeline.decoding.generate import GREEDY, as_drafting, autoregressive_generate, speculative_generate
+from pipeline.decoding.generate import (GREEDY, as_drafting, autoregressive_generate, autoregressive_stream,
+                                        speculative_generate, speculative_stream)
 from pipeline.decoding.guard import Guard, GuardSettings, GuardStats
 from pipeline.decoding.loop import DecodeStats, GenerationOutput, uses_sliding_window
+from pipeline.decoding.stream import TokenStream
 from pipeline.decoding.tree import MAX_TREE_NODES, Tree, TreeStats, nodes, parse_tree, tree_key
 from pipeline.sampling import Sampling
 
-__all__ = ["DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings", "GuardStats",
-           "MAX_TREE_NODES", "POLICIES", "Sampling", "Tree", "TreeStats", "as_drafting", "autoregressive_generate",
-           "nodes", "parse_tree", "pass_speedup", "predicted_speedup", "speculative_generate", "tree_key",
-           "uses_sliding_window", "verify_cost"]
+__all__ = ["DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings",
+           "GuardStats", "MAX_TREE_NODES", "POLICIES", "Sampling", "TokenStream", "Tree", "TreeStats", "as_drafting",
+           "autoregressive_generate", "autoregressive_stream", "nodes", "parse_tree",
+           "pass_speedup", "predicted_speedup", "speculative_generate",
+           "speculative_stream", "tree_key", "uses_sliding_window", "verify_cost"]

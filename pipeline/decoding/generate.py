@@ -1,20 +1,18 @@
 """The decoder's public entry points: speculative decoding with a chain or a token tree, and plain decoding
-through the same forward helper and cache type (the baseline every speedup is measured against)."""
+through the same loop, forward helper and cache type (the baseline every speedup is measured against); each
+as a stream of committed chunks (`*_stream`) and as one output (`*_generate`, the stream collected)."""
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import DraftLength, Policy
 from pipeline.decoding.guard import Guard, guarded
-from pipeline.decoding.loop import (DecodeStats, GenerationOutput, Profile, Run, check_request, eos_set, forward,
-                                    model_device, prompt_tensor)
+from pipeline.decoding.loop import DecodeStats, GenerationOutput, Run, check_request, plain_step
+from pipeline.decoding.stream import TokenStream
 from pipeline.decoding.tree import Tree, TreePlan, TreeStats, check_tree, parse_tree, tree_step
 from pipeline.errors import PipelineError
-from pipeline.heads import head_rows
-from pipeline.sampling import Sampling, sample
-from pipeline.timing import synced_clock
+from pipeline.sampling import Sampling
 
 GREEDY = Sampling(0.0)
 
@@ -34,27 +32,18 @@ def as_drafting(drafting) -> DraftLength | Tree:
                         f"list, got {type(drafting).__name__}: use e.g. drafting=4 or drafting=(3, 2, 1)")
 
 
-@torch.inference_mode()
-def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREEDY,
-                         drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
-                         max_new_tokens: int = 128, draft_temperature: float | None = None,
-                         draft_vocab: torch.Tensor | None = None, eos_token_id=None,
-                         generator: torch.Generator | None = None, guard: Guard | None = None) -> GenerationOutput:
-    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `drafting` says:
-    a chain whose length a DraftLength policy decides, or a static token tree.
-
-    Keyword-only past the models and the prompt; each keyword is one independent serving knob.
-    draft_temperature (None = sampling's) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a 1-D
-    LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
-    must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
-    (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
-    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay; its
-    decisions land in `stats.guard`.
-    """
+def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
+                       drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
+                       max_new_tokens: int = 128, draft_temperature: float | None = None,
+                       draft_vocab: torch.Tensor | None = None, eos_token_id=None,
+                       generator: torch.Generator | None = None, guard: Guard | None = None) -> TokenStream:
+    """speculative_generate as a stream (pipeline/decoding/stream.py): the token ids each target pass commits,
+    the first one from a plain prefill pass. Same keywords, same tokens for the same seed; bad input raises
+    here, before any decoding."""
     check_request(sampling, max_new_tokens)
     if drafting is None:
-        return autoregressive_generate(target, input_ids, sampling=sampling, max_new_tokens=max_new_tokens,
-                                       eos_token_id=eos_token_id, generator=generator)
+        return autoregressive_stream(target, input_ids, sampling=sampling, max_new_tokens=max_new_tokens,
+                                     eos_token_id=eos_token_id, generator=generator)
     drafting = as_drafting(drafting)
     stats = TreeStats() if isinstance(drafting, Tree) else DecodeStats()
     run = Run.start(target, draft, input_ids, sampling, draft_temperature, draft_vocab, generator, stats)
@@ -66,9 +55,13 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
 
         def step(seq, room):
             depth = min(policy.budget(), room) if room else 0
-            if depth not in plans:
-                plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
-            seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
+            if depth == 0:  # the prefill pass, no room left, or the guard's plain pass: exactly a plain pass
+                run.stats.depths.append(0)
+                seq, new_tokens = chain_step(run.pair, seq, run.caches, 0, Policy(0), run.stats, run.profile)
+            else:
+                if depth not in plans:
+                    plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
+                seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
             policy.update(depth, run.stats.accepted[-1])
             return seq, new_tokens
     else:
@@ -78,35 +71,42 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
             budget = min(policy.budget(), room) if room else 0
             return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile)
 
-    return run.decode(step, max_new_tokens, eos_token_id)
+    return TokenStream(run.chunks(step, max_new_tokens, eos_token_id), stats)
 
 
-@torch.inference_mode()
+def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREEDY,
+                         drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
+                         max_new_tokens: int = 128, draft_temperature: float | None = None,
+                         draft_vocab: torch.Tensor | None = None, eos_token_id=None,
+                         generator: torch.Generator | None = None, guard: Guard | None = None) -> GenerationOutput:
+    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `drafting` says:
+    a chain whose length a DraftLength policy decides, or a static token tree. The first target pass is a plain
+    prefill (one token, no drafts: the time to first token of plain decoding); speculation starts at the second.
+
+    Keyword-only past the models and the prompt; each keyword is one independent serving knob.
+    draft_temperature (None = sampling's) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a 1-D
+    LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
+    must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
+    (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
+    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay; its
+    decisions land in `stats.guard`. The decode is speculative_stream's, collected.
+    """
+    return speculative_stream(target, draft, input_ids, sampling=sampling, drafting=drafting,
+                              max_new_tokens=max_new_tokens, draft_temperature=draft_temperature,
+                              draft_vocab=draft_vocab, eos_token_id=eos_token_id, generator=generator,
+                              guard=guard).collect()
+
+
+def autoregressive_stream(target, input_ids, *, sampling: Sampling = GREEDY, max_new_tokens: int = 128,
+                          eos_token_id=None, generator: torch.Generator | None = None) -> TokenStream:
+    """Plain decoding as a stream: one token per target pass."""
+    check_request(sampling, max_new_tokens)
+    run = Run.start(target, None, input_ids, sampling, None, None, generator, DecodeStats())
+    return TokenStream(run.chunks(plain_step(run), max_new_tokens, eos_token_id), run.stats)
+
+
 def autoregressive_generate(target, input_ids, *, sampling: Sampling = GREEDY, max_new_tokens: int = 128,
                             eos_token_id=None, generator: torch.Generator | None = None) -> GenerationOutput:
-    """Plain decoding through the same forward helper and cache type as speculative_generate."""
-    check_request(sampling, max_new_tokens)
-    device = model_device(target)
-    clock, profile, stats = synced_clock(device), Profile(device), DecodeStats()
-    start = clock()
-    eos = eos_set(eos_token_id)
-    head = head_rows(target)
-    token = prompt_tensor(input_ids, device)  # the first forward feeds the whole prompt
-    cache = DynamicCache(config=target.config)
-    out = []
-    for _ in range(max_new_tokens):
-        with profile.part("target"):
-            logits = forward(target, token, cache, head)
-        with profile.part("sampling"):
-            if sampling.greedy:  # skip building a one-hot distribution just to take its argmax
-                token = logits.argmax(-1, keepdim=True)
-            else:
-                token = sample(sampling.probs(logits), generator).view(1, 1)
-            out.append(token)
-        if eos and token.item() in eos:  # the only per-step host sync, and only when there is an EOS to check
-            break
-    stats.target_passes = stats.n_generated = len(out)
-    tokens = torch.cat(out).view(-1).cpu()
-    stats.total_time = clock() - start
-    profile.resolve(stats)
-    return GenerationOutput(tokens, stats)
+    """Plain decoding through the same loop, forward helper and cache type as speculative_generate."""
+    return autoregressive_stream(target, input_ids, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos_token_id, generator=generator).collect()

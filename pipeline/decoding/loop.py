@@ -5,15 +5,16 @@ Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV c
 p = target distribution, q = draft distribution (pipeline/sampling.py has the math).
 
 Caches: each model's cache holds a prefix of the committed tokens (prompt + accepted output) and the next
-forward feeds the rest. There is no separate prefill pass: the first forward of each model feeds the whole
-prompt (with the drafts, for the target), like HF generate's prefill that also yields the first token. So
-every target pass yields tokens (accepted + 1), plain decoding is exactly 1.0 token per pass, and no forward
-is spent that HF would not spend. The time of each model's first forward is reported as prefill_time, not in
-the per-forward lists, so that c compares decoding steps only.
+forward feeds the rest. The first target pass is a plain prefill: the whole prompt, no drafts, one token,
+exactly plain decoding's first pass, so the first token of a stream comes as soon as plain decoding's (TTFT);
+the draft reads the prompt in its first forward, in the second pass. Every target pass yields tokens
+(accepted + 1; the prefill 0 + 1) and plain decoding is exactly 1.0 token per pass. The time of each model's
+first forward is reported as prefill_time, not in the per-forward lists, so that c compares decoding steps only.
 
 Timing: the parts of the loop are marked with a `pipeline.timing.Stopwatch` (CUDA events on GPU) and the
 marks are turned into seconds once, after the call, so profiling adds no host synchronisation to the loop;
-only `total_time` is bracketed with a synchronising clock.
+only `total_time` is bracketed with a synchronising clock. Each committed chunk is marked the same way
+(`chunk_times`: TTFT and inter-token latency cost one clock reading per pass, no sync).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from transformers import DynamicCache
 
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
-from pipeline.sampling import Sampling
+from pipeline.sampling import Sampling, sample
 from pipeline.timing import Stopwatch, synced_clock
 
 
@@ -41,6 +42,25 @@ class DecodeStats:
     cache_time: float = 0.0  # cache crops and sequence bookkeeping
     prefill_time: float = 0.0  # each model's first forward, the one that reads the prompt
     total_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the call when each pass's tokens were committed
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens committed by each of those passes
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to the first token: the first chunk's commit, seconds since the call."""
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
+    def mean_itl(self) -> float | None:
+        """Mean inter-token latency: seconds per token after the first ((t_last − t_first) / (n − 1))."""
+        later = sum(self.chunk_tokens) - 1
+        return (self.chunk_times[-1] - self.chunk_times[0]) / later if self.chunk_times and later > 0 else None
+
+    def token_gaps(self) -> list[float]:
+        """Per-token inter-token latencies: a chunk of k tokens committed g seconds after the previous chunk
+        counts as k tokens of g / k each (the rate the stream delivers them); the first chunk has none."""
+        return [(b - a) / k for a, b, k in zip(self.chunk_times, self.chunk_times[1:], self.chunk_tokens[1:])
+                for _ in range(k)]
 
     @property
     def n_drafted(self) -> int:
@@ -75,6 +95,12 @@ class Profile:
     def __init__(self, device: torch.device | str):
         self.watch = Stopwatch(device)
         self.spans: dict[str, list] = {part: [] for part in self.PARTS}
+        self.start = self.watch.mark()  # the call's start, for chunk_times
+        self.commits: list = []
+
+    def commit(self) -> None:
+        """Marks the moment a chunk of tokens is committed."""
+        self.commits.append(self.watch.mark())
 
     @contextmanager
     def part(self, name: str):
@@ -87,6 +113,7 @@ class Profile:
         seconds = {part: [self.watch.elapsed(a, b) for a, b in spans] for part, spans in self.spans.items()}
         stats.draft_times, stats.target_times = seconds["draft"], seconds["target"]
         stats.sampling_time, stats.cache_time = sum(seconds["sampling"]), sum(seconds["cache"])
+        stats.chunk_times = [self.watch.elapsed(self.start, mark) for mark in self.commits]
         for times in (stats.target_times, stats.draft_times):
             if times:
                 stats.prefill_time += times.pop(0)
@@ -186,10 +213,10 @@ def check_pair(target, draft, draft_temperature, draft_vocab) -> None:
 
 @dataclass
 class Run:
-    """One generate call's models, caches and clocks; `decode` is the loop every drafting shape shares."""
+    """One generate call's models, caches and clocks; `chunks` is the loop every drafting shape shares."""
     pair: Pair
     seq: torch.Tensor  # the prompt [1, T]
-    caches: tuple  # (target cache, draft cache)
+    caches: tuple  # (target cache, draft cache); (target cache,) for plain decoding
     stats: DecodeStats
     profile: Profile
     clock: object
@@ -198,29 +225,65 @@ class Run:
     @classmethod
     def start(cls, target, draft, input_ids, p: Sampling, draft_temperature, draft_vocab, generator,
               stats: DecodeStats) -> "Run":
-        """The pair and fresh caches for one call (each argument is one of speculative_generate's)."""
-        check_pair(target, draft, draft_temperature, draft_vocab)
+        """The pair and fresh caches for one call (each argument is one of speculative_generate's); draft None
+        for plain decoding."""
+        if draft is not None:
+            check_pair(target, draft, draft_temperature, draft_vocab)
         device = model_device(target)
         clock = synced_clock(device)
-        started = clock()
+        started, profile = clock(), Profile(device)
+        if draft is None:
+            pair = Pair(target, None, head_rows(target), None, p, p, None, generator)
+            return cls(pair, prompt_tensor(input_ids, device), (DynamicCache(config=target.config),), stats,
+                       profile, clock, started)
         if draft_vocab is not None:
             draft_vocab = draft_vocab.to(device)
         q = p if draft_temperature is None else p.with_temperature(draft_temperature)
         pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
         caches = (DynamicCache(config=target.config), DynamicCache(config=draft.config))
-        return cls(pair, prompt_tensor(input_ids, device), caches, stats, Profile(device), clock, started)
+        return cls(pair, prompt_tensor(input_ids, device), caches, stats, profile, clock, started)
 
-    def decode(self, step, max_new_tokens: int, eos_token_id) -> GenerationOutput:
-        """Calls step(seq, room) -> (seq, new token ids) until max_new_tokens or an EOS; `room` is how many
-        drafts can still be used (a step yields at most drafts + 1 tokens: drafting past it would be wasted)."""
-        eos, seq, out = eos_set(eos_token_id), self.seq, []
-        while len(out) < max_new_tokens:
-            seq, new_tokens = step(seq, max_new_tokens - len(out) - 1)
-            hit = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-            out += new_tokens if hit is None else new_tokens[:hit + 1]
-            if hit is not None:
-                break
-        self.stats.n_generated = len(out)
-        self.stats.total_time = self.clock() - self.started
-        self.profile.resolve(self.stats)
-        return GenerationOutput(torch.tensor(out, dtype=torch.long), self.stats)
+    @torch.inference_mode()  # a generator: torch enters the mode around each resumption
+    def chunks(self, step, max_new_tokens: int, eos_token_id):
+        """Yields the tokens each call of step(seq, room) -> (seq, new tokens) commits, until max_new_tokens or
+        an EOS; `room` is how many drafts can still be used (a step yields at most drafts + 1 tokens: drafting
+        past it would be wasted). The first pass gets room 0: a plain prefill, whose one token is the stream's
+        first. A step returns its tokens as a list, or (plain decoding) as a device tensor, read on the host only
+        to check an EOS. The stats are complete when the generator ends or is closed."""
+        eos, seq, n = eos_set(eos_token_id), self.seq, 0
+        try:
+            while n < max_new_tokens:
+                seq, new = step(seq, max_new_tokens - n - 1 if n else 0)
+                hit = None
+                if eos:
+                    new = new if isinstance(new, list) else new.tolist()
+                    hit = next((i for i, t in enumerate(new) if t in eos), None)
+                    new = new if hit is None else new[:hit + 1]
+                n += len(new)
+                self.profile.commit()
+                self.stats.chunk_tokens.append(len(new))
+                yield new
+                if hit is not None:
+                    break
+        finally:
+            self.stats.n_generated = n
+            self.stats.total_time = self.clock() - self.started
+            self.profile.resolve(self.stats)
+
+
+def plain_step(run: Run):
+    """One plain decoding step per call, fed the tokens the cache lacks (the prompt at first, then the newest
+    token); its token stays on the device (no host sync unless the loop checks an EOS)."""
+    pair, (cache,), profile, stats = run.pair, run.caches, run.profile, run.stats
+
+    def step(tokens, room):
+        with profile.part("target"):
+            logits = forward(pair.target, tokens, cache, pair.target_head)
+        with profile.part("sampling"):
+            if pair.p.greedy:  # skip building a one-hot distribution just to take its argmax
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                token = sample(pair.p.probs(logits), pair.generator).view(1, 1)
+        stats.target_passes += 1
+        return token, token.view(1)
+    return step

@@ -1,0 +1,158 @@
+"""Streaming: the chunks each target pass commits, for chains, trees and plain decoding; the same tokens as the
+generate functions (which collect the stream), the target's exact law, and a first token from a plain prefill."""
+import numpy as np
+import pytest
+import torch
+
+from pipeline.decoding import (DraftLength, autoregressive_generate, autoregressive_stream, chain,
+                               speculative_generate, speculative_stream)
+from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
+from tests.conftest import (DECODER_VOCAB as VOCAB, JOINT_PROMPT, N_SAMPLES, chi_square_pvalue, exact_joint,
+                            random_prompts)
+
+torch.set_num_threads(1)
+DRAFTINGS = {"chain": 3, "heuristic": DraftLength("heuristic", 2), "confidence": DraftLength("confidence", 8, 0.4),
+             "tree": (2, 2), "parents": [-1, -1, 0, 1, 2]}
+
+
+def flat(chunks) -> list[int]:
+    return [t for chunk in chunks for t in chunk]
+
+
+def stream_of(target, draft, prompt, drafting, **kwargs):
+    if drafting is None:
+        return autoregressive_stream(target, prompt, **kwargs)
+    return speculative_stream(target, draft, prompt, drafting=drafting, **kwargs)
+
+
+@pytest.mark.parametrize("name", [*DRAFTINGS, "plain"])
+def test_stream_concatenated_equals_generate_for_the_same_seed(target, close_draft, name):
+    drafting = DRAFTINGS.get(name)
+    kwargs = dict(sampling=Sampling(1.0), max_new_tokens=30, eos_token_id=3)
+    for k, prompt in enumerate(random_prompts(4, seed=41)):
+        stream = stream_of(target, close_draft, prompt, drafting, generator=torch.Generator().manual_seed(k), **kwargs)
+        chunks = list(stream)
+        if drafting is None:
+            out = autoregressive_generate(target, prompt, generator=torch.Generator().manual_seed(k), **kwargs)
+        else:
+            out = speculative_generate(target, close_draft, prompt, drafting=drafting,
+                                       generator=torch.Generator().manual_seed(k), **kwargs)
+        assert flat(chunks) == out.tokens.tolist()
+        s = stream.stats
+        assert [len(c) for c in chunks] == s.chunk_tokens and len(s.chunk_times) == len(chunks) == s.target_passes
+        assert s.n_generated == len(flat(chunks)) and all(a <= b for a, b in zip(s.chunk_times, s.chunk_times[1:]))
+        if drafting is not None:  # each chunk is one pass's accepted + 1 tokens (the last cut at an EOS)
+            assert [len(c) for c in chunks[:-1]] == [a + 1 for a in s.accepted[:-1]]
+            assert 1 <= len(chunks[-1]) <= s.accepted[-1] + 1
+        else:
+            assert all(len(c) == 1 for c in chunks)
+
+
+@pytest.mark.parametrize("name", list(DRAFTINGS))
+@pytest.mark.parametrize("draft_name", ["close", "far"])
+def test_greedy_speculative_stream_equals_greedy_plain(target, drafts, name, draft_name):
+    for prompt in random_prompts(5, seed=43):
+        plain = flat(autoregressive_stream(target, prompt, max_new_tokens=24))
+        assert flat(speculative_stream(target, drafts[draft_name], prompt, drafting=DRAFTINGS[name],
+                                       max_new_tokens=24)) == plain
+
+
+class ForwardCounter:
+    """Counts the base-model forwards of a model (what `loop.forward` and `tree.tree_forward` call)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("name", list(DRAFTINGS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_first_chunk_is_one_token_from_a_target_pass_without_drafts(target, close_draft, name, temperature):
+    """The first token comes from the prefill pass alone: one target forward, no draft forward (the draft
+    reads the prompt in the second pass); it is plain decoding's first token for the same seed."""
+    prompt = torch.tensor([4, 1, 7, 2])
+    sampling = Sampling(temperature)
+    plain = autoregressive_generate(target, prompt, sampling=sampling, max_new_tokens=1,
+                                    generator=torch.Generator().manual_seed(5)).tokens.tolist()
+    counters = ForwardCounter(target), ForwardCounter(close_draft)
+    try:
+        stream = speculative_stream(target, close_draft, prompt, sampling=sampling, drafting=DRAFTINGS[name],
+                                    max_new_tokens=20, generator=torch.Generator().manual_seed(5))
+        chunks = iter(stream)
+        first = next(chunks)
+        assert (counters[0].calls, counters[1].calls) == (1, 0)
+        assert first == plain
+        second = next(chunks)
+        assert counters[0].calls == 2 and counters[1].calls >= 1 and len(second) >= 1  # speculation starts
+        rest = list(chunks)
+    finally:
+        for counter in counters:
+            counter.handle.remove()
+    s = stream.stats
+    assert s.drafted[0] == 0 and s.accepted[0] == 0 and s.chunk_tokens[0] == 1 and s.n_drafted > 0
+    assert len(first + second + flat(rest)) == 20
+
+
+def test_ttft_and_inter_token_latency_come_from_the_chunk_times(target, close_draft):
+    """Structure, not speed: TTFT is the first commit; the mean inter-token latency
+    spreads the later commits over the later tokens; per-token gaps split each chunk's gap over its tokens."""
+    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=25)
+    list(stream)
+    s = stream.stats
+    assert 0 < s.ttft == s.chunk_times[0] < s.chunk_times[1] and s.chunk_times[-1] <= s.total_time
+    assert s.mean_itl == pytest.approx((s.chunk_times[-1] - s.chunk_times[0]) / (25 - 1))
+    gaps = s.token_gaps()
+    assert len(gaps) == 25 - s.chunk_tokens[0] and sum(gaps) == pytest.approx(s.chunk_times[-1] - s.chunk_times[0])
+    plain = autoregressive_stream(target, torch.tensor([1, 2, 3]), max_new_tokens=6)
+    list(plain)
+    assert len(plain.stats.chunk_times) == 6 and plain.stats.token_gaps() == pytest.approx(
+        np.diff(plain.stats.chunk_times).tolist())
+
+
+def test_closing_a_stream_early_stops_decoding_with_stats_of_what_was_committed(target, close_draft):
+    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=40)
+    chunks = iter(stream)
+    committed = next(chunks) + next(chunks)
+    stream.close()
+    s = stream.stats
+    assert s.n_generated == len(committed) and s.target_passes == 2 and s.total_time > 0 and len(s.chunk_times) == 2
+
+
+def test_bad_input_raises_when_the_stream_is_made(target, close_draft):
+    with pytest.raises(PipelineError):
+        speculative_stream(target, close_draft, torch.tensor([1, 2]), max_new_tokens=0)
+    with pytest.raises(PipelineError):
+        autoregressive_stream(target, torch.zeros(2, 3, dtype=torch.long))
+
+
+# ---- the law of the tokens a stream yields: x2, x3 (the first drafted block) against the exact joint ----
+
+def stream_joint_counts(target, draft, drafting, temperature: float, n: int = N_SAMPLES) -> np.ndarray:
+    generator, counts = torch.Generator().manual_seed(0), np.zeros((VOCAB, VOCAB))
+    for _ in range(n):
+        x = flat(speculative_stream(target, draft, JOINT_PROMPT, sampling=Sampling(temperature), drafting=drafting,
+                                    max_new_tokens=4, generator=generator))
+        counts[x[1], x[2]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafting,temperature", [(2, 1.0), ((2, 2), 0.8)], ids=["chain", "tree"])
+def test_streamed_tokens_follow_the_target_distribution(target, far_draft, drafting, temperature):
+    counts = stream_joint_counts(target, far_draft, drafting, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, temperature)) > 1e-3
+
+
+def test_stream_law_test_rejects_a_stream_that_commits_drafts_unverified(target, far_draft, monkeypatch):
+    """Wrong: every drafted token is committed as proposed (then the target's bonus token), i.e. a stream that
+    sends the drafts before the verify pass has judged them."""
+    def accept_everything(pair, logits, drafts, qs):
+        n = torch.tensor(drafts.shape[0])
+        return n, pair.p.probs(logits[-1:]).multinomial(1, generator=pair.generator)[0, 0]
+
+    monkeypatch.setattr(chain, "verify_block", accept_everything)
+    counts = stream_joint_counts(target, far_draft, 2, 1.0)
+    assert chi_square_pvalue(counts, exact_joint(target, 1.0)) < 1e-6
