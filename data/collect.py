@@ -27,11 +27,18 @@ Output contract (distill reads exactly this):
     tokenizer_sha256, chat_template_sha256, chat_template, stop_token_ids
     sampling              exactly pipeline.sampling.Sampling.to_dict(): {temperature, top_k, top_p};
                           read it back with Sampling.from_dict
-    max_new_tokens, samples_per_prompt, seed, topk
-    backend, dtype, num_processes, shard_size, shards
+    max_new_tokens, samples_per_prompt, seed
+    topk                  the label width the rows carry (0 when a server collect left them to distill)
+    labels                target-forward | server | distill (rows without labels: distill/labels.py computes
+                          them) | none
+    backend, dtype (null for a server), num_processes, shard_size, shards
+    server, skipped, skipped_total, token_ids   collect.backend=server only (data/collect_server.py)
     domains               per domain: prompts, completions, tokens, mean_length, eos_share
     rows, total_tokens, generate_s, tokens_per_s, wall_s
     disk_bytes, disk_bytes_per_million_tokens, columns
+
+collect.backend=server (data/collect_server.py) generates the same rows on OpenAI-compatible servers; a request it
+had to skip (a context longer than the server's, ...) is left out and counted in the manifest.
 
 Resume and scale-out: prompts are cut into shards (collect.shard_size prompts per domain) under
 {paths.collect}/shards/<fingerprint>/; each finished shard is written atomically and skipped on a
@@ -55,7 +62,6 @@ import hashlib
 import json
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +69,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
+from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
@@ -298,10 +305,10 @@ def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
     settings = job.settings
     stop_ids = job.identity["stop_token_ids"]
     if settings.backend == "server":
-        from data.collect_server import ServerBackend
+        from data.collect_server import ServerBackend, launch_server
 
-        if settings.server.launch:
-            settings = _launch_server(job, stack)
+        if settings.server.launch:  # one llama-server on the target's GGUF for this run, stopped with `stack`
+            settings = launch_server(job.cfg, settings, job.out_dir / "llama-server.log", stack)
         return ServerBackend.connect(settings, job.tokenizer, stop_ids)
     if settings.backend == "vllm":
         from data.collect_vllm import VLLMBackend
@@ -317,29 +324,6 @@ def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
     from data.collect_hf import HFBackend
 
     return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
-
-
-def _launch_server(job: CollectJob, stack: contextlib.ExitStack) -> CollectSettings:
-    """collect.server.launch: one llama-server on 127.0.0.1 serving the target's GGUF for this run (stopped with
-    `stack`); the settings with its URL."""
-    from dataclasses import replace
-
-    from pipeline.engines import llamacpp
-    from pipeline.models import model_gguf
-
-    cfg = job.cfg
-    gguf = model_gguf(cfg.model.target, "target", cfg.paths)
-    if gguf is None:
-        raise PipelineError("collect.server.launch=true needs the target as a GGUF (a packaged preset or "
-                            "model.target.path=<file>.gguf): start a server yourself and set collect.server.urls")
-    engine = cfg.engines.llamacpp
-    root = llamacpp.build(cfg.paths.engines, str(engine.version))
-    job.out_dir.mkdir(parents=True, exist_ok=True)
-    server = stack.enter_context(llamacpp.Server(root, gguf, threads=engine.threads, context=int(engine.context),
-                                                 log_path=job.out_dir / "llama-server.log",
-                                                 start_timeout=float(engine.start_timeout)))
-    print(f"[collect] llama-server on {gguf.name} at {server.url} (log: {server.log_path})")
-    return replace(job.settings, server=replace(job.settings.server, urls=(server.url,), launch=False))
 
 
 def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
@@ -376,16 +360,9 @@ def _merge_shards(job: CollectJob):
         if metas[-1]["rows"]:
             parts.append(load_from_disk(str(shard_path / "data")))
     if not parts:
-        raise PipelineError(f"every request of the collect was skipped ({_skipped(metas)}): see the manifest keys "
-                            "`skipped` in docs/architecture.md and fix the servers' context or the prompts")
+        raise PipelineError(f"every request of the collect was skipped ({skipped_counts(metas)}): give the servers "
+                            "more context (docs/architecture.md, collect from servers) or pass shorter prompts")
     return concatenate_datasets(parts), metas
-
-
-def _skipped(metas: list[dict]) -> dict:
-    counts = Counter()
-    for meta in metas:
-        counts.update(meta.get("skipped") or {})
-    return dict(sorted(counts.items()))
 
 
 def _write_dataset_and_manifest(job: CollectJob, dataset, shard_metas: list[dict]) -> dict:
@@ -433,7 +410,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),
-        **(_server_record(shard_metas) if settings.backend == "server" else {}),
+        **(server_record(shard_metas) if settings.backend == "server" else {}),
     }
 
 
@@ -444,17 +421,6 @@ def _labels_source(settings: CollectSettings) -> str:
     if settings.backend == "server":
         return "server" if settings.server.logprobs else "distill"  # distill: its own target pass labels the rows
     return "target-forward"
-
-
-def _server_record(shard_metas: list[dict]) -> dict:
-    """The servers the rows came from (the last shard's), requests skipped and token-id sources over all shards."""
-    token_ids = Counter()
-    for meta in shard_metas:
-        token_ids.update(meta.get("token_ids") or {})
-    skipped = _skipped(shard_metas)
-    return {"server": shard_metas[-1].get("server") if shard_metas else None,
-            "skipped": skipped, "skipped_total": sum(skipped.values()),
-            "token_ids": dict(sorted(token_ids.items()))}
 
 
 def _remove_shards_unless_kept(job: CollectJob) -> None:

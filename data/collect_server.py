@@ -291,3 +291,45 @@ def _labels(logprobs, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray] |
             return None
         top_lp[j], top_ids[j] = [lp for lp, _ in best], [token for _, token in best]
     return top_ids, top_lp
+
+
+# ----------------------------------------------------------------------------- the stage's server-side helpers
+
+def launch_server(cfg, settings: CollectSettings, log_path, stack) -> CollectSettings:
+    """collect.server.launch: one llama-server on 127.0.0.1 serving the target's GGUF for this run (stopped with
+    `stack`, a contextlib.ExitStack; engines.llamacpp.* sets its threads and context); the settings with its URL."""
+    from dataclasses import replace
+
+    from pipeline.engines import llamacpp
+    from pipeline.models import model_gguf
+
+    gguf = model_gguf(cfg.model.target, "target", cfg.paths)
+    if gguf is None:
+        raise PipelineError("collect.server.launch=true needs the target as a GGUF (a packaged preset or "
+                            "model.target.path=<file>.gguf): start a server yourself and set collect.server.urls")
+    engine = cfg.engines.llamacpp
+    root = llamacpp.build(cfg.paths.engines, str(engine.version))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = stack.enter_context(llamacpp.Server(root, gguf, threads=engine.threads, context=int(engine.context),
+                                                 log_path=log_path, start_timeout=float(engine.start_timeout)))
+    print(f"[collect] llama-server on {gguf.name} at {server.url} (log: {server.log_path})")
+    return replace(settings, server=replace(settings.server, urls=(server.url,), launch=False))
+
+
+def skipped_counts(metas: list[dict]) -> dict:
+    """Skipped requests by reason over the shards' meta.json records."""
+    counts: Counter = Counter()
+    for meta in metas:
+        counts.update(meta.get("skipped") or {})
+    return dict(sorted(counts.items()))
+
+
+def server_record(metas: list[dict]) -> dict:
+    """The manifest's server keys: the servers the rows came from (the last shard's), the requests skipped and
+    where the token ids came from, over all shards (whichever run made each)."""
+    token_ids: Counter = Counter()
+    for meta in metas:
+        token_ids.update(meta.get("token_ids") or {})
+    skipped = skipped_counts(metas)
+    return {"server": metas[-1].get("server") if metas else None, "skipped": skipped,
+            "skipped_total": sum(skipped.values()), "token_ids": dict(sorted(token_ids.items()))}

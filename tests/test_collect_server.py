@@ -106,7 +106,8 @@ def test_server_rows_have_the_hf_backends_schema_prompt_ids_and_labels(tmp_path,
     top1, gaps, shifted = [], [], []
     for r in served:
         answers = [by_id[f"{r['prompt_id']}/t{t}/s0"]["text"] for t in range(r["turn"])]
-        assert r["prompt_ids"] == encode_chat(tokenizer, messages_for(prompts[r["prompt_id"]], answers, r["turn"]))[0].tolist()
+        messages = messages_for(prompts[r["prompt_id"]], answers, r["turn"])
+        assert r["prompt_ids"] == encode_chat(tokenizer, messages)[0].tolist()
         assert r["text"] == tokenizer.decode(r["completion_ids"], skip_special_tokens=True)
         assert (r["finish_reason"] == "eos") == (r["completion_ids"][-1] in stop)
         assert r["finish_reason"] == "eos" or len(r["completion_ids"]) == 10
@@ -222,7 +223,8 @@ def test_an_unreachable_url_or_a_wrong_model_name_is_one_line_exit_2_nothing_wri
     from pipeline.engines.llamacpp import free_port
 
     cases = [(on_server(f"http://127.0.0.1:{free_port()}"), "does not answer GET /v1/models"),
-             (on_server(server.url, "collect.server.model=not-the-target"), "not collect.server.model='not-the-target'")]
+             (on_server(server.url, "collect.server.model=not-the-target"),
+              "not collect.server.model='not-the-target'")]
     for i, (extra, needle) in enumerate(cases):
         write_prompts(tmp_path / str(i))
         done = run_collect_cli(tmp_path / str(i), real_target_path, extra)
@@ -399,8 +401,18 @@ def test_replies_that_cannot_be_rows_are_counted_skips(stubs):
     reply["choices"][0]["logprobs"] = unaligned  # one label row for four tokens
     short = stubs([(200, reply, 0, {})])
     loose_text = stubs([(200, {"choices": [{"text": "w1  w2", "finish_reason": "length"}]}, 0, {})], owned_by="x")
-    for stub, reason, extra in ((early, "foreign_stop", {}), (short, "unaligned_logprobs", {"logprobs": True, "topk": 1}),
-                                (loose_text, "retokenize", {})):
+    cases = ((early, "foreign_stop", {}), (short, "unaligned_logprobs", {"logprobs": True, "topk": 1}),
+             (loose_text, "retokenize", {}))
+    for stub, reason, extra in cases:
         backend = backend_for([stub.url], **extra)
         assert backend.generate([[2]], seed=0) == [None]
         assert backend.take_stats()["skipped"] == {reason: 1}, reason
+
+
+def test_bench_collect_refuses_a_bad_server_slot_count_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "data.bench_collect", "--server", "--server-parallel", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1 and "--server-parallel 0" in err, err[-2000:]
+    assert not any(tmp_path.iterdir())
