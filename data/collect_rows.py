@@ -176,6 +176,9 @@ class ServerSettings:
         checks = [
             (any(not u.startswith(("http://", "https://")) for u in settings.urls),
              f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
+            (len(set(settings.urls)) < len(settings.urls),
+             f"collect.server.urls={list(urls)} lists a server twice: use collect.server.concurrency for more "
+             "requests in flight"),
             (settings.model is not None and not isinstance(settings.model, str),
              f"collect.server.model={settings.model!r} must be a model name or null: {_FIX}"),
             (settings.endpoint not in ENDPOINTS,

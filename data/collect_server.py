@@ -98,7 +98,7 @@ class ServerBackend:
 
         def work(served: Served) -> None:
             client = Client(served.url, self.server.timeout, self.server.retries, self.server.backoff)
-            while not errors and not all(finished):
+            while not errors and served.url not in dead and not all(finished):
                 try:  # not get_nowait: a request a dying server hands back must still find a taker
                     i = pending.get(timeout=0.05)
                 except queue.Empty:
@@ -110,7 +110,7 @@ class ServerBackend:
                     pending.put(i)  # another server takes it
                     with lock:
                         dead.add(served.url)
-                        if len(dead) == len(self.served):
+                        if len(dead) == len({s.url for s in self.served}):
                             errors.append(e)
                     return
                 except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
@@ -125,11 +125,12 @@ class ServerBackend:
         workers = [s for s in self.served for _ in range(self.server.concurrency)]
         with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="collect-server") as pool:
             list(pool.map(work, workers))
-        if errors:
-            if isinstance(errors[0], ServerDown):
-                raise PipelineError(f"collect.backend=server: every server failed ({errors[0]}): restart them (or fix "
-                                    "collect.server.urls) and rerun stage=collect; finished shards are kept") from None
+        if errors and not isinstance(errors[0], ServerDown):
             raise errors[0]
+        if errors or not all(finished):
+            last = errors[0] if errors else "no server left"
+            raise PipelineError(f"collect.backend=server: every server failed ({last}): restart them (or fix "
+                                "collect.server.urls) and rerun stage=collect; finished shards are kept") from None
         return out
 
     def _report(self, progress) -> None:

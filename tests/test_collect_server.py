@@ -416,3 +416,47 @@ def test_bench_collect_refuses_a_bad_server_slot_count_in_one_line(tmp_path):
     err = done.stderr.strip()
     assert done.returncode == 2 and len(err.splitlines()) == 1 and "--server-parallel 0" in err, err[-2000:]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["collect.backend=server"], r"needs collect\.server\.urls"),
+    (["collect.server.urls=[localhost:8080]"], r"must be http\(s\):// base URLs"),
+    (["collect.server.urls=[http://a:1,http://a:1]"], "lists a server twice"),
+    (["collect.server.endpoint=responses"], r"unknown collect\.server\.endpoint='responses'"),
+    (["collect.server.engine=tgi"], r"unknown collect\.server\.engine='tgi'"),
+    (["collect.server.concurrency=0"], r"collect\.server\.concurrency=0 must be ≥ 1"),
+    (["collect.server.timeout=0"], r"collect\.server\.timeout=0\.0 must be > 0"),
+    (["collect.server.logprobs=maybe"], r"collect\.server\.logprobs='maybe' is not true or false"),
+    (["collect.server.launch=true", "collect.server.urls=[http://a:1]"], "leave collect.server.urls empty"),
+    (["+collect.server.api_key=x"], r"unknown setting\(s\) collect\.server\.api_key"),
+])
+def test_bad_server_settings_are_one_line_before_anything_runs(extra, message):
+    from hydra import compose, initialize_config_dir
+
+    from data.collect_rows import CollectSettings
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=extra)
+    with pytest.raises(PipelineError, match=message) as e:
+        CollectSettings.from_config(cfg.collect, cfg.seed)
+    assert "\n" not in str(e.value)
+
+
+def test_the_fingerprint_holds_what_decides_server_rows_not_where_they_run():
+    from dataclasses import replace
+
+    from data.collect_rows import CollectSettings, ServerSettings
+    from pipeline.sampling import Sampling
+
+    options = dict(OmegaConf.load(REPO / "conf/collect/default.yaml").server, urls=["http://a:1"])
+    base = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=0, batch_size=1, shard_size=1,
+                           backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
+                           max_minutes=None, vllm={}, server=options)
+    moved = replace(base, server=ServerSettings.from_mapping({**options, "urls": ["http://b:2", "http://c:3"],
+                                                              "concurrency": 4, "retries": 9}))
+    assert moved.generation_key() == base.generation_key()
+    for change in ({"model": "other"}, {"endpoint": "chat"}, {"logprobs": True}):
+        changed = replace(base, server=ServerSettings.from_mapping({**options, **change}))
+        assert changed.generation_key() != base.generation_key(), change
+    hf = replace(base, backend="hf")
+    assert "server" not in hf.generation_key()  # the in-process backends' fingerprints are as before
