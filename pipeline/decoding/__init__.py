@@ -9,14 +9,17 @@ The public API, imported by the eval and distill stages and by users:
     for chunk in speculative_stream(target, draft, input_ids, ...):  # the same tokens, as each pass commits them
         ...
 
+    out = speculative_generate_batch(target, draft, [ids_a, ids_b], gamma=4)  # rows of any lengths
+
 The first target pass is a plain prefill (time to first token = plain decoding's).
 
 Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
 `tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
 `draft_length` (draft-length policies),
 `guard` (the online guard: fewer drafts, or none, while they do not pay), `cost` (the one speedup model),
-`stream` (TokenStream), `generate` (the entry points).
+`stream` (TokenStream), `generate` (the entry points), `batch` (batched decoding, B rows of any lengths).
 """
+from pipeline.decoding.batch import BatchOutput, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost
 from pipeline.decoding.draft_length import POLICIES, DraftLength
 from pipeline.decoding.generate import (GREEDY, as_drafting, autoregressive_generate, autoregressive_stream,
@@ -27,8 +30,8 @@ from pipeline.decoding.stream import TokenStream
 from pipeline.decoding.tree import MAX_TREE_NODES, Tree, TreeStats, nodes, parse_tree, tree_key
 from pipeline.sampling import Sampling
 
-__all__ = ["DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings",
+__all__ = ["BatchOutput", "DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings",
            "GuardStats", "MAX_TREE_NODES", "POLICIES", "Sampling", "TokenStream", "Tree", "TreeStats", "as_drafting",
-           "autoregressive_generate", "autoregressive_stream", "nodes", "parse_tree",
-           "pass_speedup", "predicted_speedup", "speculative_generate",
+           "autoregressive_generate", "autoregressive_generate_batch", "autoregressive_stream", "nodes", "parse_tree",
+           "pass_speedup", "predicted_speedup", "speculative_generate", "speculative_generate_batch",
            "speculative_stream", "tree_key", "uses_sliding_window", "verify_cost"]

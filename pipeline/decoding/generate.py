@@ -32,6 +32,7 @@ def as_drafting(drafting) -> DraftLength | Tree:
                         f"list, got {type(drafting).__name__}: use e.g. drafting=4 or drafting=(3, 2, 1)")
 
 
+@torch.inference_mode()  # the set-up (heads, caches); the stream's own loop enters it per step
 def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
                        drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
                        max_new_tokens: int = 128, draft_temperature: float | None = None,
@@ -97,6 +98,7 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
                               guard=guard).collect()
 
 
+@torch.inference_mode()
 def autoregressive_stream(target, input_ids, *, sampling: Sampling = GREEDY, max_new_tokens: int = 128,
                           eos_token_id=None, generator: torch.Generator | None = None) -> TokenStream:
     """Plain decoding as a stream: one token per target pass."""
