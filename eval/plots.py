@@ -118,6 +118,29 @@ def latency(records: list[dict], path: Path) -> str:
     return _save(fig, path)
 
 
+def predicted_vs_measured(metrics: dict, path: Path) -> str:
+    """Measured speedup per domain (95% CI) against the calibration's prediction for what ran there, with the
+    ±10% band the prediction should land in."""
+    predicted = metrics["predicted"]
+    points = [(predicted[d]["speedup"], d, metrics["domains"][d]["speculative"]) for d in predicted
+              if d in metrics["domains"] and "speculative" in metrics["domains"][d]]
+    fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    for x, domain, m in points:
+        lo, hi = m.get("speedup_ci95") or (m["speedup"], m["speedup"])
+        ax.errorbar([x], [m["speedup"]], yerr=[[m["speedup"] - lo], [hi - m["speedup"]]], fmt="o", capsize=3)
+        ax.annotate(domain + ("" if predicted[domain]["speculate"] else " (off)"), (x, m["speedup"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    values = [v for x, _, m in points for v in (x, *(m.get("speedup_ci95") or (m["speedup"],)))]
+    low, high = min(values + [0.9]) - 0.05, max(values + [1.1]) + 0.05
+    ax.plot([low, high], [low, high], "k-", lw=0.8)
+    ax.fill_between([low, high], [0.9 * low, 0.9 * high], [1.1 * low, 1.1 * high], color="grey", alpha=0.15,
+                    label="within 10%")
+    ax.set(xlim=(low, high), ylim=(low, high), xlabel="predicted speedup (distill's calibration)",
+           ylabel="measured speedup (eval, 95% CI)", title="Predicted vs measured, evaluated draft")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def write_plots(metrics: dict, records: list[dict], out_dir: Path) -> list[str]:
     """Writes every plot that has data into out_dir; returns the file names."""
     files = [acceptance_by_domain(metrics, out_dir / "acceptance_by_domain.png"),
@@ -126,5 +149,7 @@ def write_plots(metrics: dict, records: list[dict], out_dir: Path) -> list[str]:
         files.append(gamma_sweep(metrics, out_dir / "gamma_sweep.png"))
     if metrics.get("tree_sweep"):
         files.append(tree_sweep(metrics, out_dir / "tree_sweep.png"))
+    if metrics.get("predicted"):
+        files.append(predicted_vs_measured(metrics, out_dir / "predicted_vs_measured.png"))
     files.append(latency(records, out_dir / "latency.png"))
     return files

@@ -285,6 +285,19 @@ def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
             "draft_init": init.identity["source"] if init else None, **core}
 
 
+def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:
+    """Per domain, distill's predicted speedup for what the evaluated draft runs there (1.0 where calibrated
+    "off"), when it runs as calibrated for this serving; None when eval overrides the calibration."""
+    settings, spec = evaluation.settings, evaluation.drafts[M.SPECULATIVE].spec
+    overridden = (settings.gamma or settings.draft_length is not None or settings.tree is not None
+                  or settings.draft_temperature is not None or settings.engine != "ours")
+    if spec is None or not settings.use_calibration or overridden or spec.sampling != evaluation.sampling:
+        return None
+    table = {d: spec.predicted_speedup.get(d, spec.predicted_speedup.get("overall")) for d in domains}
+    return {d: {"speedup": float(v) if spec.speculates(d) else 1.0, "speculate": spec.speculates(d)}
+            for d, v in table.items() if v is not None}
+
+
 def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluation: Evaluation) -> dict | None:
     """Greedy speculative vs autoregressive output: a separate greedy run when sampling, the benchmark's own
     outputs when greedy; mismatches of the tuned draft in reduced precision are rerun in fp32."""
@@ -349,6 +362,9 @@ def run(cfg: DictConfig, tracker) -> dict:
     started = time.time()
     records, contexts = benchmark(prompts, methods, evaluation, cfg.seed)
     metrics = core_metrics(records, evaluation)
+    predicted = predictions(evaluation, list(prompts))
+    if predicted:
+        metrics["predicted"] = predicted
     if settings.gammas:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
     if settings.trees:

@@ -11,6 +11,7 @@ below it; the threshold itself is re-fitted during generation when scikit-learn 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
@@ -102,28 +103,30 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: 
 
 def pass_costs(target, draft, prompts: list[torch.Tensor], gammas: list[int], sampling: Sampling, stop: list[int],
                max_new_tokens: int, seed: int = 0) -> dict:
-    """The cost summary (pipeline/decoding/cost.py) of HF's own passes on this device: HF plain's time per token,
-    and per γ HF assisted's time per target pass (its γ draft steps, the verify and HF's host work between them,
-    all in one measured figure) over it: `verify_ratio[γ]` holds that whole pass and `c` is 0. Prefill is spread
-    over both alike. Requests alternate plain and every γ, after one untimed warm-up of each."""
+    """The cost summary (pipeline/decoding/cost.py) of HF's own passes on this device: per γ, HF assisted's time per
+    target pass (its γ draft steps, the verify and HF's host work between them, all in one measured figure) over HF
+    plain's time per token: `verify_ratio[γ]` holds that whole pass and `c` is 0. Prefill is spread over both
+    alike. Each prompt runs plain and then every γ back to back, after one untimed warm-up of each; the ratio is
+    taken per prompt (plain and assisted a few seconds apart, under the same load) and its median kept, so a burst
+    of other load on one request does not set the price."""
     fixed = {gamma: assistant_configs(draft, gamma)["fixed"] for gamma in gammas}
-    runs = {None: [0.0, 0], **{gamma: [0.0, 0] for gamma in gammas}}  # seconds, tokens (plain) or passes
 
-    def one(ids, gamma, request_seed, record: bool):
+    def seconds_per_unit(ids, gamma, request_seed) -> float:
+        """Seconds per generated token (plain) or per target pass (assisted)."""
         torch.manual_seed(request_seed)
         started = time.perf_counter()
         tokens, stats = hf_generate(target, ids, max_new_tokens, sampling, stop,
                                     None if gamma is None else draft, None if gamma is None else fixed[gamma])
-        if record:
-            runs[gamma][0] += time.perf_counter() - started
-            runs[gamma][1] += len(tokens) if gamma is None else stats.target_passes
+        return (time.perf_counter() - started) / max(len(tokens) if gamma is None else stats.target_passes, 1)
 
-    for gamma in runs:
-        one(prompts[0], gamma, seed, record=False)
+    for gamma in (None, *gammas):
+        seconds_per_unit(prompts[0], gamma, seed)
+    steps, ratios = [], {gamma: [] for gamma in gammas}
     for i, ids in enumerate(prompts):
-        for gamma in runs:
-            one(ids, gamma, seed + i, record=True)
-    step = runs[None][0] / max(runs[None][1], 1)
-    return {"engine": "hf", "c": 0.0, "target_forward_ms": 1e3 * step,
-            "verify_ratio": {gamma: runs[gamma][0] / max(runs[gamma][1], 1) / step for gamma in gammas},
-            "source": f"HF generate timed on {len(prompts)} held-out prompts, {max_new_tokens} tokens each"}
+        steps.append(seconds_per_unit(ids, None, seed + i))
+        for gamma in gammas:
+            ratios[gamma].append(seconds_per_unit(ids, gamma, seed + i) / steps[-1])
+    return {"engine": "hf", "c": 0.0, "target_forward_ms": 1e3 * statistics.median(steps),
+            "verify_ratio": {gamma: statistics.median(values) for gamma, values in ratios.items()},
+            "source": f"HF generate timed on {len(prompts)} held-out prompts, {max_new_tokens} tokens each "
+                      "(median of per-prompt ratios)"}

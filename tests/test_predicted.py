@@ -1,0 +1,28 @@
+"""Eval puts distill's prediction beside what it measured: per domain the predicted speedup of what the evaluated
+draft runs there (1.0 where calibrated "off"), and the predicted-vs-measured plot; nothing when eval overrides the
+calibration (then there is no prediction for what ran)."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+from pipeline.sampling import Sampling
+from pipeline.spec import SpeculativeSpec
+from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
+
+
+def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tmp_path, models):
+    variant = tmp_path / "draft_predicted"
+    shutil.copytree(models["draft"], variant)
+    spec = SpeculativeSpec.read(variant)
+    replace(spec, sampling=Sampling(0.0), speculate={"code": False, "default": True},
+            predicted_speedup={"chat": 1.2, "code": 0.9, "default": 1.1}).write(variant)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    metrics, out, _ = run_stage(tmp_path / "a", models, f"eval.draft={variant}", "eval.draft_init=none",
+                                "eval.temperature=0", "eval.gammas=[]")
+    assert metrics["predicted"] == {"chat": {"speedup": 1.2, "speculate": True},
+                                    "code": {"speedup": 1.0, "speculate": False}}  # off: plain decoding's 1.0
+    assert (out / "predicted_vs_measured.png").stat().st_size > 0
+    forced, out, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
+                               "eval.temperature=0", "eval.gammas=[]", "eval.gamma=2")
+    assert "predicted" not in forced and not (out / "predicted_vs_measured.png").exists()
