@@ -43,7 +43,8 @@ def test_greedy_speculative_with_the_guard_equals_autoregressive(target, drafts,
         out = speculative_generate(target, drafts[draft_name], prompt, drafting=drafting, max_new_tokens=24,
                                    guard=guard(probe_every=2))
         assert out.tokens.tolist() == expected
-        assert out.stats.guard.passes >= out.stats.target_passes - 1  # every pass but a plain prefill is decided
+        # every pass is decided but the plain prefill (the first) and a last pass left no room to draft
+        assert out.stats.guard.passes >= out.stats.target_passes - 2
 
 
 @pytest.mark.parametrize("draft_name,drafting,cost,settings", [
