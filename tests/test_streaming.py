@@ -156,3 +156,41 @@ def test_stream_law_test_rejects_a_stream_that_commits_drafts_unverified(target,
     monkeypatch.setattr(chain, "verify_block", accept_everything)
     counts = stream_joint_counts(target, far_draft, 2, 1.0)
     assert chi_square_pvalue(counts, exact_joint(target, 1.0)) < 1e-6
+
+
+# ---- eval: TTFT and inter-token latency from the commit times ----
+
+def latency_record(method: str, prompt: int, ttft: float, sizes: list[int], gap: float) -> dict:
+    """A timed request whose chunks of `sizes` tokens were committed `gap` seconds apart after `ttft`."""
+    from pipeline.decoding import DecodeStats
+
+    times = [ttft + gap * i for i in range(len(sizes))]
+    stats = DecodeStats(accepted=[k - 1 for k in sizes], drafted=[0] + [3] * (len(sizes) - 1), chunk_times=times,
+                        chunk_tokens=sizes, n_generated=sum(sizes), target_passes=len(sizes))
+    return {"method": method, "domain": "chat", "prompt_id": f"p{prompt}", "turn": 0, "tokens": [0] * sum(sizes),
+            "time_s": times[-1], "stats": stats}
+
+
+def test_eval_reports_ttft_and_itl_and_their_ratios_to_plain_decoding():
+    """Plain: 1 token every 10 ms; speculative: the same first token, then 4 tokens every 20 ms (5 ms per token):
+    TTFT ratio 1, ITL speedup 2, per-token gaps 5 ms; the report renders the row."""
+    from eval import metrics as M
+    from eval.report import latency_rows
+
+    records = []
+    for prompt in range(6):
+        ttft = 0.05 * (1 + prompt)
+        records.append(latency_record("autoregressive", prompt, ttft, [1] * 13, 0.010))
+        records.append(latency_record("speculative", prompt, ttft, [1, 4, 4, 4], 0.020))
+    summary = M.summarize(records, greedy=False)
+    ar, spec = summary["autoregressive"], summary["speculative"]
+    assert ar["ttft_p50_s"] == pytest.approx(spec["ttft_p50_s"]) == pytest.approx(0.175)
+    assert ar["itl_mean_s"] == pytest.approx(0.010) and spec["itl_mean_s"] == pytest.approx(0.005)
+    assert spec["itl_p50_s"] == pytest.approx(0.005) and spec["itl_p95_s"] == pytest.approx(0.005)
+    assert spec["ttft_ratio"] == pytest.approx(1.0) and spec["ttft_ratio_ci95"] == pytest.approx([1.0, 1.0])
+    assert spec["itl_speedup"] == pytest.approx(2.0)
+    metrics = {"domains": {"chat": summary}, "overall": summary, "methods": ["autoregressive", "speculative"]}
+    header, rows = latency_rows(metrics)
+    assert [row[:2] for row in rows] == [["chat", "autoregressive"], ["chat", "speculative"],
+                                         ["overall", "autoregressive"], ["overall", "speculative"]]
+    assert rows[1][header.index("ITL mean (ms)")] == "5.0" and rows[1][header.index("ITL speedup")].startswith("2.00×")
