@@ -389,7 +389,8 @@ def _result_lines(metrics: dict) -> list[str]:
         markdown_table(*domain_rows(metrics)), "",
         "acceptance = accepted / proposed draft tokens; mean acc. len = generated tokens per target pass "
         "(bonus token included; the first pass is the plain prefill, 1 token); speedup = tokens/s of "
-        "speculative over autoregressive decoding on the same requests (equal to the time ratio when both emit the same tokens); "
+        "speculative over autoregressive decoding on the same requests (equal to the time ratio when both emit "
+        "the same tokens); "
         "draft τ `=T`: the draft samples at the target's temperature.", "",
         CI_NOTE, "",
         "## Methods (all domains)", "",
