@@ -26,9 +26,9 @@ from transformers import DynamicCache
 
 from pipeline import sampling as sampling_math
 from pipeline.decoding.generate import GREEDY
-from pipeline.decoding.loop import DecodeStats, check_pair, check_request, eos_set, model_device
+from pipeline.decoding.loop import DecodeStats, check_pair, check_request, draft_head_rows, eos_set, model_device
 from pipeline.errors import PipelineError
-from pipeline.heads import head_logits, head_rows, scatter_to_vocab
+from pipeline.heads import head_logits, scatter_to_vocab
 from pipeline.sampling import Sampling, sample
 from pipeline.timing import synced_clock
 
@@ -45,7 +45,7 @@ class RaggedCache:
     """One model's KV cache for a batch whose rows hold different numbers of tokens (module docstring)."""
 
     def __init__(self, model, batch: int, device: torch.device, vocab: torch.Tensor | None = None):
-        self.model, self.head = model, head_rows(model, vocab)
+        self.model, self.head = model, draft_head_rows(model, vocab)
         self.cache = DynamicCache(config=model.config)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self.holes = False

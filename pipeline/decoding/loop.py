@@ -42,7 +42,7 @@ class DecodeStats:
     cache_time: float = 0.0  # cache crops and sequence bookkeeping
     prefill_time: float = 0.0  # each model's first forward, the one that reads the prompt
     total_time: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # seconds since the call when each pass's tokens were committed
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the call at each pass's commit
     chunk_tokens: list[int] = field(default_factory=list)  # tokens committed by each of those passes
 
     @property
@@ -147,6 +147,22 @@ def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: in
     return head_logits(hidden[0, -n_logits:], head)
 
 
+def draft_head_rows(draft, vocab: torch.Tensor | None) -> tuple:
+    """head_rows(draft, vocab), kept on the draft between calls while its head weight and `vocab` are the same
+    tensors, unmodified (torch's version counters): copying a FR-Spec head's rows takes milliseconds, which every
+    call would otherwise add to its time to first token."""
+    if vocab is None:
+        return head_rows(draft)
+    weight = draft.get_output_embeddings().weight
+    key = (weight, weight._version, vocab, vocab._version)
+    cached = getattr(draft, "_decoder_draft_head", None)
+    if cached is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(cached[0], key)):
+        return cached[1]
+    rows = head_rows(draft, vocab)
+    object.__setattr__(draft, "_decoder_draft_head", (key, rows))  # a plain attribute, not a module buffer
+    return rows
+
+
 def crop(cache: DynamicCache, length: int) -> None:
     # transformers 5.x: crop(n) takes a negative count of tokens to drop (a positive max length raises).
     excess = cache.get_seq_length() - length
@@ -239,7 +255,7 @@ class Run:
         if draft_vocab is not None:
             draft_vocab = draft_vocab.to(device)
         q = p if draft_temperature is None else p.with_temperature(draft_temperature)
-        pair = Pair(target, draft, head_rows(target), head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
+        pair = Pair(target, draft, head_rows(target), draft_head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
         caches = (DynamicCache(config=target.config), DynamicCache(config=draft.config))
         return cls(pair, prompt_tensor(input_ids, device), caches, stats, profile, clock, started)
 
