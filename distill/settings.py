@@ -175,9 +175,9 @@ class CalibrationSettings:
     tree_samples: int                  # sampled serving: Monte Carlo draws per position for trees; 0 = chains only
     cost: CostSettings
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
+    hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
+    gpu: GpuCalibrationSettings        # vLLM and SGLang (engines=[vllm] / [sglang])
     llamacpp: LlamaCppCalibrationSettings
-    gpu: GpuCalibrationSettings
-    hf: HfCalibrationSettings
 
     def __post_init__(self):
         _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines")
