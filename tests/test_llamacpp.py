@@ -102,11 +102,14 @@ def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
     everywhere = torch.ones(n, dtype=torch.bool)
     alpha = torch.ones(n)  # every drafted token accepted
     keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # sure, unsure, sure, sure, unsure, sure
-    drafted, _ = simulate(alpha, keep, heldout, everywhere, 3, stop_before=True)
+    drafted, _ = simulate(alpha, keep, heldout, everywhere, 3, stop_before=True, renewal=False)
     # blocks from t = 0..5 (positions past the end are sure and cost drafts): 1, 0, 2, 1, 0, 3
     assert drafted == pytest.approx((1 + 0 + 2 + 1 + 0 + 3) / 6)
-    after, _ = simulate(alpha, keep, heldout, everywhere, 3)  # HF: the unsure token is still proposed
+    after, _ = simulate(alpha, keep, heldout, everywhere, 3, renewal=False)  # HF: the unsure token is still proposed
     assert after == pytest.approx((2 + 1 + 3 + 2 + 1 + 3) / 6)
+    # the passes the decoder runs start at 0, 2 (after 1 accepted + 1) and 5 (after 2 + 1): 1, 2 and 3 drafts
+    visited, _ = simulate(alpha, keep, heldout, everywhere, 3, stop_before=True)
+    assert visited == pytest.approx((1 + 2 + 3) / 3)
 
 
 @pytest.mark.smoke
