@@ -181,21 +181,35 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                    "plan": {m: {d: {"draft": e[0], "flags": e[1].flags()} for d, e in by.items()} for m, by in plan.items()},
                    "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
                    "overall": method_metrics(records, greedy)}
-        write_json(tmp / "metrics.json", metrics)
-        with open(tmp / "requests.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
-                                    "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
-                                    "drafted": r["stats"].drafted[0]}) + "\n")
-        (tmp / "report.md").write_text(report(metrics))
-    print(report(metrics))
-    tracker.log_metrics({f"llamacpp.{d}.{m}.speedup": v.get("speedup", 1.0)
-                         for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+        write_engine_outputs(tmp, metrics, records)
+    finish(metrics, tracker)
     return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
 
 
+ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
+
+
+def write_engine_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> None:
+    """metrics.json, requests.jsonl (one line per timed request) and report.md of an engine eval into `out_dir`."""
+    write_json(out_dir / "metrics.json", metrics)
+    with open(out_dir / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
+                                "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
+                                "drafted": r["stats"].drafted[0]}) + "\n")
+    (out_dir / "report.md").write_text(report(metrics))
+
+
+def finish(metrics: dict, tracker) -> None:
+    """The report on stdout and every method's speedup per domain in the tracker, as `<engine>.<domain>.<method>`."""
+    print(report(metrics))
+    tracker.log_metrics({f"{metrics['engine']}.{d}.{m}.speedup": v.get("speedup", 1.0)
+                         for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+
+
 def report(metrics: dict) -> str:
-    lines = [f"# llama.cpp {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "",
+    name = ENGINE_NAMES[metrics["engine"]]
+    lines = [f"# {name} {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "",
              "| domain | method | tok/s | speedup [95% CI] | acceptance [95% CI] |", "|---|---|---|---|---|"]
     for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method, m in by.items():

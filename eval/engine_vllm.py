@@ -20,8 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eval.engine_llamacpp import EngineStats, method_metrics, requests_of
-from pipeline.atomic import atomic_dir, write_json
+from eval.engine_llamacpp import EngineStats, finish, method_metrics, requests_of, write_engine_outputs
+from pipeline.atomic import atomic_dir
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, resolve_model
@@ -113,8 +113,6 @@ def generate(llm, ids: list[int], settings, seed: int, stop: list[int]) -> tuple
 def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
     """The eval stage inside vLLM (module docstring): metrics.json, requests.jsonl and report.md under `out_dir`."""
     require_vllm()
-    from eval.engine_llamacpp import report
-
     drafts = {"speculative": Path(settings.draft or cfg.paths.draft)}
     if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
         drafts["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
@@ -144,14 +142,6 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
                "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
                "overall": method_metrics(records, greedy)}
     with atomic_dir(out_dir) as tmp:
-        write_json(tmp / "metrics.json", metrics)
-        with open(tmp / "requests.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
-                                    "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
-                                    "drafted": r["stats"].drafted[0]}) + "\n")
-        (tmp / "report.md").write_text(report(metrics).replace("llama.cpp", "vLLM", 1))
-    print(report(metrics).replace("llama.cpp", "vLLM", 1))
-    tracker.log_metrics({f"vllm.{d}.{m}.speedup": v.get("speedup", 1.0)
-                         for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+        write_engine_outputs(tmp, metrics, records)
+    finish(metrics, tracker)
     return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
