@@ -100,7 +100,7 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     header = ["method", "tok/s", "latency p50 (s)", "latency p95 (s)", "speedup", "greedy match"]
     rows = []
     for method in sorted(metrics["methods"], key=_method_order):
-        m, label = metrics["overall"].get(method), method_label(method)
+        m, label = metrics["overall"].get(method), method_label(method, engine_of(metrics))
         if m:
             rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
                          "1.00×" if method == "autoregressive" else _speedup(m),
@@ -128,7 +128,17 @@ def latency_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def method_label(method: str) -> str:
+HF_ENGINE_LABELS = {"autoregressive": "HF generate", "speculative": "HF assisted",  # eval.engine=hf's methods
+                    "speculative_init": "HF assisted, undistilled draft"}
+
+
+def engine_of(metrics: dict) -> str:
+    return ((metrics.get("setup") or {}).get("settings") or {}).get("engine", "ours")
+
+
+def method_label(method: str, engine: str = "ours") -> str:
+    if engine == "hf":
+        return HF_ENGINE_LABELS.get(method, f"HF assisted, draft `{method.removeprefix('speculative_')}`")
     if method in METHOD_LABELS:
         return METHOD_LABELS[method]
     return f"own speculative, draft `{method.removeprefix('speculative_')}`"  # eval.extra_drafts
@@ -179,8 +189,8 @@ def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _comparison(scope: str, name: str, c: dict) -> str:
-    spec, other = METHOD_LABELS["speculative"], METHOD_LABELS.get(name, name)
+def _comparison(scope: str, name: str, c: dict, engine: str = "ours") -> str:
+    spec, other = method_label("speculative", engine), method_label(name, engine)
     ratio, n = _ci(c["ratio"], c["ci95"], unit="×"), c.get("n_requests")
     if c["within_noise"] is None:
         return f"{scope}: {spec} vs {other}: tokens/s ratio {ratio} — {n} requests, too few to tell from noise."
@@ -193,7 +203,7 @@ def _comparison(scope: str, name: str, c: dict) -> str:
 def comparison_lines(metrics: dict) -> list[str]:
     """Each domain's (and overall) paired comparison of the evaluated draft with every other non-AR method, in words."""
     scopes = [*metrics["domains"].items(), ("overall", metrics["overall"])]
-    return [_comparison(scope, key.removeprefix("speculative_vs_"), c)
+    return [_comparison(scope, key.removeprefix("speculative_vs_"), c, engine_of(metrics))
             for scope, d in scopes for key, c in (d.get("comparisons") or {}).items()]
 
 

@@ -26,7 +26,8 @@ def test_hf_engine_measures_hf_assisted_against_hf_plain_with_the_same_greedy_to
         assert spec["gamma"] == (2 if name == "chat" else 3)  # the calibrated γ reached num_assistant_tokens
     assert metrics["setup"]["settings"]["engine"] == "hf"
     assert set(metrics["gamma_sweep"]["by_gamma"]) == {"1"}  # γ sweeps run in HF too
-    assert (out / "report.md").stat().st_size > 0
+    report = (out / "report.md").read_text()
+    assert "HF assisted" in report and "own speculative" not in report  # the methods are HF's, and say so
 
 
 def test_hf_engine_serves_a_domain_calibrated_off_with_hf_plain(tmp_path, models):
