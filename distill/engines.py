@@ -163,11 +163,12 @@ def gpu_cost(exported_draft, target, settings) -> dict:
             "assumed: memory-bound batch-1 decoding (c = weights read per step, draft / target; verify = 1 step)"}
 
 
-def choose_fixed_greedy(draft, heldouts, vocab, cost: dict, gammas: list[int], margin: float) -> dict[str, dict]:
-    """Per domain (and default): the γ of a fixed greedy-draft chain with the best predicted speedup on the
-    calibration part, "off" below 1 + margin; acceptance α_t = p_T(argmax q_t) (the engines draft the argmax and
-    accept it with the target's probability of it: q one-hot)."""
-    parts = {name: (cal.acceptance(draft, heldout, [0.0], vocab)[0], heldout)
+def choose_fixed(draft, heldouts, vocab, cost: dict, gammas: list[int], margin: float, tau: float = 0.0,
+                 key: str = "num_speculative_tokens") -> dict[str, dict]:
+    """Per domain (and default): the γ (written under `key`) of a fixed-length chain with the best predicted speedup
+    on the calibration part, "off" below 1 + margin; α = Σ min(p, q) with the draft at `tau` (τ = 0: the engines
+    that draft the argmax and accept it with the target's probability of it, q one-hot)."""
+    parts = {name: (cal.acceptance(draft, heldout, [tau], vocab)[0], heldout)
              for name, heldout in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting))}
 
     def predict(part, mask, gamma):
@@ -181,7 +182,7 @@ def choose_fixed_greedy(draft, heldouts, vocab, cost: dict, gammas: list[int], m
         on = predict("calibration", mask, best)[0] > 1 + margin
         speedup, acceptance = predict("reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
         out[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": on, "num_speculative_tokens": best, "predicted_speedup": round(speedup if on else 1.0, 3),
+            "speculate": on, key: best, "predicted_speedup": round(speedup if on else 1.0, 3),
             "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
     return out
 
@@ -192,7 +193,7 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
     of tokens per pass, and route per domain only by running two servers: the tables say which domain goes where.
     The draft directory is this export ("." in the files: replace with where it is served from)."""
     cost = gpu_cost(exported_draft, target, settings)
-    table = choose_fixed_greedy(draft, heldouts, vocab, cost, list(settings.gammas), settings.margin)
+    table = choose_fixed(draft, heldouts, vocab, cost, list(settings.gammas), settings.margin)
     log("vLLM/SGLang calibration (c = {:.3f}, {}): {}".format(cost["c"], cost["source"].split(":")[0], "; ".join(
         f"{d} " + (f"k {e['num_speculative_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
                    else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
@@ -219,22 +220,8 @@ def calibrate_hf(inputs, exported_draft, heldouts, settings, log) -> dict:
     cost = hf.pass_costs(inputs.target, exported_draft, prompts, list(settings.gammas), inputs.sampling, inputs.stops,
                          int(settings.max_new_tokens))
     tau = 0.0 if inputs.sampling.greedy else float(inputs.sampling.temperature)
-    parts = {name: (cal.acceptance(exported_draft, part, [tau])[0], part)
-             for name, part in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting))}
-    table = {}
-    reporting_masks = cal.domain_index(heldouts.reporting)
-    for domain, mask in cal.domain_index(heldouts.calibration).items():
-        def predict(part, where, gamma):
-            alpha, heldout = parts[part]
-            drafted, accepted = simulate(alpha, None, heldout, where, gamma)
-            return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
-
-        best = max(settings.gammas, key=lambda g: predict("calibration", mask, g)[0])
-        on = predict("calibration", mask, best)[0] > 1 + settings.margin
-        speedup, acceptance = predict("reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
-        table[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": on, "num_assistant_tokens": best, "predicted_speedup": round(speedup if on else 1.0, 3),
-            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
+    table = choose_fixed(exported_draft, heldouts, None, cost, list(settings.gammas), settings.margin, tau,
+                         key="num_assistant_tokens")
     log("HF assisted calibration (a pass of γ = {}: {} plain steps): {}".format(
         ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()), "; ".join(
             f"{d} " + (f"γ {e['num_assistant_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
