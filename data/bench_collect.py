@@ -19,7 +19,6 @@ OpenMP threads make batch 1 several times slower and the comparison meaningless.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -56,20 +55,15 @@ def disk_bytes(rows: list[dict], topk: int) -> int:
         return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        fail(f"{message}: see python -m data.bench_collect --help")
-
-
 def fail(message: str) -> None:
     sys.stderr.write(f"[bench] error: {message}\n")
     sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.errors import PipelineError
+    from pipeline.errors import OneLineParser, PipelineError
 
-    parser = _Parser(prog="python -m data.bench_collect", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m data.bench_collect", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per measurement (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts-file", help="a prompt JSONL (our schema or Spec-Bench's question.jsonl); "

@@ -9,7 +9,6 @@ Prints ratios, asserts nothing about wall-clock. Prompts are the first user turn
 prepare stage's held-out split by default, or Spec-Bench's question.jsonl), spread over the file. Without
 --draft, the draft is the target's first --draft-layers layers sharing its embeddings, final norm and head.
 """
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, autoregressive_generate, speculative_generate
-from pipeline.errors import PipelineError
+from pipeline.errors import OneLineParser, PipelineError
 from pipeline.models import derive_draft, load_model, load_tokenizer
 from pipeline.prompts import load_prompts
 from pipeline.timing import synced_clock
@@ -147,12 +146,6 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        sys.stderr.write(f"[bench] error: {message}: see python -m eval.bench --help\n")
-        sys.exit(2)
-
-
 def check_args(args) -> None:
     """Bad input as one-line PipelineErrors before any model is loaded (and before anything is written)."""
     for name in ("target", "draft"):
@@ -176,7 +169,7 @@ def check_args(args) -> None:
 def main(argv=None):
     from pipeline.atomic import write_json
 
-    parser = _Parser(prog="python -m eval.bench", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m eval.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
     parser.add_argument("--draft", help="HF model directory of the draft (default: target's first layers)")
     parser.add_argument("--draft-layers", type=int, default=2)

@@ -14,7 +14,6 @@ at each B, timed on their own after a cached context, priced by the one cost mod
 (1 + A) / (γ·c(B) + r(B)), A = accepted drafts per pass measured at the smallest B): where speculation stops
 paying as the target stops being memory-bound.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from eval.bench import DEFAULT_PROMPTS, first_turns
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import autoregressive_generate_batch, predicted_speedup, speculative_generate_batch
-from pipeline.errors import PipelineError
+from pipeline.errors import OneLineParser, PipelineError
 from pipeline.heads import head_logits, head_rows
 from pipeline.models import load_model, load_tokenizer
 from pipeline.timing import synced_clock
@@ -143,12 +142,6 @@ def report(summary: dict, args) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        sys.stderr.write(f"[bench_batch] error: {message}: see python -m eval.bench_batch --help\n")
-        sys.exit(2)
-
-
 def check_args(args) -> None:
     for name in ("target", "draft"):
         if not (Path(getattr(args, name)) / "config.json").is_file():
@@ -162,7 +155,7 @@ def check_args(args) -> None:
 
 
 def main(argv=None):
-    parser = _Parser(prog="python -m eval.bench_batch", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m eval.bench_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
     parser.add_argument("--draft", required=True, help="HF model directory of the draft")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,

@@ -19,21 +19,15 @@ from pathlib import Path
 import torch
 
 from pipeline import cost_profile as cp
-from pipeline.errors import PipelineError
+from pipeline.errors import OneLineParser, PipelineError
 from pipeline.models import load_model, resolve_device
 from pipeline.spec import SpeculativeSpec
 
 DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        sys.stderr.write(f"[cost_profile] error: {message}: see python -m eval.cost_profile --help\n")
-        sys.exit(2)
-
-
 def parse(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="python -m eval.cost_profile", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m eval.cost_profile", description=__doc__.splitlines()[0])
     for role in ("target", "draft"):
         group = parser.add_mutually_exclusive_group(required=True)
         group.add_argument(f"--{role}", help=f"HF model directory of the {role} (real weights)")

@@ -10,7 +10,6 @@ included) against the mean pass. Asserts nothing about wall-clock.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from eval.metrics import bootstrap_ci
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import DraftLength, Guard, GuardSettings, speculative_generate
 from pipeline.decoding.draft_length import Policy
-from pipeline.errors import PipelineError
+from pipeline.errors import OneLineParser, PipelineError
 from pipeline.timing import synced_clock
 
 
@@ -89,14 +88,8 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        sys.stderr.write(f"[guard_bench] error: {message}: see python -m eval.guard_bench --help\n")
-        sys.exit(2)
-
-
 def main(argv=None):
-    parser = _Parser(prog="python -m eval.guard_bench", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m eval.guard_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
     parser.add_argument("--draft", required=True, help="HF model directory of the draft")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
