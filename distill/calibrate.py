@@ -14,12 +14,13 @@ predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exact
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from distill.batch import Truncation, batches, completion_hidden
-from pipeline.decoding.cost import predicted_speedup, verify_cost
+from pipeline.decoding.cost import pass_speedup
 from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import Sampling, expected_acceptance
 
@@ -213,17 +214,16 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
     return result
 
 
-def chain_speedup(per_position: list[float], c: float, gamma: int, verify_ratio: dict[int, float] | None = None) -> float:
+def chain_speedup(per_position: list[float], cost: Mapping, gamma: int) -> float:
     """The cost model (pipeline/decoding/cost.py) for a fixed γ: A = Σ_{k≤γ} P_k accepted drafts per pass,
-    γ draft forwards, the verify pass over γ drafts costed as measured (1 = free, Leviathan et al. Thm 3.8)."""
-    return predicted_speedup(sum(per_position[:gamma]), gamma, c, verify_cost(verify_ratio, gamma))
+    γ draft forwards, the verify pass over γ drafts and the host work as the cost summary `cost` prices them
+    ({"c": c} alone: free verification and host work, Leviathan et al. Thm 3.8)."""
+    return pass_speedup(sum(per_position[:gamma]), gamma, gamma, cost)
 
 
-def best_gamma(per_position: list[float], c: float, gammas: list[int],
-               verify_ratio: dict[int, float] | None = None) -> tuple[int, dict[int, float]]:
+def best_gamma(per_position: list[float], cost: Mapping, gammas: list[int]) -> tuple[int, dict[int, float]]:
     """γ maximising `chain_speedup`; returns (γ, {γ: speedup})."""
-    speedups = {int(g): chain_speedup(per_position, c, int(g), verify_ratio)
-                for g in gammas if int(g) <= len(per_position)}
+    speedups = {int(g): chain_speedup(per_position, cost, int(g)) for g in gammas if int(g) <= len(per_position)}
     return max(speedups, key=speedups.get), speedups
 
 

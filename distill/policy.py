@@ -16,11 +16,13 @@ rejections that still cost their drafts.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from distill.batch import completion_hidden
 from distill.calibrate import HeldOut, domain_index
-from pipeline.decoding.cost import predicted_speedup, verify_cost
+from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.heads import head_logits, head_rows
 
@@ -132,15 +134,16 @@ def candidates(gammas: list[int], thresholds: list[float], max_lengths: list[int
 
 
 def choose(alpha: torch.Tensor, keep: dict[float, torch.Tensor], heldout: HeldOut, options: list[DraftLength],
-           c: float, verify_ratio: dict | None) -> dict[str, dict]:
-    """Per domain (and OVERALL): the option with the highest predicted speedup, with its D, A and speedup."""
+           cost: Mapping) -> dict[str, dict]:
+    """Per domain (and OVERALL): the option with the highest predicted speedup under the cost summary `cost`
+    (pipeline/decoding/cost.py pass_speedup), with its D, A and speedup."""
     result = {}
     for domain, mask in domain_index(heldout).items():
         best = None
         for option in options:
             policy_keep = keep[option.threshold] if option.policy == "confidence" else None
             drafted, accepted = simulate(alpha, policy_keep, heldout, mask, option.max)
-            speedup = predicted_speedup(accepted, drafted, c, verify_cost(verify_ratio, drafted))
+            speedup = pass_speedup(accepted, drafted, drafted, cost)
             if best is None or speedup > best["predicted_speedup"]:
                 best = {"draft_length": option, "drafted": drafted, "accepted": accepted, "predicted_speedup": speedup}
         result[domain] = best

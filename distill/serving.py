@@ -9,7 +9,7 @@ from distill import calibrate as cal
 from distill import tree_choice
 from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
-from pipeline.cost_profile import measure_cost_profile, read_profile, summary
+from pipeline.cost_profile import canary_warning, measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
 
@@ -34,11 +34,11 @@ def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: 
     best = {}
     for domain, mask in cal.domain_index(heldout).items():
         per_position = cal.per_position_acceptance(alpha, heldout, mask, max(gammas))
-        best[domain] = cal.best_gamma(per_position, cost["c"], gammas, cost.get("verify_ratio"))[0]
+        best[domain] = cal.best_gamma(per_position, cost, gammas)[0]
     thresholds = [float(t) for t in lengths.thresholds]
     keep = keep_at(draft, heldout, taus, thresholds, vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
-    chosen = choose(alpha, keep, heldout, options, cost["c"], cost.get("verify_ratio"))
+    chosen = choose(alpha, keep, heldout, options, cost)
     trees, tree_speedups = choose_trees(inputs, split, heldout, chosen, cost, taus)
     best_speedup = {domain: max(entry["predicted_speedup"], tree_speedups.get(domain, 0.0))
                     for domain, entry in chosen.items()}
@@ -89,17 +89,30 @@ def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibrat
 
 def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
     """The cost profile γ and the policy are chosen for: distill.calibration.cost.profile when given (another
-    device's, checked against these models' shapes), else measured here in the serving dtype. The draft's
-    shape, not its weights, sets it."""
+    device's, checked against these models' shapes), else measured here in the serving dtype, with the decoder's
+    host work per pass at the serving sampling. The draft's shape, not its weights, sets it."""
     settings = inputs.settings.calibration.cost
     if settings.profile:
         rows = len(vocab) if vocab is not None else None
         profile = read_profile(settings.profile, inputs.target, inputs.draft, rows)
         log(f"calibrating for the cost profile {settings.profile} ({profile['machine'].get('device_name')}, "
-            f"{profile['machine'].get('dtype')})")
-        return profile
-    return measure_cost_profile(inputs.target, inputs.draft, vocab, tuple(settings.tokens_fed), tuple(settings.contexts),
-                                repeats=int(settings.repeats), warmup=int(settings.warmup), seed=int(inputs.cfg.seed))
+            f"{profile['machine'].get('dtype')})" + ("" if "host" in profile else
+                                                     "; it has no host block: the decoder's work between forwards "
+                                                     "is priced at 0"))
+    else:
+        profile = measure_cost_profile(inputs.target, inputs.draft, vocab, tuple(settings.tokens_fed),
+                                       tuple(settings.contexts), repeats=int(settings.repeats),
+                                       warmup=int(settings.warmup), seed=int(inputs.cfg.seed),
+                                       host_sampling=inputs.sampling)
+    if "host" in profile:
+        host = profile["host"]
+        log(f"decoder host work per pass (target steps): plain {host['plain']:.3f}, chain "
+            + ", ".join(f"{n} drafted {h:.3f}" for n, h in host["chain"].items()) + ", tree "
+            + ", ".join(f"{n} nodes {h:.3f}" for n, h in host["tree"].items()))
+    warning = canary_warning(profile)
+    if warning:
+        log(f"warning: {warning}")
+    return profile
 
 
 def predict_speedup(inputs: Inputs, split: Split, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: Calibration,

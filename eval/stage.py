@@ -31,7 +31,7 @@ from eval.report import (comparison_lines, control_lines, domain_rows, draft_row
 from eval.settings import EvalSettings
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
-from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate
+from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate, tree_key
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
@@ -117,17 +117,30 @@ def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Samp
     speculate = overridden or spec is None or spec.sampling != sampling or spec.speculates(domain)
     return {"gamma": int(gamma), "draft_length": policy, "tree": tree, "speculate": bool(speculate),
             "draft_temperature": None if tau is None or sampling.greedy else float(tau),
-            "guard": guard_for(spec, domain, settings)}
+            "guard": guard_for(spec, domain, settings, tree)}
 
 
-def guard_for(spec, domain: str, settings: EvalSettings) -> Guard | None:
-    """The online guard of one domain (eval.guard): the draft's calibrated cost profile and per-position
-    acceptance as its prior; None when it is off or the draft has no calibration to price passes with."""
+def guard_for(spec, domain: str, settings: EvalSettings, tree: list | None = None) -> Guard | None:
+    """The online guard of one domain (eval.guard): the draft's calibrated cost profile and acceptance as its
+    prior (a token tree's own per-depth acceptance where the calibration simulated it, else the chain's
+    per-position acceptance); None when it is off or the draft has no calibration to price passes with."""
     knobs = settings.guard_settings
     if knobs is None or spec is None or not spec.cost.get("c"):
         return None
-    prior = spec.per_position_acceptance.get(domain) or spec.per_position_acceptance.get("overall")
+    prior = (tree and tree_prior(spec.tree_candidates.get(domain) or spec.tree_candidates.get("overall"), tree)) or \
+        spec.per_position_acceptance.get(domain) or spec.per_position_acceptance.get("overall")
     return Guard(spec.cost, tuple(prior), knobs) if prior else None
+
+
+def tree_prior(candidates: dict | None, tree: list) -> list[float] | None:
+    """P_d, the chance a pass of `tree` accepts a node at depth d, from the calibration's expected accepted
+    nodes A of the tree truncated to each depth (tree_candidates): P_d = A(d) − A(d − 1). None when a truncation
+    was not simulated (the chain's acceptance then stands in, which understates a tree's: more siblings, more
+    chances)."""
+    accepted = [(candidates or {}).get(tree_key(tree[:depth]), {}).get("accepted") for depth in range(1, len(tree) + 1)]
+    if not accepted or None in accepted:
+        return None
+    return [min(max(a - b, 0.0), 1.0) for a, b in zip(accepted, [0.0] + accepted[:-1])]
 
 
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:

@@ -11,7 +11,8 @@ Schema (VERSION 1): `version`; `machine` {device, device_name, dtype, torch_thre
 transformers_version}; `shapes` {target, draft}: SHAPE_KEYS plus the draft's `head_rows`; `settings`
 {tokens_fed, contexts, draft_context, repeats, warmup, seed}; `target` {context: {tokens fed: {ms, p25, p75,
 ratio}}} (keys are decimal strings, `ratio` the median of paired k-token / 1-token forwards); `draft`
-{context, ms, p25, p75}.
+{context, ms, p25, p75}; optional `host` (the decoder's host work per pass, pipeline/pass_overhead.py) and
+`canary` {start_ms, end_ms, ratio} (the 1-token step before and after the profile).
 """
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ from pipeline.heads import head_logits, head_rows
 from pipeline.decoding.tree import tree_mask
 from pipeline.machine import cpu_name
 from pipeline.models import DTYPES, converted_dir
+from pipeline.pass_overhead import measure_host_overhead
+from pipeline.sampling import Sampling
 from pipeline.timing import synced_clock
 
 VERSION = 1
 FILENAME = "cost_profile.json"
+CANARY_REPEATS = 5
+CANARY_BAND = (0.87, 1.15)  # the 1-token step's drift within a profile beyond which it reads as measured under load
 SHAPE_KEYS = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")
 REPO = Path(__file__).resolve().parent.parent
@@ -105,12 +110,14 @@ def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
 @torch.no_grad()
 def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, tokens_fed=(1, 2, 4, 8, 16, 32),
                          contexts=(64, 512), draft_context: int = 64, repeats: int = 5, warmup: int = 1,
-                         seed: int = 0) -> dict:
+                         seed: int = 0, host_sampling: Sampling | None = None) -> dict:
     """Time the target's forward of each count in `tokens_fed` at each context length (KV cache prefilled
     with random tokens) and the draft's 1-token step with its head sliced to `vocab`, as the decoder runs it.
     (Nine parameters: the models and the subset, then the timing plan, each a conf/distill calibration.cost key.)
 
-    Interleaved and paired as `_sweep` says; the draft runs in the target's dtype, as it will serve.
+    Interleaved and paired as `_sweep` says; the draft runs in the target's dtype, as it will serve. With
+    `host_sampling`, the decoder's host work per pass at that sampling too (pipeline/pass_overhead.py). The 1-token
+    step is timed again before and after everything (`canary`: a ratio far from 1 means other load).
     """
     tokens_fed, contexts = sorted({int(k) for k in tokens_fed}), sorted({int(n) for n in contexts})
     if 1 not in tokens_fed or not contexts or min(contexts + [draft_context]) < 1 or repeats < 1:
@@ -125,15 +132,34 @@ def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, token
     ids = torch.randint(0, n_vocab, (1, max(contexts + [draft_context]) + max(tokens_fed)), generator=g).to(device)
     targets = {n: _Timed(target, head_rows(target), ids[:, :n]) for n in contexts}
     step = _Timed(draft, head_rows(draft, vocab), ids[:, :draft_context])
+    canary = targets[contexts[0]]
+    before = [canary(ids[:, :1]) for _ in range(CANARY_REPEATS)]
     pairs, trees, draft_s = _sweep(targets, step, ids[:, -max(tokens_fed):], tokens_fed, repeats, warmup)
     table = {str(n): _row(by_k) for n, by_k in pairs.items()}
     tree_table = {str(n): _row(by_k) for n, by_k in trees.items()}
     rows = len(vocab) if vocab is not None else draft.config.vocab_size
-    return {"version": VERSION, "machine": machine(device, dtype),
-            "shapes": {"target": shapes_of(target), "draft": shapes_of(draft, rows)},
-            "settings": {"tokens_fed": tokens_fed, "contexts": contexts, "draft_context": draft_context,
-                         "repeats": repeats, "warmup": warmup, "seed": seed},
-            "target": table, "tree_target": tree_table, "draft": {"context": draft_context, **_stats(draft_s)}}
+    profile = {"version": VERSION, "machine": machine(device, dtype),
+               "shapes": {"target": shapes_of(target), "draft": shapes_of(draft, rows)},
+               "settings": {"tokens_fed": tokens_fed, "contexts": contexts, "draft_context": draft_context,
+                            "repeats": repeats, "warmup": warmup, "seed": seed},
+               "target": table, "tree_target": tree_table, "draft": {"context": draft_context, **_stats(draft_s)}}
+    if host_sampling is not None:
+        profile["host"] = measure_host_overhead(target, draft, vocab, host_sampling, contexts[0], repeats, warmup, seed)
+    after = [canary(ids[:, :1]) for _ in range(CANARY_REPEATS)]
+    start, end = statistics.median(before) * 1e3, statistics.median(after) * 1e3
+    profile["canary"] = {"start_ms": round(start, 3), "end_ms": round(end, 3), "ratio": round(end / start, 3)}
+    return profile
+
+
+def canary_warning(profile: dict) -> str | None:
+    """A line saying the profile was measured under changing load (the 1-token step timed before and after the
+    whole profile differs by more than CANARY_BAND), else None."""
+    ratio = (profile.get("canary") or {}).get("ratio")
+    if ratio is None or CANARY_BAND[0] <= ratio <= CANARY_BAND[1]:
+        return None
+    return (f"the cost profile's canary (the target's 1-token step before and after it) moved {ratio:.2f}×: it was "
+            "measured under changing load (another job on these cores?); rerun on a quiet machine for trustworthy "
+            "choices")
 
 
 def machine(device: torch.device, dtype: torch.dtype) -> dict:
@@ -199,8 +225,10 @@ def summary(profile: dict, max_gamma: int) -> dict:
     1..max_gamma, draft_forward_ms, target_forward_ms."""
     trees = {"tree_verify_ratio": {g: round(verify_ratio(profile, g, kind="tree_target"), 3)
                                    for g in range(1, max_gamma + 1)}} if "tree_target" in profile else {}
+    host = {"host": {key: profile["host"][key] for key in ("plain", "chain", "tree")}} if "host" in profile else {}
+    canary = {"canary_ratio": profile["canary"]["ratio"]} if "canary" in profile else {}
     return {"c": c(profile), "verify_ratio": {g: round(verify_ratio(profile, g), 3) for g in range(1, max_gamma + 1)},
-            **trees,
+            **trees, **host, **canary,
             "draft_forward_ms": profile["draft"]["ms"], "target_forward_ms": _target_ms(profile)}
 
 

@@ -43,19 +43,32 @@ def test_best_gamma_follows_the_walltime_formula():
     from distill.calibrate import best_gamma
 
     alpha = 0.8
-    gamma, speedups = best_gamma([alpha ** k for k in range(1, 9)], c=0.05, gammas=range(1, 9))
+    gamma, speedups = best_gamma([alpha ** k for k in range(1, 9)], {"c": 0.05}, gammas=range(1, 9))
     formula = {g: (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * 0.05 + 1)) for g in range(1, 9)}
     assert gamma == max(formula, key=formula.get)
     assert speedups[4] == pytest.approx(formula[4])
-    assert best_gamma([0.1 ** k for k in range(1, 9)], c=0.3, gammas=range(1, 9))[0] == 1
+    assert best_gamma([0.1 ** k for k in range(1, 9)], {"c": 0.3}, gammas=range(1, 9))[0] == 1
 
 
 def test_best_gamma_costs_the_verify_pass_as_measured():
     from distill.calibrate import best_gamma
 
     # with verification costing r_γ, the speedup is (1 + Σ P_k) / (γc + r_γ)
-    gamma, speedups = best_gamma([0.5, 0.25], c=0.1, gammas=[1, 2], verify_ratio={1: 1.5, 2: 1.6})
+    gamma, speedups = best_gamma([0.5, 0.25], {"c": 0.1, "verify_ratio": {1: 1.5, 2: 1.6}}, gammas=[1, 2])
     assert speedups[1] == pytest.approx(1.5 / 1.6) and speedups[2] == pytest.approx(1.75 / 1.8) and gamma == 2
+
+
+def test_best_gamma_prices_the_decoders_host_work_per_pass():
+    from distill.calibrate import best_gamma
+
+    # host work in target steps: 0.05 per plain pass, 0.2 / 0.8 per pass drafting 1 / 4 (linear between)
+    host = {"plain": 0.05, "chain": {"1": 0.2, "4": 0.8}, "tree": {"3": 0.3, "6": 0.6}}
+    cost = {"c": 0.1, "verify_ratio": {1: 1.5, 2: 1.6}, "host": host}
+    gamma, speedups = best_gamma([0.5, 0.25], cost, gammas=[1, 2])
+    assert speedups[1] == pytest.approx(1.5 * 1.05 / (0.1 + 1.5 + 0.2))
+    assert speedups[2] == pytest.approx(1.75 * 1.05 / (0.2 + 1.6 + 0.4))
+    # priced at 0 the same choice would be γ = 2 (the test above); the host work of the longer pass flips it
+    assert gamma == 1
 
 
 def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when_unsure():
@@ -78,7 +91,7 @@ def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when
     alpha = torch.tensor(pattern * (n // len(pattern) + 1))[:n]
     keep = {0.5: alpha.clone()}
     options = [DraftLength("fixed", g) for g in (1, 2, 4, 8)] + [DraftLength("confidence", 16, 0.5)]
-    best = choose(alpha, keep, heldout, options, c=0.3, verify_ratio=None)["overall"]
+    best = choose(alpha, keep, heldout, options, {"c": 0.3})["overall"]
     assert best["draft_length"].policy == "confidence", best
 
 

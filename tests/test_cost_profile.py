@@ -44,9 +44,45 @@ def test_derived_costs_are_positive_and_monotone(profile):
     assert ratios[0] == 1.0 and min(ratios) >= 1.0
     assert all(a <= b for a, b in zip(ratios, ratios[1:]))
     cost = cp.summary(profile, 4)
-    assert set(cost) == {"c", "verify_ratio", "tree_verify_ratio", "draft_forward_ms", "target_forward_ms"}
+    assert set(cost) == {"c", "verify_ratio", "tree_verify_ratio", "canary_ratio", "draft_forward_ms",
+                         "target_forward_ms"}
     assert list(cost["verify_ratio"]) == [1, 2, 3, 4] == list(cost["tree_verify_ratio"])
     assert set(profile["tree_target"]) == set(profile["target"])  # tree verifies timed at the same points
+
+
+def test_a_profile_times_the_decoders_own_passes_and_prices_their_host_work(pair):
+    from pipeline.decoding.cost import pass_speedup
+    from pipeline.sampling import Sampling
+
+    profile = cp.measure_cost_profile(*pair, vocab=torch.arange(16), **FAST, host_sampling=Sampling(0.7))
+    host = profile["host"]
+    assert host["sampling"]["temperature"] == 0.7 and host["step_ms"] > 0
+    assert set(host["chain"]) == {"1", "4"} and set(host["tree"]) == {"3", "6"}
+    assert all(h >= 0 for h in [host["plain"], *host["chain"].values(), *host["tree"].values()])
+    # a speculative pass does more host work than a plain one (a draft distribution, a residual, two crops)
+    assert min(host["chain"].values()) > host["plain"]
+    cost = cp.summary(profile, 4)
+    assert cost["host"]["chain"] == host["chain"] and profile["canary"]["start_ms"] > 0
+    h0, h1 = host["plain"], host["chain"]["1"]
+    expected = 1.5 * (1 + h0) / (cost["c"] + cost["verify_ratio"][1] + h1)  # both sides pay their host work
+    assert pass_speedup(0.5, 1, 1, cost) == pytest.approx(expected)
+    assert pass_speedup(0.0, 0, 0, cost) == pytest.approx(1.0)  # a pass of no drafts is a plain pass
+
+
+def test_host_work_is_relative_to_the_plain_pass_and_interpolated():
+    from pipeline.decoding.cost import host_cost, pass_speedup
+
+    host = {"plain": 0.1, "chain": {"1": 0.3, "4": 0.6}, "tree": {"3": 0.5, "6": 1.1}}
+    assert host_cost(host, 2) == (0.1, pytest.approx(0.4)) and host_cost(host, 6) == (0.1, pytest.approx(0.8))
+    assert host_cost(host, 4.5, tree=True) == (0.1, pytest.approx(0.8)) and host_cost(None, 3) == (0.0, 0.0)
+    cost = {"c": 0.1, "verify_ratio": {1: 1.2}, "host": host}
+    # (1 + A)(1 + h_0) / (γc + r + h(γ)): both sides pay their host work
+    assert pass_speedup(0.5, 1, 1, cost) == pytest.approx(1.5 * 1.1 / (0.1 + 1.2 + 0.3))
+
+
+def test_the_canary_flags_a_profile_measured_under_changing_load():
+    assert cp.canary_warning({"canary": {"ratio": 1.02}}) is None and cp.canary_warning({}) is None
+    assert "changing load" in cp.canary_warning({"canary": {"ratio": 1.4}})
 
 
 def test_a_tree_is_priced_by_the_tree_verifies_that_were_timed():

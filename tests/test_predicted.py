@@ -26,3 +26,24 @@ def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tm
     forced, out, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
                                "eval.temperature=0", "eval.gammas=[]", "eval.gamma=2")
     assert "predicted" not in forced and not (out / "predicted_vs_measured.png").exists()
+
+
+def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
+    from hydra import compose, initialize_config_dir
+
+    from eval.settings import EvalSettings
+    from eval.stage import guard_for
+    from tests.conftest import REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        settings = EvalSettings.from_config(compose("config").eval)
+    trees = {"code": {"3": {"accepted": 0.4}, "3,1": {"accepted": 0.52}}}
+    spec = SpeculativeSpec(target={}, sampling=Sampling(0.7), draft={}, cost={"c": 0.1},
+                           per_position_acceptance={"code": [0.28, 0.08], "overall": [0.3, 0.1]},
+                           tree_candidates=trees)
+    # depth 1 of (3, 1) accepts one of three siblings: A(3) = 0.40; depth 2 adds A(3,1) − A(3) = 0.12
+    assert guard_for(spec, "code", settings, [3, 1]).prior == (0.4, 0.12)
+    assert guard_for(spec, "code", settings, [3]).prior == (0.4,)
+    # a chain, or a tree whose truncations were not simulated: the chain's per-position acceptance
+    assert guard_for(spec, "code", settings).prior == (0.28, 0.08)
+    assert guard_for(spec, "code", settings, [2, 2]).prior == (0.28, 0.08)

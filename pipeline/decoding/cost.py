@@ -5,6 +5,11 @@ it yields 1 + A tokens, A the accepted drafts. With c = draft forward / target 1
 verify forward / target 1-token forward (Leviathan et al. 2023, Thm 3.8, with the verify pass costed as
 measured instead of as free), the predicted speedup over plain decoding is (1 + A) / (D·c + r).
 A chain of γ has D = γ and verifies γ tokens; a token tree has D = its depth and verifies all its nodes.
+
+Both kinds of pass also pay the decoder's host work between forwards (probabilities, sampling, acceptance, cache
+rollback): h_0 per plain pass, h(N) per speculative pass of N drafted tokens or tree nodes, in target steps, timed
+through the decoder (pipeline/pass_overhead.py). With them the speedup is (1 + A)(1 + h_0) / (D·c + r + h(N)); a
+cost summary without a `host` block prices them at 0.
 """
 from __future__ import annotations
 
@@ -27,17 +32,39 @@ def verify_cost(verify_ratio: Mapping | None, drafted: float) -> float:
     return r1 + (r1 - r0) / max(n1 - n0, 1) * (drafted - n1)
 
 
+def host_cost(host: Mapping | None, drafted: float, tree: bool = False) -> tuple[float, float]:
+    """(h_0, h(drafted)): the host work of a plain pass and of a speculative pass drafting `drafted` tokens (a
+    tree: verifying that many nodes), in target steps, from a cost summary's `host` block, linear between the
+    measured points and extended along the nearest segment beyond them; (0, 0) without one. A pass of no drafts
+    is a plain pass."""
+    if not host:
+        return 0.0, 0.0
+    plain = float(host["plain"])
+    table = host.get("tree" if tree else "chain") or host.get("chain") or {}
+    points = sorted((float(n), float(h)) for n, h in table.items())
+    if drafted <= 0 or not points:
+        return plain, plain
+    if len(points) == 1:
+        return plain, points[0][1]
+    i = next((j for j in range(len(points) - 1) if drafted <= points[j + 1][0]), len(points) - 2)
+    (n0, h0), (n1, h1) = points[i], points[i + 1]
+    return plain, max(0.0, h0 + (h1 - h0) * (drafted - n0) / (n1 - n0))
+
+
 def predicted_speedup(accepted: float, draft_forwards: float, c: float, verify: float) -> float:
     """(1 + A) / (D·c + r): tokens per pass over the pass's cost in target steps."""
     return (1.0 + accepted) / (draft_forwards * c + verify)
 
 
 def pass_speedup(accepted: float, draft_forwards: float, drafted: float, cost: Mapping, tree: bool = False) -> float:
-    """predicted_speedup with c and r(drafted) from a cost summary {"c", "verify_ratio", "tree_verify_ratio"}:
-    a token tree's verify is priced as the tree verifies that were timed (4-D mask, explicit positions: another
-    attention path than a chain's), where the profile has them."""
+    """predicted_speedup with c, r(drafted) and the host work from a cost summary {"c", "verify_ratio",
+    "tree_verify_ratio", "host"}: a token tree's verify is priced as the tree verifies that were timed (4-D mask,
+    explicit positions: another attention path than a chain's), where the profile has them. Every cost is
+    relative to a plain pass (its forward and its host work), the baseline every speedup is measured against."""
     ratios = (tree and cost.get("tree_verify_ratio")) or cost.get("verify_ratio")
-    return predicted_speedup(accepted, draft_forwards, float(cost["c"]), verify_cost(ratios, drafted))
+    plain, host = host_cost(cost.get("host"), drafted, tree)
+    pass_cost = draft_forwards * float(cost["c"]) + verify_cost(ratios, drafted) + host
+    return predicted_speedup(accepted, 0.0, 0.0, pass_cost / (1.0 + plain))
 
 
 def iid_speedup(alpha, gamma: int, c: float):

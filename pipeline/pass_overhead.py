@@ -1,0 +1,72 @@
+"""What a decoding pass costs beyond its forwards: the decoder's own host work per pass (probabilities, sampling,
+acceptance, cache rollback, the loop and its policy), timed through the decoder itself.
+
+The forward sweep of pipeline/cost_profile.py times the models alone; a pass also pays for the work between
+forwards, and a speculative pass pays more of it than a plain one (a draft distribution per draft, the target's at
+every verified position, a residual, two cache crops; a token tree builds its mask and walks its nodes). On a
+2-core CPU with a 135M target that work was 10-20% of a speculative pass (the guard's measured/calibrated cost
+factor κ in eval, docs/results.md), which a forwards-only model leaves out of every prediction.
+
+Measured as the decoder runs: plain decoding, chains of two lengths and token trees of two sizes, each decoding
+the same random prompt for a few dozen tokens, interleaved over rounds; per pass the host seconds are the call's
+time less its forwards (`DecodeStats`: total − prefill − draft and target forwards), divided by the plain run's
+median 1-token target step. The cost model (pipeline/decoding/cost.py `host_cost`) interpolates linearly in the
+number of drafted tokens (chains) or verified nodes (trees) between the points measured here.
+
+Schema (profile["host"]): `sampling`, `new_tokens`, `repeats`, `step_ms`; `plain` (steps per plain pass);
+`chain` {drafted: steps}, `tree` {nodes: steps}.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from pipeline.decoding.generate import autoregressive_generate, speculative_generate
+from pipeline.decoding.tree import nodes
+from pipeline.sampling import Sampling
+
+NEW_TOKENS = 32  # per timed decode: enough passes per call that the call's fixed costs spread thin
+CHAINS = (1, 4)  # drafted tokens per chain pass measured (the cost model interpolates between them)
+TREES = ((3,), (3, 1))  # 3 and 6 verified nodes
+
+
+def _host_steps(stats) -> tuple[float, float]:
+    """(host seconds per pass, median 1-token target forward seconds) of one decode's stats."""
+    forwards = sum(stats.draft_times) + sum(stats.target_times) + stats.prefill_time
+    host = max(stats.total_time - forwards, 0.0) / max(stats.target_passes, 1)
+    return host, (statistics.median(stats.target_times) if stats.target_times else float("nan"))
+
+
+@torch.inference_mode()
+def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: Sampling, context: int,
+                          repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+    """profile["host"] (module docstring) for `target`/`draft` decoding `sampling` after a random prompt of
+    `context` tokens, the draft's head restricted to `vocab` as served."""
+    device = next(target.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    n_vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    prompt = torch.randint(0, n_vocab, (1, context), generator=g).to(device)
+    shapes = [None, *CHAINS, *TREES]
+    host: dict = {shape: [] for shape in shapes}
+    steps: list[float] = []
+    for r in range(warmup + repeats):
+        for shape in shapes:
+            generator = torch.Generator(device=device).manual_seed(seed + r)
+            if shape is None:
+                out = autoregressive_generate(target, prompt, sampling=sampling, max_new_tokens=NEW_TOKENS,
+                                              generator=generator)
+            else:
+                out = speculative_generate(target, draft, prompt, sampling=sampling, drafting=shape,
+                                           max_new_tokens=NEW_TOKENS, draft_vocab=vocab, generator=generator)
+            if r >= warmup:
+                seconds, step = _host_steps(out.stats)
+                host[shape].append(seconds)
+                if shape is None:
+                    steps.append(step)
+    step = statistics.median(steps)
+    per_step = {shape: round(statistics.median(seconds) / step, 4) for shape, seconds in host.items()}
+    return {"sampling": sampling.to_dict(), "context": context, "new_tokens": NEW_TOKENS, "repeats": repeats,
+            "step_ms": round(1e3 * step, 3), "plain": per_step[None],
+            "chain": {str(g): per_step[g] for g in CHAINS},
+            "tree": {str(nodes(t)): per_step[t] for t in TREES}}
