@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from distill.batching import format_batching
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.heads import bake_subset
 from pipeline.spec import DEFAULT, SpeculativeSpec
@@ -133,6 +134,8 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
               "drafted tokens (a tree: all its nodes)"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += _engine_lines(spec)
+    if spec.batching:  # distill.calibration.batch_sizes: γ per batch size (distill/batching.py)
+        lines += ["", "```", format_batching(spec.batching), "```"]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
               "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]

@@ -175,12 +175,18 @@ class CalibrationSettings:
     tree_samples: int                  # sampled serving: Monte Carlo draws per position for trees; 0 = chains only
     cost: CostSettings
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
+    batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batching.py); () = skip
     hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
     gpu: GpuCalibrationSettings        # vLLM and SGLang (engines=[vllm] / [sglang])
     llamacpp: LlamaCppCalibrationSettings
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines")
+        if self.batch_sizes is None:  # null = skip, as an empty list
+            object.__setattr__(self, "batch_sizes", ())
+        _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines", "batch_sizes")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise PipelineError(f"distill.calibration.batch_sizes={list(self.batch_sizes)} must be integers >= 1: use "
+                                "e.g. [1,2,4,8,16], or [] to skip the per-batch-size calibration")
         unknown = sorted(set(self.engines) - set(ENGINES))
         if unknown:
             raise PipelineError(f"distill.calibration.engines={list(self.engines)} names unknown engines {unknown}: "

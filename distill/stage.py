@@ -12,6 +12,7 @@
     calibration = calibrate(inputs, split, ...)           τ, γ, draft-length policy and tree per domain
     spec        = build_spec(...)                         speculative.json: every number on the reporting part
     spec, files = calibrate_engines(...)                  + the engines asked for (llama.cpp) and draft.gguf
+    spec        = calibrate_batching(inputs, split, spec) + γ per batch size (distill.calibration.batch_sizes)
     export(...)                                           ${paths.draft} + model card + the per-domain table
     export_calibrated_init(...)                           ${paths.draft_init} again, with its own calibration
 
@@ -31,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill import calibrate as cal
+from distill.batching import calibrate_batching
 from distill.draft import build_draft, vocab_subset
 from distill.engines import calibrate_engines
 from distill.export import exported_weights, format_table, model_card, save_draft
@@ -90,6 +92,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
     calibration = calibrate(inputs, split, heldouts.calibration, profile)
     spec = build_spec(inputs, split, heldouts, before, training, selected, calibration)
     spec, engine_files = calibrate_engines(inputs, split, heldouts, spec, calibration.head_fill, log)
+    spec = calibrate_batching(inputs, split, spec, log)
     calibration_dtype = next(inputs.draft.parameters()).dtype
     export(inputs, split, spec, profile, calibration.head_fill, engine_files)
     if settings.calibrate_init:

@@ -1,18 +1,25 @@
 """Batched speculative decoding against batched plain decoding at several batch sizes, side by side in one run.
 
     python -m eval.bench_batch --target artifacts/models/<target> --draft artifacts/draft [--batch-sizes 1 2 4 8]
+    python -m eval.bench_batch --target ... --draft artifacts/draft --calibrated [--domain default]
 
-Greedy, on the first user turns of a prompt JSONL (chat template applied; prompts of different lengths). For each
-batch size B the prompts are cut into batches of B rows and each batch is decoded by both methods back to back,
-order alternating, over --repeats rounds, after a warm-up. Prints per B the tokens/s of each method, the speedup
+On the first user turns of a prompt JSONL (chat template applied; prompts of different lengths). For each batch
+size B the prompts are cut into batches of B rows and each batch is decoded by both methods back to back, order
+alternating, over --repeats rounds, after a warm-up. Prints per B the tokens/s of each method, the speedup
 (speculative tokens/s over plain, pooled over the batches) with its paired bootstrap 95% CI over the batches, the
-acceptance, and whether the rows' outputs were identical (they must be: greedy batched speculation is lossless
-per row). Asserts nothing about wall-clock. The break-even batch is the smallest B whose speedup CI lies below 1.
+acceptance and, greedy, whether the rows' outputs were identical (they must be: greedy batched speculation is
+lossless per row). Asserts nothing about wall-clock. The break-even batch is where speculation stops paying as B
+grows (pipeline/batch_profile.py `break_even`); the smallest B whose CI lies below 1 is printed beside it.
 
-Beside it, the prediction: the cost of one target forward (1 and γ + 1 new tokens per row) and one draft forward
-at each B, timed on their own after a cached context, priced by the one cost model (pipeline/decoding/cost.py:
-(1 + A) / (γ·c(B) + r(B)), A = accepted drafts per pass measured at the smallest B): where speculation stops
-paying as the target stops being memory-bound.
+Default: greedy, a fixed --gamma, and the prediction from forward costs timed here at each B (1 and γ + 1 new
+tokens per row, a draft step; pipeline/batch_profile.py) priced by the one cost model with the accepted drafts per
+pass measured at the smallest B.
+
+--calibrated: the export's per-batch-size calibration (speculative.json `batching`, distill/batching.py) for one
+domain, at the export's serving sampling and draft temperature. At each B speculation runs with the best γ there
+(`gamma_if_on`), so the measured break-even is seen even where the calibration says "off"; the calibrated policy
+is that measurement where it drafts and batched plain decoding (the same computation as the baseline: 1×) where
+it is off. The prediction is the calibration's own (`predicted_speedup`, from the batch profile it was made with).
 """
 import sys
 from pathlib import Path
@@ -22,26 +29,35 @@ import torch
 
 from eval.bench import DEFAULT_PROMPTS, first_turns
 from eval.metrics import _speedup_stat, bootstrap_ci
+from pipeline.batch_profile import break_even, forward_ms
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import autoregressive_generate_batch, predicted_speedup, speculative_generate_batch
+from pipeline.decoding import GREEDY, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.errors import OneLineParser, PipelineError
-from pipeline.heads import head_logits, head_rows
 from pipeline.models import load_model, load_tokenizer
+from pipeline.spec import SpeculativeSpec
 from pipeline.timing import synced_clock
-
-CONTEXT = 96  # cached tokens per row before the timed forward (a chat prompt and some answer)
 
 
 def draft_vocab(draft_dir: Path) -> torch.Tensor | None:
     """The FR-Spec head subset of an exported draft (speculative.json `vocab_subset`), as eval uses it."""
-    from pipeline.spec import SpeculativeSpec
-
     spec = SpeculativeSpec.read(draft_dir)
     return torch.tensor(spec.vocab_subset, dtype=torch.long) if spec is not None and spec.vocab_subset else None
 
 
 def batches_of(prompts: list, size: int) -> list[list]:
     return [prompts[i:i + size] for i in range(0, len(prompts) - size + 1, size)]
+
+
+def methods_at(target, draft, gamma: int, args) -> dict:
+    """The two decoders of one batch size; both draw from a generator seeded per batch, so a sampled batch is
+    decoded from the same seed by each."""
+    common = {"sampling": args.sampling, "max_new_tokens": args.max_new_tokens, "eos_token_id": args.stop}
+    return {
+        "plain": lambda rows, gen: autoregressive_generate_batch(target, rows, generator=gen, **common),
+        "speculative": lambda rows, gen: speculative_generate_batch(
+            target, draft, rows, gamma=gamma, draft_vocab=args.vocab, draft_temperature=args.draft_temperature,
+            generator=gen, **common),
+    }
 
 
 def measure(target, draft, prompts: list, args, clock) -> dict:
@@ -51,19 +67,14 @@ def measure(target, draft, prompts: list, args, clock) -> dict:
         runs = {"plain": [], "speculative": []}
         accepted = drafted = passes = 0
         identical = True
-        methods = {
-            "plain": lambda rows: autoregressive_generate_batch(target, rows, max_new_tokens=args.max_new_tokens,
-                                                                eos_token_id=args.stop),
-            "speculative": lambda rows: speculative_generate_batch(target, draft, rows, gamma=args.gamma,
-                                                                   max_new_tokens=args.max_new_tokens,
-                                                                   draft_vocab=args.vocab, eos_token_id=args.stop),
-        }
+        methods = methods_at(target, draft, args.gamma_at[size], args)
         for repeat in range(args.repeats):
             for k, rows in enumerate(batches_of(prompts, size)):
                 outputs = {}
                 for name in (list(methods) if (repeat + k) % 2 == 0 else list(reversed(methods))):
+                    generator = torch.Generator().manual_seed(1000 * repeat + k)
                     start = clock()
-                    result = methods[name](rows)
+                    result = methods[name](rows, generator)
                     seconds = clock() - start
                     runs[name].append((sum(len(t) for t in result.tokens), seconds))
                     outputs[name] = [t.tolist() for t in result.tokens]
@@ -72,27 +83,10 @@ def measure(target, draft, prompts: list, args, clock) -> dict:
                         drafted += sum(s.n_drafted for s in result.stats)
                         passes += sum(d > 0 for s in result.stats for d in s.drafted)
                 identical &= outputs["plain"] == outputs["speculative"]
-        out[size] = {**runs, "acceptance": accepted / drafted if drafted else 0.0, "identical": identical,
+        out[size] = {**runs, "acceptance": accepted / drafted if drafted else 0.0,
+                     "identical": identical if args.sampling.greedy else None,
                      "accepted": accepted, "drafting_passes": passes}
     return out
-
-
-@torch.inference_mode()
-def forward_ms(model, batch: int, tokens: int, clock, repeats: int = 9, vocab=None) -> float:
-    """Median ms of one forward of `tokens` new tokens per row after CONTEXT cached ones, at this batch size
-    (through the decoder's own path: the base model, then the head on the new positions only)."""
-    from transformers import DynamicCache
-
-    ids = torch.randint(0, model.config.vocab_size, (batch, CONTEXT + tokens))
-    head, times = head_rows(model, vocab), []
-    for _ in range(repeats + 1):  # the first is a warm-up: the kernels of a new shape are chosen there
-        cache = DynamicCache(config=model.config)
-        model.model(input_ids=ids[:, :CONTEXT], cache=cache, use_cache=True)
-        start = clock()
-        hidden = model.model(input_ids=ids[:, CONTEXT:], cache=cache, use_cache=True).last_hidden_state
-        head_logits(hidden[:, -tokens:], head)
-        times.append(clock() - start)
-    return 1000 * float(np.median(times[1:]))
 
 
 def predict(target, draft, measured: dict, args, clock) -> dict:
@@ -101,11 +95,27 @@ def predict(target, draft, measured: dict, args, clock) -> dict:
     accepted = first["accepted"] / first["drafting_passes"] if first["drafting_passes"] else 0.0
     out = {}
     for size in measured:
+        gamma = args.gamma_at[size]
         step = forward_ms(target, size, 1, clock)
-        c = forward_ms(draft, size, 1, clock, vocab=args.vocab) / step
-        r = forward_ms(target, size, args.gamma + 1, clock) / step
-        out[size] = {"target_step_ms": step, "c": c, "r": r, "accepted_per_pass": accepted,
-                     "predicted": predicted_speedup(accepted, args.gamma, c, r)}
+        cost = {"c": forward_ms(draft, size, 1, clock, vocab=args.vocab) / step,
+                "verify_ratio": {gamma: forward_ms(target, size, gamma + 1, clock) / step}}
+        out[size] = {"target_step_ms": step, "c": cost["c"], "r": cost["verify_ratio"][gamma],
+                     "accepted_per_pass": accepted, "predicted": pass_speedup(accepted, gamma, gamma, cost)}
+    return out
+
+
+def predict_calibrated(spec: SpeculativeSpec, domain: str, sizes) -> dict:
+    """{B: {c, r, predicted, gamma}} as the export's batching calibration priced them (no timing here)."""
+    block = spec.batching
+    name = domain if domain in block["by_domain"] else "default"
+    out = {}
+    for size in sizes:
+        key = str(size)
+        gamma = block["gamma_if_on"][name][key]
+        cost = block["cost"]["by_batch"][key]
+        out[size] = {"c": cost["c"], "r": cost["verify_ratio"][str(gamma)], "gamma": gamma,
+                     "policy_gamma": block["by_domain"][name][key],
+                     "predicted": block["predicted_speedup"][name][key]}
     return out
 
 
@@ -118,27 +128,48 @@ def summarize(measured: dict) -> dict:
                       "speedup": float(_speedup_stat(*samples)), "ci95": bootstrap_ci(samples, _speedup_stat),
                       "n_batches": len(tok_s), "acceptance": m["acceptance"], "identical": m["identical"]}
     losing = [size for size, r in rows.items() if r["ci95"] and r["ci95"][1] < 1.0]
-    below = [size for size, r in rows.items() if r["speedup"] < 1.0]
-    return {"by_batch": rows, "break_even_batch": min(losing) if losing else None,
-            "first_below_one": min(below) if below else None}
+    return {"by_batch": rows, "ci_below_one": min(losing) if losing else None,
+            "break_even": break_even({size: r["speedup"] for size, r in rows.items()})}
+
+
+def _ci(r: dict) -> str:
+    return "[n<2]" if r["ci95"] is None else f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+
+
+def within_one_step(sizes: list[int], predicted, measured) -> bool:
+    """Whether two break-even batches lie at most one grid step apart (None = beyond the largest B)."""
+    index = {size: i for i, size in enumerate(sorted(sizes))} | {None: len(sizes)}
+    return abs(index[predicted] - index[measured]) <= 1
 
 
 def report(summary: dict, args) -> str:
     subset = "full vocabulary" if args.vocab is None else f"FR-Spec subset of {len(args.vocab):,} tokens"
-    lines = [f"greedy, gamma={args.gamma}, max_new_tokens={args.max_new_tokens}, {args.n_prompts} prompts, "
-             f"repeats={args.repeats}, torch threads={torch.get_num_threads()}, draft head: {subset}",
-             f"{'B':>3} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup [95% CI]':>26} {'n':>3} {'accept':>7} "
-             f"{'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9}"]
+    lines = [f"{args.sampling}, draft temperature {args.draft_temperature}, max_new_tokens={args.max_new_tokens}, "
+             f"{args.n_prompts} prompts, repeats={args.repeats}, torch threads={torch.get_num_threads()}, "
+             f"{args.dtype}, draft head: {subset}" + (f", calibrated for domain {args.domain}" if args.calibrated else ""),
+             f"{'B':>3} {'γ':>2} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup [95% CI]':>26} {'n':>3} {'accept':>7} "
+             f"{'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9}" + ("  policy" if args.calibrated else "")]
     predicted = summary["predicted"]
     for size, r in summary["by_batch"].items():
-        ci = "[n<2]" if r["ci95"] is None else f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
         p = predicted[size]
-        lines.append(f"{size:>3} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>11.1f} {r['speedup']:>8.3f}× {ci:>16} "
-                     f"{r['n_batches']:>3} {r['acceptance']:>7.3f} {str(r['identical']):>9} {p['c']:>6.3f} "
-                     f"{p['r']:>6.2f} {p['predicted']:>8.3f}×")
-    below = [size for size, p in predicted.items() if p["predicted"] < 1.0]
-    lines.append(f"measured: first B with speedup < 1: {summary['first_below_one']}; smallest B whose CI is below 1: "
-                 f"{summary['break_even_batch']}; predicted first B below 1: {min(below) if below else None}")
+        line = (f"{size:>3} {args.gamma_at[size]:>2} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>11.1f} "
+                f"{r['speedup']:>8.3f}× {_ci(r):>16} {r['n_batches']:>3} {r['acceptance']:>7.3f} "
+                f"{str(r['identical']):>9} {p['c']:>6.3f} {p['r']:>6.2f} {p['predicted']:>8.3f}×")
+        if args.calibrated:
+            line += (f"  γ={p['policy_gamma']}: {r['speedup']:.3f}× {_ci(r)}" if p["policy_gamma"]
+                     else "  off: plain decoding (1×)")
+        lines.append(line)
+    predicted_break = (summary["predicted_break_even"] if args.calibrated
+                       else break_even({size: p["predicted"] for size, p in predicted.items()}))
+    sizes = list(summary["by_batch"])
+    lines.append(f"break-even batch: measured {summary['break_even']} (smallest B whose CI is below 1: "
+                 f"{summary['ci_below_one']}), predicted {predicted_break}: "
+                 f"{'within' if within_one_step(sizes, predicted_break, summary['break_even']) else 'not within'} "
+                 "one step of the grid")
+    if args.calibrated:
+        slower = [size for size, r in summary["by_batch"].items()
+                  if predicted[size]["policy_gamma"] and r["ci95"] and r["ci95"][1] < 1.0]
+        lines.append("calibrated policy slower than batched plain beyond the CI at: " + (str(slower) if slower else "none"))
     return "\n".join(lines)
 
 
@@ -154,6 +185,27 @@ def check_args(args) -> None:
         raise PipelineError(f"--batch-sizes {args.batch_sizes} must be integers in [1, --n-prompts {args.n_prompts}]")
 
 
+def plan(args) -> SpeculativeSpec | None:
+    """Sets what each B runs (args.gamma_at, sampling, draft temperature, vocab); the export's spec, if any."""
+    spec = SpeculativeSpec.read(args.draft)
+    args.vocab = draft_vocab(Path(args.draft)) if args.vocab_subset else None
+    if not args.calibrated:
+        args.sampling, args.draft_temperature = GREEDY, None
+        args.gamma_at = {size: args.gamma for size in args.batch_sizes}
+        return spec
+    if spec is None or not spec.batching:
+        raise PipelineError(f"{args.draft} has no per-batch-size calibration (speculative.json `batching`): run "
+                            f"`python -m distill.batching --draft {args.draft} --target {args.target}` first")
+    missing = sorted(set(args.batch_sizes) - set(spec.batching["batch_sizes"]))
+    if missing:
+        raise PipelineError(f"--batch-sizes {missing} are not calibrated (speculative.json batching has "
+                            f"{spec.batching['batch_sizes']}): pass calibrated batch sizes or recalibrate")
+    name = args.domain if args.domain in spec.batching["by_domain"] else "default"
+    args.sampling, args.draft_temperature = spec.sampling, spec.for_domain("draft_temperature", args.domain)
+    args.gamma_at = {size: spec.batching["gamma_if_on"][name][str(size)] for size in args.batch_sizes}
+    return spec
+
+
 def main(argv=None):
     parser = OneLineParser(prog="python -m eval.bench_batch", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
@@ -163,26 +215,37 @@ def main(argv=None):
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--gamma", type=int, default=2)
+    parser.add_argument("--gamma", type=int, default=2, help="the fixed γ (not with --calibrated)")
+    parser.add_argument("--calibrated", action="store_true",
+                        help="run the export's per-batch-size calibration (speculative.json batching)")
+    parser.add_argument("--domain", default="default", help="the calibrated domain whose policy runs (--calibrated)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--no-vocab-subset", dest="vocab_subset", action="store_false",
                         help="draft over the full vocabulary instead of the draft's FR-Spec subset")
     args = parser.parse_args(argv)
     try:
         check_args(args)
+        spec = plan(args)
         if args.threads:
             torch.set_num_threads(args.threads)
-        target, draft = load_model(args.target), load_model(args.draft)
+        dtype = getattr(torch, args.dtype)
+        target, draft = load_model(args.target, dtype=dtype), load_model(args.draft, dtype=dtype)
         tokenizer = load_tokenizer(args.target)
-        args.vocab = draft_vocab(Path(args.draft)) if args.vocab_subset else None
         args.stop = stop_token_ids(tokenizer, target)
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0]
                    for text in first_turns(args.prompts, args.n_prompts)]
-        speculative_generate_batch(target, draft, prompts[:2], gamma=args.gamma, max_new_tokens=4)  # warm-up
+        speculative_generate_batch(target, draft, prompts[:2], gamma=2, max_new_tokens=4)  # warm-up
         autoregressive_generate_batch(target, prompts[:2], max_new_tokens=4)
         measured = measure(target, draft, prompts, args, synced_clock("cpu"))
-        summary = summarize(measured) | {"predicted": predict(target, draft, measured, args, synced_clock("cpu"))}
+        summary = summarize(measured)
+        if args.calibrated:
+            summary["predicted"] = predict_calibrated(spec, args.domain, args.batch_sizes)
+            name = args.domain if args.domain in spec.batching["break_even"] else "default"
+            summary["predicted_break_even"] = spec.batching["break_even"][name]
+        else:
+            summary["predicted"] = predict(target, draft, measured, args, synced_clock("cpu"))
     except PipelineError as e:
         sys.stderr.write(f"[bench_batch] error: {e}\n")
         sys.exit(2)

@@ -29,6 +29,8 @@ It travels next to the draft's HF weights. Per-domain entries are `{domain: valu
     heldout                sizes of the calibration and reporting splits
     engines                per serving engine, its calibration: {"llamacpp": {"by_domain": {domain: {"speculate",
                            "n_max", "p_min", "predicted_speedup"}}, "cost": ..., "flags": {...}}} (optional)
+    batching               the draft length per batch size: {"batch_sizes", "by_domain": {domain: {B: γ or 0 = plain}},
+                           "break_even", "cost", ...} (distill/batching.py; optional, {} = not calibrated)
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class SpeculativeSpec:
     tree_candidates: dict = field(default_factory=dict)  # optional: exports before it still read
     engines: dict = field(default_factory=dict)  # optional: {engine: calibration for it}, e.g. llamacpp (distill)
     speculate: dict = field(default_factory=dict)  # optional: per domain, False = plain decoding (calibrated off)
+    batching: dict = field(default_factory=dict)  # optional: per domain and batch size, γ (0 = plain decoding)
     heldout: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -96,6 +99,17 @@ class SpeculativeSpec:
             return None
         tree = self.for_domain("tree", domain)
         return tuple(tree) if tree else self.draft_length_for(domain)
+
+    def gamma_for_batch(self, domain: str, batch: int) -> int | None:
+        """The calibrated γ of a domain (else `default`) at a batch size, 0 = plain decoding: the setting of the
+        smallest calibrated batch size ≥ batch (costs grow with B), the largest's beyond it; None when not
+        calibrated for batches."""
+        table = (self.batching.get("by_domain") or {}) if self.batching else {}
+        table = table.get(domain, table.get(DEFAULT))
+        if not table:
+            return None
+        sizes = sorted(int(b) for b in table)
+        return int(table[str(next((b for b in sizes if b >= batch), sizes[-1]))])
 
     def to_dict(self) -> dict:
         out = asdict(self)

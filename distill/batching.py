@@ -1,0 +1,194 @@
+"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`).
+
+A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass (P_k = `per_position_acceptance`, the chance the first k
+drafts of a block are accepted) whatever the batch size; what B changes is the price: the draft step c(B) and the
+verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device (pipeline/batch_profile.py).
+Per domain and measured B the γ with the highest predicted speedup (pipeline/decoding/cost.py) is kept when it
+beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off": batched plain decoding). The
+break-even batch is the smallest measured B from which no γ is predicted to beat plain decoding at any larger
+measured B. A batch size between two measured ones takes the larger one's setting: costs grow with B, so this
+never drafts where a measured neighbour would not.
+
+    python -m distill.batching --draft artifacts/draft --target artifacts/models/<target> [--batch-sizes 1 2 4 8 16]
+
+calibrates an existing export without retraining and rewrites its speculative.json (atomically; `--out DIR`: a
+calibrated copy of the export instead). In the distill
+stage it runs when `distill.calibration.batch_sizes` is non-empty.
+
+speculative.json `batching` = {batch_sizes, margin, by_domain {domain: {B: γ or 0}}, gamma_if_on {domain: {B: γ}},
+predicted_speedup {domain: {B: of gamma_if_on}}, break_even {domain: B or null}, cost {machine, context,
+by_batch {B: {c, target_step_ms, verify_ratio}}}}. Where the export has engines.vllm, each domain's
+speculative_config gains vLLM's `num_speculative_tokens_per_batch_size` (below).
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_dir
+from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, measure_batch_profile
+from pipeline.decoding.cost import pass_speedup
+from pipeline.errors import OneLineParser, PipelineError
+from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.timing import synced_clock
+
+OVERALL = "overall"  # distill's name for the pooled domain (distill/calibrate.py); speculative.json says "default"
+
+
+def best_gamma(per_position, cost: dict, gammas) -> tuple[int, float]:
+    """The γ of `gammas` with the highest predicted speedup at this cost, and that speedup."""
+    usable = [g for g in gammas if g <= len(per_position)]
+    if not usable:
+        raise PipelineError(f"per_position_acceptance has {len(per_position)} positions, fewer than every γ of "
+                            f"{list(gammas)}: calibrate with smaller gammas")
+    priced = [(pass_speedup(sum(per_position[:g]), g, g, cost), g) for g in usable]
+    speedup, gamma = max(priced)
+    return gamma, speedup
+
+
+def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -> dict:
+    """speculative.json `batching` (module docstring) from per-domain acceptance and a batch cost profile."""
+    sizes = batch_sizes_of(profile)
+    costs = {size: batch_cost(profile, size) for size in sizes}
+    block = {"batch_sizes": sizes, "margin": margin, "by_domain": {}, "gamma_if_on": {}, "predicted_speedup": {},
+             "break_even": {}}
+    for domain, per_position in per_position_by_domain.items():
+        name = DEFAULT if domain == OVERALL else domain
+        chosen = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
+        block["gamma_if_on"][name] = {size: gamma for size, (gamma, _) in chosen.items()}
+        block["predicted_speedup"][name] = {size: round(speedup, 3) for size, (_, speedup) in chosen.items()}
+        block["by_domain"][name] = {size: gamma if speedup >= 1 + margin else 0
+                                    for size, (gamma, speedup) in chosen.items()}
+        block["break_even"][name] = break_even({int(s): x for s, x in block["predicted_speedup"][name].items()})
+    longest = max(gammas)
+    block["cost"] = {"machine": profile["machine"], "context": profile["context"],
+                     "by_batch": {str(size): {"c": round(cost["c"], 4), "target_step_ms": round(cost["target_step_ms"], 3),
+                                              "verify_ratio": {str(n): round(r, 4) for n, r in cost["verify_ratio"].items()
+                                                               if n <= longest}}
+                                  for size, cost in costs.items()}}
+    return block
+
+
+def vllm_schedule(gammas_by_batch: dict, k_max: int) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size`: inclusive [start, end, K] ranges from 1, K ≤ k_max (vLLM
+    clamps to its num_speculative_tokens anyway). A range ends at a measured B and takes its setting (the module
+    docstring's rule); vLLM carries the last K beyond the last range (vllm/v1/spec_decode/dynamic/utils.py)."""
+    schedule, start = [], 1
+    for size in sorted(int(b) for b in gammas_by_batch):
+        k = min(int(gammas_by_batch[str(size)]), k_max)
+        if schedule and schedule[-1][2] == k:
+            schedule[-1][1] = size
+        else:
+            schedule.append([start, size, k])
+        start = size + 1
+    return schedule
+
+
+def with_vllm_schedule(engines: dict, block: dict) -> dict:
+    """engines with each vLLM speculative_config (a domain that drafts there) given its per-batch-size K.
+    The key exists since vLLM 0.24 (PR #32374, docs/features/speculative_decoding/dynamic_speculative_decoding.md;
+    vllm/config/speculative.py `num_speculative_tokens_per_batch_size`); older versions refuse unknown keys."""
+    vllm = engines.get("vllm")
+    if not vllm:
+        return engines
+    configs = {}
+    for domain, config in vllm["speculative_config"].items():
+        table = block["by_domain"].get(domain, block["by_domain"].get(DEFAULT))
+        configs[domain] = config if config is None or table is None else {
+            **config, "num_speculative_tokens_per_batch_size": vllm_schedule(table, config["num_speculative_tokens"])}
+    return {**engines, "vllm": {**vllm, "speculative_config": configs}}
+
+
+def with_batching(spec: SpeculativeSpec, profile: dict, gammas, margin: float) -> SpeculativeSpec:
+    """The spec with its `batching` block and the vLLM schedule it implies."""
+    if not spec.per_position_acceptance:
+        raise PipelineError("speculative.json has no per_position_acceptance: re-export the draft with stage=distill")
+    block = choose(spec.per_position_acceptance, profile, gammas, margin)
+    return replace(spec, batching=block, engines=with_vllm_schedule(spec.engines, block))
+
+
+def calibrate_batching(inputs, split, spec: SpeculativeSpec, log) -> SpeculativeSpec:
+    """The distill stage's optional step: the batch profile of the target and the draft as served, then
+    with_batching; the spec unchanged when distill.calibration.batch_sizes is empty."""
+    settings = inputs.settings.calibration
+    if not settings.batch_sizes:
+        return spec
+    draft = copy.deepcopy(inputs.draft).to(inputs.target.dtype)  # as exported: in the serving dtype
+    device = next(inputs.target.parameters()).device
+    profile = measure_batch_profile(inputs.target, draft.to(device), settings.batch_sizes,
+                                    [g + 1 for g in settings.gammas], synced_clock(device), split.vocab,
+                                    repeats=int(settings.cost.repeats))
+    spec = with_batching(spec, profile, settings.gammas, float(settings.speculate_margin))
+    log(format_batching(spec.batching))
+    return spec
+
+
+def format_batching(block: dict) -> str:
+    sizes = block["batch_sizes"]
+    lines = ["draft length per batch size (0 = plain decoding; predicted speedup of the best γ):",
+             f"{'domain':<14}" + "".join(f"{'B=' + str(s):>14}" for s in sizes) + f"{'break-even':>12}"]
+    for domain, table in block["by_domain"].items():
+        speedups = block["predicted_speedup"][domain]
+        cells = "".join(f"{f'{table[str(s)]} ({speedups[str(s)]:.2f}×)':>14}" for s in sizes)
+        lines.append(f"{domain:<14}{cells}{str(block['break_even'][domain]):>12}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = OneLineParser(prog="python -m distill.batching", description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="a draft export (with speculative.json)")
+    parser.add_argument("--target", required=True, help="HF model directory of the target")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    # = distill.calibration.gammas and speculate_margin in conf/distill/default.yaml
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--repeats", type=int, default=9, help="timed forwards per point (the median is kept)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the dtype the models are served in (eval.bench_batch runs float32)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--out", help="write a calibrated copy of the export here instead of rewriting it in place")
+    args = parser.parse_args(argv)
+    try:
+        spec = run(args)
+    except PipelineError as e:
+        sys.stderr.write(f"[batching] error: {e}\n")
+        sys.exit(2)
+    print(format_batching(spec.batching))
+
+
+def run(args) -> SpeculativeSpec:
+    from pipeline.models import load_model
+
+    if min(args.batch_sizes) < 1 or min(args.gammas) < 1 or args.repeats < 1 or args.margin < 0:
+        raise PipelineError(f"--batch-sizes {args.batch_sizes}, --gammas {args.gammas} and --repeats {args.repeats} "
+                            f"must be integers >= 1 and --margin {args.margin} >= 0")
+    spec = SpeculativeSpec.read(args.draft)
+    if spec is None:
+        raise PipelineError(f"{args.draft} has no speculative.json: pass a draft the distill stage exported")
+    for name in ("target", "draft"):
+        if not (Path(getattr(args, name)) / "config.json").is_file():
+            raise PipelineError(f"--{name} {getattr(args, name)} is not an HF model directory (no config.json)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target, draft = load_model(args.target, dtype=dtype), load_model(args.draft, dtype=dtype)
+    vocab = torch.tensor(spec.vocab_subset, dtype=torch.long) if spec.vocab_subset else None
+    profile = measure_batch_profile(target, draft, args.batch_sizes, [g + 1 for g in args.gammas],
+                                    synced_clock("cpu"), vocab, repeats=args.repeats)
+    spec = with_batching(spec, profile, args.gammas, args.margin)
+    if not args.out:
+        spec.write(args.draft)  # atomic: pipeline/atomic.py
+        return spec
+    with atomic_dir(args.out) as tmp:
+        shutil.copytree(args.draft, tmp, dirs_exist_ok=True)
+        spec.write(tmp)
+    return spec
+
+
+if __name__ == "__main__":
+    main()
