@@ -16,7 +16,8 @@ The first target pass is a plain prefill (time to first token = plain decoding's
 Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
 `tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
 `draft_length` (draft-length policies),
-`guard` (the online guard: fewer drafts, or none, while they do not pay), `cost` (the one speedup model),
+`guard` (the online guard: fewer drafts, or none, while they do not pay), `adaptive_tau` (its draft temperature
+moved per pass), `cost` (the one speedup model),
 `stream` (TokenStream), `generate` (the entry points), `batch` (batched decoding, B rows of any lengths).
 """
 from pipeline.decoding.batch import BatchOutput, autoregressive_generate_batch, speculative_generate_batch

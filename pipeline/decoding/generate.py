@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.decoding.adaptive_tau import adaptive_tau
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import DraftLength, Policy
 from pipeline.decoding.guard import Guard, guarded
@@ -53,6 +54,7 @@ def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
         plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
 
         policy = guarded(Policy(drafting.depth), guard, run.stats, drafting.depths)
+        tau = adaptive_tau(guard, run.pair, run.stats)
 
         def step(seq, room):
             depth = min(policy.budget(), room) if room else 0
@@ -62,15 +64,16 @@ def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
             else:
                 if depth not in plans:
                     plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
-                seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
+                seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile, tau)
             policy.update(depth, run.stats.accepted[-1])
             return seq, new_tokens
     else:
         policy = guarded(drafting.make(), guard, run.stats)
+        tau = adaptive_tau(guard, run.pair, run.stats)
 
         def step(seq, room):
             budget = min(policy.budget(), room) if room else 0
-            return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile)
+            return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile, tau)
 
     return TokenStream(run.chunks(step, max_new_tokens, eos_token_id), stats)
 
@@ -89,8 +92,9 @@ def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREED
     LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
     must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
     (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
-    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay; its
-    decisions land in `stats.guard`. The decode is speculative_stream's, collected.
+    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay, and with
+    GuardSettings.adaptive_tau moves the draft temperature (pipeline/decoding/adaptive_tau.py); its decisions land
+    in `stats.guard`. The decode is speculative_stream's, collected.
     """
     return speculative_stream(target, draft, input_ids, sampling=sampling, drafting=drafting,
                               max_new_tokens=max_new_tokens, draft_temperature=draft_temperature,
