@@ -65,13 +65,15 @@ def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -
         block["by_domain"][name] = {size: gamma if speedup >= 1 + margin else 0
                                     for size, (gamma, speedup) in chosen.items()}
         block["break_even"][name] = break_even({int(s): x for s, x in block["predicted_speedup"][name].items()})
-    longest = max(gammas)
     block["cost"] = {"machine": profile["machine"], "context": profile["context"],
-                     "by_batch": {str(size): {"c": round(cost["c"], 4), "target_step_ms": round(cost["target_step_ms"], 3),
-                                              "verify_ratio": {str(n): round(r, 4) for n, r in cost["verify_ratio"].items()
-                                                               if n <= longest}}
-                                  for size, cost in costs.items()}}
+                     "by_batch": {str(size): cost_record(cost, max(gammas)) for size, cost in costs.items()}}
     return block
+
+
+def cost_record(cost: dict, longest: int) -> dict:
+    """A batch size's cost summary as speculative.json keeps it (the verify ratios of the γ compared)."""
+    return {"c": round(cost["c"], 4), "target_step_ms": round(cost["target_step_ms"], 3),
+            "verify_ratio": {str(n): round(r, 4) for n, r in cost["verify_ratio"].items() if n <= longest}}
 
 
 def vllm_schedule(gammas_by_batch: dict, k_max: int) -> list[list[int]]:

@@ -146,9 +146,10 @@ def report(summary: dict, args) -> str:
     subset = "full vocabulary" if args.vocab is None else f"FR-Spec subset of {len(args.vocab):,} tokens"
     lines = [f"{args.sampling}, draft temperature {args.draft_temperature}, max_new_tokens={args.max_new_tokens}, "
              f"{args.n_prompts} prompts, repeats={args.repeats}, torch threads={torch.get_num_threads()}, "
-             f"{args.dtype}, draft head: {subset}" + (f", calibrated for domain {args.domain}" if args.calibrated else ""),
-             f"{'B':>3} {'γ':>2} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup [95% CI]':>26} {'n':>3} {'accept':>7} "
-             f"{'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9}" + ("  policy" if args.calibrated else "")]
+             f"{args.dtype}, draft head: {subset}" + (f", calibrated for {args.domain}" if args.calibrated else ""),
+             f"{'B':>3} {'γ':>2} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup [95% CI]':>26} {'n':>3} "
+             f"{'accept':>7} {'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9}"
+             + ("  policy" if args.calibrated else "")]
     predicted = summary["predicted"]
     for size, r in summary["by_batch"].items():
         p = predicted[size]
@@ -159,17 +160,17 @@ def report(summary: dict, args) -> str:
             line += (f"  γ={p['policy_gamma']}: {r['speedup']:.3f}× {_ci(r)}" if p["policy_gamma"]
                      else "  off: plain decoding (1×)")
         lines.append(line)
-    predicted_break = (summary["predicted_break_even"] if args.calibrated
-                       else break_even({size: p["predicted"] for size, p in predicted.items()}))
+    predicted_break = break_even({size: p["predicted"] for size, p in predicted.items()})  # on this run's grid
     sizes = list(summary["by_batch"])
     lines.append(f"break-even batch: measured {summary['break_even']} (smallest B whose CI is below 1: "
                  f"{summary['ci_below_one']}), predicted {predicted_break}: "
                  f"{'within' if within_one_step(sizes, predicted_break, summary['break_even']) else 'not within'} "
-                 "one step of the grid")
+                 "one step of the grid" + (f" (calibrated grid: {summary['calibrated_break_even']})"
+                                           if args.calibrated else ""))
     if args.calibrated:
         slower = [size for size, r in summary["by_batch"].items()
                   if predicted[size]["policy_gamma"] and r["ci95"] and r["ci95"][1] < 1.0]
-        lines.append("calibrated policy slower than batched plain beyond the CI at: " + (str(slower) if slower else "none"))
+        lines.append(f"calibrated policy slower than batched plain beyond the CI at: {slower or 'none'}")
     return "\n".join(lines)
 
 
@@ -243,7 +244,7 @@ def main(argv=None):
         if args.calibrated:
             summary["predicted"] = predict_calibrated(spec, args.domain, args.batch_sizes)
             name = args.domain if args.domain in spec.batching["break_even"] else "default"
-            summary["predicted_break_even"] = spec.batching["break_even"][name]
+            summary["calibrated_break_even"] = spec.batching["break_even"][name]
         else:
             summary["predicted"] = predict(target, draft, measured, args, synced_clock("cpu"))
     except PipelineError as e:

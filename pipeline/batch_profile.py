@@ -3,9 +3,9 @@
 At B = 1 a small target is memory-bound, so a verify of γ + 1 tokens costs about one step; as B grows the target
 becomes compute-bound and the verify of B·(γ + 1) tokens costs more and more steps, while a draft step stays cheap.
 The profile times, at each B, the target's forward of 1 and of k tokens per row and the draft's 1-token step after
-a cached context (the decoder's path: the base model, then the head on the new positions only, the draft through
-its FR-Spec rows), so that `batch_cost` gives the cost summary the one cost model prices
-(pipeline/decoding/cost.py `pass_speedup`).
+a cached context, through the batched decoder's own forward (pipeline/decoding/batch.py `RaggedCache`: its 4-D
+mask and per-row positions, the head on the new positions only, the draft through its FR-Spec rows), so that
+`batch_cost` gives the cost summary the one cost model prices (pipeline/decoding/cost.py `pass_speedup`).
 
 Schema (VERSION 1): `version`; `machine` (pipeline/cost_profile.py `machine`); `context` (cached tokens per row);
 `repeats`; `target` {B: {k: ms}} (median ms of a forward of k new tokens per row); `draft` {B: ms}. Keys are strings
@@ -19,30 +19,39 @@ import torch
 from pipeline.cost_profile import machine
 from pipeline.decoding.loop import crop
 from pipeline.errors import PipelineError
-from pipeline.heads import head_logits, head_rows
 
 VERSION = 1
 CONTEXT = 96  # cached tokens per row before the timed forward: a chat prompt and some answer
 
 
 @torch.inference_mode()
-def forward_ms(model, batch: int, tokens: int, clock, repeats: int = 9, vocab=None, context: int = CONTEXT) -> float:
-    """Median ms of one forward of `tokens` new tokens per row after `context` cached ones, at this batch size.
-    The context is read once; each timed forward is cropped away again, so every repeat sees the same cache."""
-    from transformers import DynamicCache
+def forward_times(model, batch: int, tokens_fed, clock, repeats: int = 9, vocab=None, context: int = CONTEXT) -> dict:
+    """{k: median ms of one forward of k new tokens per row after `context` cached ones} at this batch size. The
+    context is read once and each timed forward cropped away again; every round times each k once, in rotating
+    order, so load that comes and goes during the profile moves every k alike rather than a few of them."""
+    from pipeline.decoding.batch import RaggedCache
 
+    fed = sorted(set(int(k) for k in tokens_fed))
     device = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (batch, context + tokens), device=device)
-    head, times = head_rows(model, vocab), []
-    cache = DynamicCache(config=model.config)
-    model.model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-    for _ in range(repeats + 1):  # the first is a warm-up: the kernels of a new shape are chosen there
-        start = clock()
-        hidden = model.model(input_ids=ids[:, context:], cache=cache, use_cache=True).last_hidden_state
-        head_logits(hidden[:, -tokens:], head)
-        times.append(clock() - start)
-        crop(cache, context)
-    return 1000 * float(np.median(times[1:]))
+    ids = torch.randint(0, model.config.vocab_size, (batch, context + max(fed)), device=device)
+    fed_mask = torch.ones_like(ids, dtype=torch.bool)
+    rows, times = RaggedCache(model, batch, device, vocab), {k: [] for k in fed}
+    rows.forward(ids[:, :context], fed_mask[:, :context], 1)
+    for round_ in range(repeats + 1):  # round 0 is a warm-up: the kernels of a new shape are chosen there
+        for k in fed[round_ % len(fed):] + fed[:round_ % len(fed)]:
+            start = clock()
+            rows.forward(ids[:, context:context + k], fed_mask[:, context:context + k], k)
+            seconds = clock() - start
+            crop(rows.cache, context)
+            rows.valid = rows.valid[:, :context]
+            if round_:
+                times[k].append(seconds)
+    return {k: 1000 * float(np.median(t)) for k, t in times.items()}
+
+
+def forward_ms(model, batch: int, tokens: int, clock, repeats: int = 9, vocab=None, context: int = CONTEXT) -> float:
+    """Median ms of one forward of `tokens` new tokens per row (forward_times of one k)."""
+    return forward_times(model, batch, [tokens], clock, repeats, vocab, context)[int(tokens)]
 
 
 def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=None, repeats: int = 9,
@@ -52,8 +61,8 @@ def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=N
     profile = {"version": VERSION, "machine": machine(next(target.parameters()).device, target.dtype),
                "context": context, "repeats": repeats, "target": {}, "draft": {}}
     for size in sorted(int(b) for b in batch_sizes):
-        profile["target"][str(size)] = {str(k): round(forward_ms(target, size, k, clock, repeats, None, context), 4)
-                                        for k in fed}
+        times = forward_times(target, size, fed, clock, repeats, None, context)
+        profile["target"][str(size)] = {str(k): round(ms, 4) for k, ms in times.items()}
         profile["draft"][str(size)] = round(forward_ms(draft, size, 1, clock, repeats, vocab, context), 4)
     return profile
 

@@ -140,3 +140,34 @@ def test_bad_batch_input_is_one_clear_error(target, close_draft, kwargs, message
     with pytest.raises(PipelineError, match=message) as info:
         speculative_generate_batch(target, close_draft, kwargs.pop("prompts"), **kwargs)
     assert "\n" not in str(info.value)
+
+
+# ---- the benchmark's verdicts (eval/bench_batch.py) ----
+
+def test_the_benchmark_compares_break_even_batches_on_its_grid():
+    from eval.bench_batch import summarize, within_one_step
+
+    grid = [1, 2, 4, 8]
+    assert within_one_step(grid, 4, 8) and within_one_step(grid, None, 8) and within_one_step(grid, 4, 4)
+    assert not within_one_step(grid, 2, 8) and not within_one_step(grid, 2, None)
+    # B = 1 loses, B = 2 pays, from B = 4 on it loses: break-even 4 (tokens, seconds per batch; three batches)
+    rates = {1: 0.7, 2: 1.2, 4: 0.9, 8: 0.6}
+    measured = {b: {"plain": [(100, 1.0), (100, 1.1), (100, 0.9)],
+                    "speculative": [(100, 1 / r), (100, 1.1 / r), (100, 0.9 / r)],
+                    "acceptance": 0.3, "identical": True} for b, r in rates.items()}
+    summary = summarize(measured)
+    assert summary["break_even"] == 4 and summary["by_batch"][2]["speedup"] == pytest.approx(1.2)
+
+
+def test_the_calibrated_benchmark_refuses_an_export_without_batching(tmp_path, tiny_llama_factory, capsys):
+    from eval.bench_batch import main
+    from pipeline.spec import SpeculativeSpec
+
+    for name in ("target", "draft"):
+        tiny_llama_factory().save_pretrained(tmp_path / name)
+    SpeculativeSpec({"name": "tiny"}, Sampling(0.7), {"init": "random"}).write(tmp_path / "draft")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--calibrated"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "python -m distill.batching" in err
