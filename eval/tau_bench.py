@@ -22,6 +22,7 @@ import torch
 
 from eval.bench import DEFAULT_PROMPTS, load_pair
 from eval.metrics import bootstrap_ci
+from eval.stage import tree_prior
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import Guard, GuardSettings, GuardStats, speculative_generate
 from pipeline.errors import OneLineParser, PipelineError
@@ -48,7 +49,9 @@ def domain_plan(spec: SpeculativeSpec, domain: str, shape: str) -> dict:
     drafting = spec.drafting_for(domain) if shape == "tree" else spec.draft_length_for(domain)
     if drafting is None:
         raise PipelineError(f"the calibration decodes {domain} plainly or has no plan for it: nothing to compare")
-    prior = spec.per_position_acceptance.get(domain) or spec.per_position_acceptance["overall"]
+    tree = list(drafting) if isinstance(drafting, tuple) else None  # priced as eval's guard_for prices it
+    prior = (tree and tree_prior(spec.tree_candidates.get(domain) or spec.tree_candidates.get("overall"), tree)) or \
+        spec.per_position_acceptance.get(domain) or spec.per_position_acceptance["overall"]
     fixed = Guard(spec.cost, tuple(prior), GuardSettings())
     return {"drafting": drafting, "draft_temperature": float(spec.for_domain("draft_temperature", domain)),
             "guards": {"fixed": fixed, "adaptive": replace(fixed, settings=replace(fixed.settings, adaptive_tau=True))}}
@@ -105,10 +108,12 @@ def run(args) -> dict:
     turns = domain_turns(args.prompts, args.per_domain)
     plans = {domain: domain_plan(spec, domain, args.shape) | {"max_new_tokens": args.max_new_tokens}
              for domain in turns}
-    warm = next(iter(plans.values()))  # allocator, kernels and lazy imports out of the timed runs
-    speculative_generate(target, draft, encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]),
-                         sampling=spec.sampling, drafting=warm["drafting"], max_new_tokens=8, draft_vocab=vocab,
-                         draft_temperature=warm["draft_temperature"], guard=warm["guards"]["adaptive"])
+    hello = encode_chat(tokenizer, [{"role": "user", "content": "Hello, who are you?"}])
+    for warm in plans.values():  # allocator, kernels, lazy imports and every plan's shapes out of the timed runs
+        for guard in warm["guards"].values():
+            speculative_generate(target, draft, hello, sampling=spec.sampling, drafting=warm["drafting"],
+                                 max_new_tokens=16, draft_vocab=vocab, draft_temperature=warm["draft_temperature"],
+                                 guard=guard)
     results, pooled, total = {}, {m: [] for m in METHODS}, GuardStats()
     for domain, prompts in turns.items():
         done = decode_domain(target, draft, tokenizer, prompts, plans[domain], spec.sampling, vocab, domain)
