@@ -7,7 +7,9 @@ and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So 
 (distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
 τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
 the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens after a held-out-sized
-context and the draft GGUF's 1-token step. Per domain the (n_max, p_min) with the highest predicted speedup on
+context and the draft GGUF's 1-token step, and llama-server's own timings of a few greedy decodes price the
+server's work between those forwards (`server_host`: the plain server spent 47 ms a token where llama-bench's
+forward took 29 ms for the real pair, docs/results.md). Per domain the (n_max, p_min) with the highest predicted speedup on
 the calibration part wins; "off" (plain decoding) when even that does not beat 1 + margin.
 """
 from __future__ import annotations
@@ -22,11 +24,12 @@ from distill import calibrate as cal
 from distill.batch import completion_hidden
 from distill.export import exported_weights
 from distill.policy import simulate
-from pipeline.decoding.cost import pass_speedup
+from pipeline.decoding.cost import pass_speedup, verify_cost
 from pipeline.engines import hf, llamacpp
 from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
+from pipeline.sampling import Sampling
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
 DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 10, the only sampler)
@@ -54,6 +57,40 @@ def engine_cost(root: Path, target_gguf: Path, draft_gguf: Path, max_draft: int,
     step = target[1]
     return {"engine": "llamacpp", "c": draft[1] / step, "verify_ratio": {n: target[n + 1] / step for n in range(1, max_draft + 1)},
             "target_forward_ms": step, "draft_forward_ms": draft[1], "context": depth, "device_name": cpu_name()}
+
+
+HOST_SETTINGS = (llamacpp.DraftSettings(1, 0.0), llamacpp.DraftSettings(4, 0.0))  # drafts per pass the host is timed at
+HOST_TOKENS, HOST_PROMPTS = 32, 4
+
+
+def server_host(root: Path, target_gguf: Path, draft_gguf: Path, prompts: list[list[int]], cost: dict,
+                threads: int | None) -> dict:
+    """The `host` block of llama.cpp's cost (pipeline/decoding/cost.py host_cost): llama-server's own work per pass
+    beyond the forwards llama-bench prices (sampling over the whole vocabulary, the draft's sampler, the slot's
+    bookkeeping), in llama-bench target steps. Timed from the server's per-request `timings` of greedy decodes of
+    `prompts`: plain decoding, and drafting with each of HOST_SETTINGS (no p_min stop, so the drafts per pass are
+    known); per pass, its milliseconds less what llama-bench prices for the same forwards."""
+    step = cost["target_forward_ms"]
+
+    def decode(settings):  # (ms per pass, drafts per pass)
+        draft = draft_gguf if settings else None
+        with llamacpp.Server(root, target_gguf, draft, settings or llamacpp.DraftSettings(), threads) as server:
+            server.complete(prompts[0], 4, Sampling(0.0), 0)  # the first request warms the server's buffers
+            ms = passes = drafted = 0.0
+            for ids in prompts:
+                timings = server.complete(ids, HOST_TOKENS, Sampling(0.0), 0)["timings"]
+                ms += timings["predicted_ms"]
+                passes += max(timings["predicted_n"] - timings.get("draft_n_accepted", 0), 1)  # accepted + 1 a pass
+                drafted += timings.get("draft_n", 0)
+        return ms / passes, drafted / passes
+
+    plain_ms, _ = decode(None)
+    chain = {}
+    for settings in HOST_SETTINGS:
+        ms, drafted = decode(settings)
+        priced = drafted * cost["c"] + verify_cost(cost["verify_ratio"], drafted)
+        chain[f"{drafted:.2f}"] = round(max(ms / step - priced, 0.0), 4)
+    return {"plain": round(max(plain_ms / step - 1.0, 0.0), 4), "chain": chain, "source": "llama-server timings"}
 
 
 def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, vocab, cost: dict,
@@ -129,12 +166,16 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / f"draft-{split.fingerprint}.gguf", quant)
     cost = engine_cost(root, target, gguf, max(chosen.n_max), typical_context(heldouts.reporting), chosen.repeats,
                        engine.threads)
+    prompts = [list(r["prompt_ids"]) for r in heldouts.reporting.rows[:HOST_PROMPTS]]
+    cost["host"] = server_host(root, target, gguf, prompts, cost, engine.threads)
     table = choose_llamacpp(inputs.draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
                             list(chosen.n_max), list(chosen.p_min), chosen.margin)
     flags = {domain: ["-md", "draft.gguf", "--spec-type", "draft-simple",
                       *llamacpp.DraftSettings(entry["n_max"], entry["p_min"]).flags()] if entry["speculate"] else []
              for domain, entry in table.items()}
-    log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}): {}".format(cost["c"], cost["verify_ratio"][1], "; ".join(
+    log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}, server host work per pass: plain {:.2f}, drafting {}): {}".format(
+        cost["c"], cost["verify_ratio"][1], cost["host"]["plain"],
+        ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()), "; ".join(
         f"{d} " + (f"n_max {e['n_max']} p_min {e['p_min']:g} → {e['predicted_speedup']:.2f}×" if e["speculate"]
                    else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",

@@ -80,6 +80,27 @@ def test_llama_bench_prices_longer_forwards_no_cheaper_than_a_step(llamacpp_root
     assert cost["target_forward_ms"] > 0 and cost["draft_forward_ms"] > 0
 
 
+@pytest.mark.smoke
+def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(llamacpp_root, gguf_pair):
+    from distill.engines import HOST_SETTINGS, engine_cost, server_host
+    from pipeline.chat import encode_chat
+    from pipeline.decoding.cost import host_cost, pass_speedup
+
+    target_gguf, draft, _, tokenizer = gguf_pair
+    cost = engine_cost(llamacpp_root, target_gguf, draft, max_draft=4, depth=32, repeats=2, threads=None)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0].tolist()
+               for text in ("Name three prime numbers.", "Say hello in French.")]
+    host = server_host(llamacpp_root, target_gguf, draft, prompts, cost, None)
+    drafted = sorted(float(n) for n in host["chain"])
+    assert len(drafted) == len(HOST_SETTINGS) and 0 < drafted[0] <= 1.0 < drafted[1] <= 4.0  # n_max 1 and 4
+    assert host["plain"] >= 0 and all(h >= 0 for h in host["chain"].values())
+    priced = {**cost, "host": host}
+    h0, h1 = host_cost(host, drafted[0])
+    # (1 + A)(1 + h_0) / (D·c + r(D) + h(D)), r interpolated from r_0 = 1 at a fractional D
+    expected = 1.5 * (1 + h0) / (drafted[0] * cost["c"] + 1 + (cost["verify_ratio"][1] - 1) * drafted[0] + h1)
+    assert pass_speedup(0.5, drafted[0], drafted[0], priced) == pytest.approx(expected)
+
+
 def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_root, tmp_path):
     from pipeline.engines import llamacpp
 
