@@ -10,7 +10,6 @@ prepare stage's held-out split by default, or Spec-Bench's question.jsonl), spre
 --draft, the draft is the target's first --draft-layers layers sharing its embeddings, final norm and head.
 """
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, autoregressive_generate, speculative_generate
-from pipeline.errors import OneLineParser, PipelineError
+from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.models import derive_draft, load_model, load_tokenizer
 from pipeline.prompts import load_prompts
 from pipeline.timing import synced_clock
@@ -153,9 +152,7 @@ def check_args(args) -> None:
         if path is not None and not (Path(path) / "config.json").is_file():
             raise PipelineError(f"--{name} {path} is not an HF model directory (no config.json): pass a directory "
                                 "the pipeline exported or converted, e.g. artifacts/models/<target>")
-    for name in ("draft_layers", "n_prompts", "max_new_tokens", "gamma", "repeats"):
-        if getattr(args, name) < 1:
-            raise PipelineError(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    require_positive(args, "draft_layers", "n_prompts", "max_new_tokens", "gamma", "repeats")
     if args.threads < 0:
         raise PipelineError(f"--threads {args.threads} is negative: pass 0 (torch's default) or a thread count")
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
@@ -184,12 +181,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this file (atomically)")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors("bench"):
         check_args(args)
         result = run(args)
-    except PipelineError as e:
-        sys.stderr.write(f"[bench] error: {e}\n")
-        sys.exit(2)
     print(report(result))
     if args.json:
         write_json(args.json, result)

@@ -21,7 +21,6 @@ domain, at the export's serving sampling and draft temperature. At each B specul
 is that measurement where it drafts and batched plain decoding (the same computation as the baseline: 1×) where
 it is off. The prediction is the calibration's own (`predicted_speedup`, from the batch profile it was made with).
 """
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.batch_profile import break_even, forward_ms
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
-from pipeline.errors import OneLineParser, PipelineError
+from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.models import load_model, load_tokenizer
 from pipeline.spec import SpeculativeSpec
 from pipeline.timing import synced_clock
@@ -179,9 +178,7 @@ def check_args(args) -> None:
         if not (Path(getattr(args, name)) / "config.json").is_file():
             raise PipelineError(f"--{name} {getattr(args, name)} is not an HF model directory (no config.json): "
                                 "pass a directory the pipeline exported or converted")
-    for name in ("n_prompts", "max_new_tokens", "gamma", "repeats"):
-        if getattr(args, name) < 1:
-            raise PipelineError(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    require_positive(args, "n_prompts", "max_new_tokens", "gamma", "repeats")
     if not args.batch_sizes or min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.n_prompts:
         raise PipelineError(f"--batch-sizes {args.batch_sizes} must be integers in [1, --n-prompts {args.n_prompts}]")
 
@@ -226,7 +223,7 @@ def main(argv=None):
     parser.add_argument("--no-vocab-subset", dest="vocab_subset", action="store_false",
                         help="draft over the full vocabulary instead of the draft's FR-Spec subset")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors("bench_batch"):
         check_args(args)
         spec = plan(args)
         if args.threads:
@@ -247,9 +244,6 @@ def main(argv=None):
             summary["calibrated_break_even"] = spec.batching["break_even"][name]
         else:
             summary["predicted"] = predict(target, draft, measured, args, synced_clock("cpu"))
-    except PipelineError as e:
-        sys.stderr.write(f"[bench_batch] error: {e}\n")
-        sys.exit(2)
     print(report(summary, args))
 
 

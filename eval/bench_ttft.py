@@ -9,7 +9,6 @@ times after a warm-up; each stream is closed after its first chunk. Prints the m
 first token matched (greedy: it must, the first pass is the same plain prefill). Asserts nothing about wall-clock.
 """
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from eval.bench_batch import draft_vocab
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.chat import encode_chat
 from pipeline.decoding import autoregressive_stream, speculative_stream
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model, load_tokenizer
 from pipeline.prompts import load_prompts
 from pipeline.spec import SpeculativeSpec
@@ -81,7 +80,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gamma", type=int, default=0, help="a fixed γ (0: the draft's calibrated drafting)")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors("bench_ttft"):
         if args.n_prompts < 2 or args.repeats < 1:
             raise PipelineError("--n-prompts must be >= 2 and --repeats >= 1")
         target, draft = load_model(args.target), load_model(args.draft)
@@ -94,9 +93,6 @@ def main(argv=None):
         first_chunk(autoregressive_stream(target, prompts[0]["ids"], max_new_tokens=2))  # warm-up
         first_chunk(speculative_stream(target, draft, prompts[0]["ids"], drafting=2, draft_vocab=vocab))
         measured = measure(target, draft, prompts, spec, vocab, args)
-    except PipelineError as e:
-        sys.stderr.write(f"[bench_ttft] error: {e}\n")
-        sys.exit(2)
     print(report(measured, args))
 
 

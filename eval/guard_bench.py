@@ -10,7 +10,6 @@ included) against the mean pass. Asserts nothing about wall-clock.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from eval.metrics import bootstrap_ci
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import DraftLength, Guard, GuardSettings, speculative_generate
 from pipeline.decoding.draft_length import Policy
-from pipeline.errors import OneLineParser, PipelineError
+from pipeline.errors import OneLineParser, one_line_errors, require_positive
 from pipeline.timing import synced_clock
 
 
@@ -101,14 +100,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = parser.parse_args(argv)
     args.draft_layers = 2  # load_pair's fallback when there is no draft; --draft is required here
-    try:
-        for name in ("n_prompts", "max_new_tokens", "gamma", "repeats"):
-            if getattr(args, name) < 1:
-                raise PipelineError(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    with one_line_errors("guard_bench"):
+        require_positive(args, "n_prompts", "max_new_tokens", "gamma", "repeats")
         print(report(run(args)))
-    except PipelineError as e:
-        sys.stderr.write(f"[guard_bench] error: {e}\n")
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from eval.metrics import bootstrap_ci
 from eval.stage import tree_prior
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import Guard, GuardSettings, GuardStats, speculative_generate
-from pipeline.errors import OneLineParser, PipelineError
+from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.prompts import load_prompts
 from pipeline.sampling import derive_seed
 from pipeline.spec import SpeculativeSpec
@@ -160,14 +160,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = parser.parse_args(argv)
     args.draft_layers = 2  # load_pair's fallback when there is no draft; --draft is required here
-    try:
-        for name in ("per_domain", "max_new_tokens"):
-            if getattr(args, name) < 1:
-                raise PipelineError(f"--{name.replace('_', '-')} {getattr(args, name)} is not an integer >= 1")
+    with one_line_errors("tau_bench"):
+        require_positive(args, "per_domain", "max_new_tokens")
         print(report(run(args)))
-    except PipelineError as e:
-        sys.stderr.write(f"[tau_bench] error: {e}\n")
-        sys.exit(2)
 
 
 if __name__ == "__main__":
