@@ -21,6 +21,9 @@ Output contract (distill reads exactly this):
     topk_ids       [[int32]]  (collect.topk > 0) row j: top-k ids of the distribution that
                               produced completion_ids[j], most likely first
     topk_logprobs  [[float16]] their log-probs (log_softmax of the raw logits, temperature 1)
+    final_hidden   [[float16]] (collect.hidden_states, hf backend) row j: the target's final hidden state (its
+                              output head's input) that produced completion_ids[j]; distill computes the FR-Spec
+                              subset's mass from it with the head alone instead of a target pass over the rows
   {paths.collect}/manifest.json written last: its presence marks a complete dataset. Keys:
     format_version, fingerprint
     target                pipeline.models.model_identity (path, architecture, sizes, ...) + name, weights_sha256
@@ -29,6 +32,7 @@ Output contract (distill reads exactly this):
                           read it back with Sampling.from_dict
     max_new_tokens, samples_per_prompt, seed
     topk                  the label width the rows carry (0 when a server collect left them to distill)
+    hidden_states         whether the rows carry final_hidden
     labels                target-forward | server | distill (rows without labels: distill/labels.py computes
                           them) | none
     backend, dtype (null for a server), num_processes, shard_size, shards
@@ -51,7 +55,8 @@ uninterrupted single-process run row for row on CPU (given the same batch size).
 
 Disk (Arrow, uncompressed; `python -m data.bench_collect` measures it): the top-k columns cost
 k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200 B/token or
-~201 MB per million completion tokens at topk=32 (measured: 200.7). Without them a row costs
+~201 MB per million completion tokens at topk=32 (measured: 200.7); final_hidden costs 2 B x the target's hidden
+size (+ 8 B of offsets) per token, 1.2 KB for the embedded 576-wide target. Without them a row costs
 4 B per completion token + 4 B per prompt token + its text: ~13 B per completion token for
 128-token answers to MT-Bench-length prompts.
 """
@@ -78,12 +83,13 @@ from pipeline.sampling import derive_seed
 FORMAT_VERSION = 1
 
 
-def _save_shard(final: Path, rows: list[dict], topk: int, meta: dict) -> None:
+def _save_shard(final: Path, rows: list[dict], settings: CollectSettings, meta: dict) -> None:
     from datasets import Dataset
 
     with atomic_dir(final) as tmp, quiet_datasets():
         if rows:  # a shard whose every request was skipped (collect.backend=server) is its meta.json alone
-            Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp / "data"))
+            Dataset.from_list(rows, features=features(settings.label_topk, settings.stores_hidden)).save_to_disk(
+                str(tmp / "data"))
         write_json(tmp / "meta.json", meta)
 
 
@@ -338,7 +344,7 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
             "process_index": job.state.process_index}
     if hasattr(backend, "take_stats"):  # the server backend: skipped requests, where the ids came from, which server
         meta.update(backend.take_stats(), server=backend.describe())
-    _save_shard(job.shard_dir / shard.name, rows, job.settings.label_topk, meta)
+    _save_shard(job.shard_dir / shard.name, rows, job.settings, meta)
     return tokens / seconds
 
 
@@ -395,6 +401,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "samples_per_prompt": settings.samples_per_prompt,
         "seed": settings.seed,
         "topk": settings.label_topk,
+        "hidden_states": settings.stores_hidden,
         "labels": _labels_source(settings),
         "backend": settings.backend, "dtype": job.dtype_name if settings.backend != "server" else None,
         "num_processes": job.state.num_processes,

@@ -1,6 +1,9 @@
 """The collect stage's Hugging Face backend: batched, left-padded `generate` on CPU or CUDA, with the
-target's top-k log-probabilities taken from the raw logits (before any sampling filter)."""
+target's top-k log-probabilities taken from the raw logits (before any sampling filter) and, with
+collect.hidden_states, the output head's input at each step (the final hidden state)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -20,7 +23,7 @@ class HFBackend:
 
         self.model, self.pad_id, self.stop_ids = model, pad_id, set(stop_ids)
         # batch_size is this backend's own copy: an out-of-memory retry halves it for the rest of the run.
-        self.topk, self.batch_size = settings.topk, settings.batch_size
+        self.topk, self.batch_size, self.hidden = settings.topk, settings.batch_size, settings.stores_hidden
         self.device = next(model.parameters()).device
         # The stage's settings are the only sampling settings: the checkpoint's generation_config
         # defaults (e.g. a repetition_penalty) would otherwise fill every field left unset here.
@@ -92,10 +95,13 @@ class HFBackend:
         for row, ctx in enumerate(contexts):  # left padding: every context ends at the same column
             input_ids[row, width - len(ctx):] = torch.tensor(ctx)
             attention_mask[row, width - len(ctx):] = 1
-        result = self.model.generate(input_ids=input_ids.to(self.device),
-                                     attention_mask=attention_mask.to(self.device),
-                                     generation_config=self.gen_config)
+        steps_hidden: list[torch.Tensor] = []
+        with head_inputs(self.model, steps_hidden) if self.hidden else contextlib.nullcontext():
+            result = self.model.generate(input_ids=input_ids.to(self.device),
+                                         attention_mask=attention_mask.to(self.device),
+                                         generation_config=self.gen_config)
         generated = result.sequences[:, width:].cpu().tolist()
+        hidden = torch.stack(steps_hidden, 1).to(torch.float16).cpu().numpy() if self.hidden else None
         top_ids = top_lp = None
         if self.topk:
             # One [B, V] step at a time: a full [B, T, V] log_softmax would double the peak memory.
@@ -109,5 +115,20 @@ class HFBackend:
             n, reason = (end + 1, "eos") if end is not None else (len(tokens), "length")
             completions.append(Completion(tokens[:n], reason,
                                           top_ids[row, :n] if top_ids is not None else None,
-                                          top_lp[row, :n] if top_lp is not None else None))
+                                          top_lp[row, :n] if top_lp is not None else None,
+                                          hidden[row, :n] if hidden is not None else None))
         return completions
+
+
+@contextlib.contextmanager
+def head_inputs(model, out: list):
+    """Appends, per forward of `model`, its output head's input at the last position [B, H]: generate keeps one
+    position per step (logits_to_keep=1), so step t's entry is the state that produced generated token t."""
+    def keep(_module, args):
+        out.append(args[0][:, -1].detach())
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
+    try:
+        yield out
+    finally:
+        handle.remove()

@@ -39,6 +39,7 @@ class CollectSettings:
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
     topk: int                           # white-box label width; 0 = no labels
+    hidden_states: bool                 # store the target's final hidden state per completion token (hf backend)
     batch_size: int                     # sequences per generate call
     shard_size: int                     # prompts per shard and domain
     backend: str                        # hf | vllm | server
@@ -87,6 +88,8 @@ class CollectSettings:
              "collect.server.urls=[http://127.0.0.1:8080], or set collect.server.launch=true"),
             (not isinstance(self.keep_shards, bool), f"collect.keep_shards={self.keep_shards!r} is not true or "
                                                      f"false: {_FIX}"),
+            (not isinstance(self.hidden_states, bool), f"collect.hidden_states={self.hidden_states!r} is not true or "
+                                                       f"false: {_FIX}"),
             (self.domains is not None and not self.domains,
              "collect.domains is empty: list domains to collect or set collect.domains=null for all"),
             (self.max_prompts_per_domain is not None and self.max_prompts_per_domain < 0,
@@ -125,6 +128,8 @@ class CollectSettings:
         key = {"sampling": self.sampling.to_dict(), "max_new_tokens": self.max_new_tokens,
                "samples_per_prompt": self.samples_per_prompt, "topk": self.topk, "shard_size": self.shard_size,
                "backend": self.backend, "seed": self.seed}
+        if self.stores_hidden:  # hashed only when stored: collects made before the knob keep their fingerprint
+            key["hidden_states"] = True
         if self.backend == "server":  # the urls, concurrency and fault handling decide where and how fast, not what
             key["server"] = {"model": self.server.model, "endpoint": self.server.endpoint,
                              "logprobs": self.server.logprobs}
@@ -135,6 +140,12 @@ class CollectSettings:
         """The top-k width of the labels the rows carry: collect.topk, except on a server not asked for its
         log-probs (collect.server.logprobs=false), whose rows carry none: distill's label pass computes them."""
         return self.topk if self.backend != "server" or self.server.logprobs else 0
+
+    @property
+    def stores_hidden(self) -> bool:
+        """Whether the rows carry `final_hidden`: only the in-process HF backend sees the target's hidden states
+        (a server or vLLM returns tokens and log-probs), and only with collect.hidden_states."""
+        return self.hidden_states and self.backend == "hf"
 
 
 ENDPOINTS = ("completions", "chat")
@@ -221,9 +232,10 @@ class Completion:
     finish_reason: str                     # "eos" | "length"
     topk_ids: np.ndarray | None = None     # [len(ids), k] int32
     topk_logprobs: np.ndarray | None = None  # [len(ids), k] float16
+    final_hidden: np.ndarray | None = None   # [len(ids), hidden] float16: the head's input that produced each token
 
 
-def features(topk: int):
+def features(topk: int, hidden: bool = False):
     from datasets import Features, List, Value
 
     columns = {"id": Value("string"), "prompt_id": Value("string"), "domain": Value("string"),
@@ -233,6 +245,8 @@ def features(topk: int):
     if topk:
         columns["topk_ids"] = List(List(Value("int32")))
         columns["topk_logprobs"] = List(List(Value("float16")))
+    if hidden:
+        columns["final_hidden"] = List(List(Value("float16")))
     return Features(columns)
 
 
@@ -278,6 +292,8 @@ def _row(tokenizer, prompt: dict, turn: int, sample: int, context: list[int], co
            "finish_reason": completion.finish_reason}
     if completion.topk_ids is not None:
         row["topk_ids"], row["topk_logprobs"] = completion.topk_ids, completion.topk_logprobs
+    if completion.final_hidden is not None:
+        row["final_hidden"] = completion.final_hidden
     return row
 
 

@@ -4,7 +4,8 @@ Collect stores the target's top-k ids and T=1 log-probs per completion token. Wh
 target's mass on the draft's FR-Spec subset, which is chosen here from the collected data: without it the
 "other" class of a subset draft would have to guess how much of the tail the subset holds (a frequency-ranked
 subset holds most of it), and the cached teacher would disagree with the online one (distill/losses.py).
-One target pass over the train rows computes it, together with the top-k labels when collect stored none.
+One target pass over the train rows computes it, together with the top-k labels when collect stored none;
+rows that carry the target's final hidden state (collect.hidden_states) need only the target's output head.
 """
 from __future__ import annotations
 
@@ -53,6 +54,43 @@ def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Te
     return {name: [values[j] for j in unsorted] for name, values in columns.items()}
 
 
+@torch.no_grad()
+def labels_from_hidden(target, hidden, lengths: list[int], k: int, vocab: torch.Tensor | None,
+                       chunk: int = 4096) -> dict[str, list]:
+    """teacher_labels' columns from the rows' stored final hidden states (`hidden`: per row an array [n, H], the
+    head's input that produced each completion token): the head alone, a few thousand positions at a time."""
+    rows_of_head = head_rows(target)
+    weight = rows_of_head[0]
+    vocab = None if vocab is None else vocab.to(weight.device)
+    columns: dict[str, list] = {name: [] for name, wanted in
+                                (("topk_ids", k), ("topk_logprobs", k), ("subset_logmass", vocab is not None)) if wanted}
+    pending: list[torch.Tensor] = []
+
+    def flush():
+        states = torch.cat(pending).to(weight.device, weight.dtype)
+        logp = head_logits(states, rows_of_head).log_softmax(-1)
+        out = {}
+        if k:
+            top = logp.topk(k, -1)
+            out["topk_ids"], out["topk_logprobs"] = top.indices.int(), top.values.half().float()
+        if vocab is not None:
+            out["subset_logmass"] = logp.index_select(-1, vocab).logsumexp(-1)
+        start = 0
+        for row in pending:
+            for name, values in out.items():
+                columns[name].append(values[start:start + len(row)].tolist())
+            start += len(row)
+        pending.clear()
+
+    for states, n in zip(hidden, lengths):
+        pending.append(torch.as_tensor(states[:n]))
+        if sum(map(len, pending)) >= chunk:
+            flush()
+    if pending:
+        flush()
+    return columns
+
+
 def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
     """The split with the label columns the objective needs on its train rows (those it does not use dropped),
     plus the `length` column the Trainer groups batches by."""
@@ -68,7 +106,11 @@ def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
             log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={objective.loss_temperature} "
                 "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
         k = 0 if "topk_ids" in train.column_names else int(objective.topk)
-        if k or split.vocab is not None:
+        if (k or split.vocab is not None) and "final_hidden" in train.column_names:
+            columns = hidden_labels(inputs, split.vocab, train, k, log)
+            for name, values in columns.items():
+                train = train.add_column(name, values)
+        elif k or split.vocab is not None:
             if split.share is None:
                 columns = cached_teacher_labels(inputs, split.vocab, train, k, log)
             else:  # labelled once for every train row: the other learning-curve points reuse them
@@ -76,10 +118,24 @@ def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
                            for name, values in cached_teacher_labels(inputs, split.vocab, split.all_train, k, log).items()}
             for name, values in columns.items():
                 train = train.add_column(name, values)
+    if "final_hidden" in train.column_names:
+        train = train.remove_columns("final_hidden")  # labels made: the trainer never reads the hidden states
     truncate = inputs.truncation
     train = train.add_column("length", [sum(map(len, truncate(row))) for row in
                                         train.select_columns(["prompt_ids", "completion_ids"])])
     return replace(split, train=train)
+
+
+def hidden_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:
+    """labels_from_hidden over the train rows, on the completion tokens the trainer keeps."""
+    t0 = time.time()
+    longest = inputs.truncation.max_completion_length
+    lengths = [min(len(ids), longest) for ids in train["completion_ids"]]
+    columns = labels_from_hidden(inputs.target, train.with_format("numpy", columns=["final_hidden"])["final_hidden"],
+                                 lengths, k, vocab)
+    log(f"{', '.join(columns)} for {len(train)} train rows from their stored final hidden states "
+        f"(the target's head alone) in {time.time() - t0:.0f}s")
+    return columns
 
 
 def cached_teacher_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:

@@ -48,6 +48,7 @@ from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, load_role, model_identity
 from pipeline.sampling import Sampling
 from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.timing import Laps
 
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
@@ -73,32 +74,44 @@ def run(cfg: DictConfig, tracker) -> dict:
 
 
 def _run(cfg: DictConfig, tracker) -> dict:
-    t_start = time.time()
+    t_start, laps = time.time(), Laps()
     inputs = load_inputs(cfg, tracker)
     split = split_rows(inputs)
+    laps.lap("load")
     heldouts = build_heldouts(inputs, split) if inputs.is_main else None
     before = measure_before(inputs, heldouts, split.vocab)
     if inputs.is_main:
         export_undistilled(inputs, split, heldouts, before)
+    laps.lap("heldout")
     split = attach_teacher_labels(inputs, split, log)
+    laps.lap("labels")
     settings = inputs.settings.calibration
     keeps_initial = inputs.is_main and (settings.keep_best or settings.calibrate_init)
     initial_weights = snapshot(inputs.draft) if keeps_initial else None
     training = train_draft(inputs, split, heldouts.reporting if heldouts else None, log)
+    laps.lap("training")
     if not inputs.is_main:
         return {}
     selected = select_weights(inputs, heldouts, split.vocab, before, initial_weights)
     profile = cost_profile(inputs, split.vocab)
+    laps.lap("cost_profile")
     calibration = calibrate(inputs, split, heldouts.calibration, profile)
+    laps.lap("calibration")
     spec = build_spec(inputs, split, heldouts, before, training, selected, calibration)
+    laps.lap("report")
     spec, engine_files = calibrate_engines(inputs, split, heldouts, spec, calibration.head_fill, log)
     spec = calibrate_batching(inputs, split, spec, log)
+    laps.lap("engines")
     calibration_dtype = next(inputs.draft.parameters()).dtype
     export(inputs, split, spec, profile, calibration.head_fill, engine_files)
+    laps.lap("export")
     if settings.calibrate_init:
         export_calibrated_init(inputs, split, heldouts, before, initial_weights, calibration_dtype, profile,
                                calibration if selected["selected"] == "init" else None)
-    log(f"exported {cfg.paths.draft} (undistilled: {cfg.paths.draft_init}) in {time.time() - t_start:.0f}s")
+        laps.lap("init_calibration")
+    log(f"exported {cfg.paths.draft} (undistilled: {cfg.paths.draft_init}) in {time.time() - t_start:.0f}s: "
+        f"{laps.summary()}")
+    tracker.log_metrics({f"distill_seconds/{name}": seconds for name, seconds in laps.parts.items()})
     return {"acceptance_before": spec.acceptance["before"][cal.OVERALL],
             "acceptance_after": spec.acceptance["after"][cal.OVERALL], "c": spec.cost["c"],
             "train_tokens": training.tokens, "train_minutes": training.minutes, "draft": str(cfg.paths.draft)}
@@ -185,7 +198,8 @@ def split_rows(inputs: Inputs) -> Split:
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
-    columns = [c for c in ("prompt_ids", "completion_ids", "topk_ids", "topk_logprobs") if c in collected.column_names]
+    columns = [c for c in ("prompt_ids", "completion_ids", "topk_ids", "topk_logprobs", "final_hidden")
+               if c in collected.column_names]
     ids = collected.select_columns(["prompt_ids", "completion_ids"])
     prompts, completions = ids["prompt_ids"], ids["completion_ids"]
     train_idx = [i for i in train_idx if prompts[i] and completions[i]]
@@ -216,6 +230,7 @@ def split_rows(inputs: Inputs) -> Split:
 def build_heldouts(inputs: Inputs, split: Split) -> HeldOuts:
     """The target's serving distribution on the calibration and reporting parts (main process only)."""
     held = inputs.collected.select(split.heldout_idx)
+    held = held.remove_columns([c for c in ("final_hidden",) if c in held.column_names])  # row dicts stay small
     calibration_idx, reporting_idx, disjoint = split_heldout(held["prompt_id"], held["domain"],
                                                              float(inputs.settings.split.calibration_share),
                                                              int(inputs.cfg.seed))

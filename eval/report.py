@@ -386,6 +386,8 @@ def _setup_lines(metrics: dict) -> list[str]:
         "- every request (one user turn) ran with every method back to back, in rotating order, after a "
         "warm-up; later turns are conditioned on the target's own autoregressive answer",
         f"- wall time of the measurement: {metrics['wall_s']:.0f} s"
+        + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in metrics["wall_s_parts"].items()) + ")"
+           if metrics.get("wall_s_parts") else "")
         + (f"; the {metrics['budget']['max_minutes']}-minute budget (eval.max_minutes) stopped it after "
            f"{metrics['budget']['prompts_done']} of {metrics['budget']['prompts_planned']} prompts"
            if metrics.get("budget") else ""), "",

@@ -35,7 +35,7 @@ from pipeline.decoding import DraftLength, Guard, autoregressive_generate, specu
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling, derive_seed
-from pipeline.timing import synced_clock
+from pipeline.timing import Laps, synced_clock
 
 # ---------------------------------------------------------------- inputs
 
@@ -372,20 +372,25 @@ def run(cfg: DictConfig, tracker) -> dict:
     print(f"[eval] {sum(map(len, prompts.values()))} prompts in {len(prompts)} domains from {source}; "
           f"methods: {', '.join(methods)}; T={sampling.temperature}, max_new_tokens={settings.max_new_tokens}")
 
-    started = time.time()
+    started, laps = time.time(), Laps()
     records, contexts = benchmark(prompts, methods, evaluation, cfg.seed)
+    laps.lap("requests")
     metrics = core_metrics(records, evaluation)
     predicted = predictions(evaluation, list(prompts))
     if predicted:
         metrics["predicted"] = predicted
     if settings.gammas:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
+        laps.lap("gamma_sweep")
     if settings.trees:
         metrics["tree_sweep"] = tree_sweep(contexts, methods, evaluation, cfg.seed)
+        laps.lap("tree_sweep")
     checked = fidelity(metrics, records, contexts, evaluation)
     if checked is not None:
         metrics["fidelity"] = checked
+        laps.lap("fidelity")
     metrics["wall_s"] = time.time() - started
+    metrics["wall_s_parts"] = dict(laps.parts)
     metrics["budget"] = evaluation.budget
     metrics["setup"] = setup_section(evaluation, prompts, source)
 
@@ -398,7 +403,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     print("\n".join(comparison_lines(metrics) + control_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")
-    print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots")
+    print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots; {laps.summary()}")
     log_to_tracker(tracker, metrics, out_dir)
     overall = metrics["overall"]
     return {"metrics": str(out_dir / "metrics.json"),

@@ -47,3 +47,21 @@ class Stopwatch:
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+
+class Laps:
+    """Wall-clock seconds per step of a stage body: `laps.lap("training")` closes the step that began at the
+    previous lap. A stage prints `laps.summary()` at its end, so a user sees where a run's minutes went."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> float:
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._last
+        self._last = now
+        return self.parts[name]
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.0f}s" for name, seconds in self.parts.items())

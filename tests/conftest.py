@@ -227,9 +227,12 @@ def peaked_target(seed: int = 0):
 
 
 def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: int = 24, temperature: float = 1.0,
-                         topk: int = 16, seed: int = 0) -> Path:
-    """A collect-stage output (dataset + manifest) sampled from `target`, with top-k labels at T=1."""
+                         topk: int = 16, seed: int = 0, hidden: bool = False) -> Path:
+    """A collect-stage output (dataset + manifest) sampled from `target`, with top-k labels at T=1 (and, with
+    `hidden`, the final hidden state per completion token, as collect.hidden_states stores it)."""
     from datasets import Dataset
+
+    from data.collect_hf import head_inputs
 
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -237,8 +240,8 @@ def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: in
         domain = DISTILL_DOMAINS[i % len(DISTILL_DOMAINS)]
         prompt = [2, 4] + torch.randint(6, WORD_VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() + [3, 2, 5]
         ids = torch.tensor([prompt])
-        completion, ids_k, lps_k = [], [], []
-        with torch.no_grad():
+        completion, ids_k, lps_k, states = [], [], [], []
+        with torch.no_grad(), head_inputs(target, states):
             for _ in range(new_tokens):
                 logp = target(ids).logits[0, -1].float().log_softmax(-1)
                 top = logp.topk(topk)
@@ -250,7 +253,8 @@ def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: in
                 ids = torch.cat([ids, torch.tensor([[tok]])], 1)
         rows.append({"id": f"{domain}-{i}/t0/s0", "prompt_id": f"{domain}-{i}", "domain": domain, "turn": 0,
                      "sample": 0, "prompt_ids": prompt, "completion_ids": completion, "text": "",
-                     "finish_reason": "length", "topk_ids": ids_k, "topk_logprobs": lps_k})
+                     "finish_reason": "length", "topk_ids": ids_k, "topk_logprobs": lps_k,
+                     **({"final_hidden": torch.cat(states).tolist()} if hidden else {})})
     path.mkdir(parents=True, exist_ok=True)
     Dataset.from_list(rows).save_to_disk(str(path / "dataset"))
     (path / "manifest.json").write_text(json.dumps({"sampling": {"temperature": temperature, "top_p": 1.0,

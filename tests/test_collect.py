@@ -106,7 +106,7 @@ def test_collect_writes_the_output_contract(tmp_path, tiny_target):
     prompts = {p["id"]: p for p in PROMPTS}
 
     from datasets import load_from_disk
-    assert load_from_disk(str(tmp_path / "collect" / "dataset")).features == features(4)
+    assert load_from_disk(str(tmp_path / "collect" / "dataset")).features == features(4, hidden=True)
     # one row per prompt turn and sample, ids unique and structured
     expected = sum(len(p["turns"]) for p in PROMPTS) * 2
     assert len(rows) == result["rows"] == manifest["rows"] == expected
@@ -135,6 +135,7 @@ def test_collect_writes_the_output_contract(tmp_path, tiny_target):
     assert manifest["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
     assert manifest["max_new_tokens"] == 10 and manifest["samples_per_prompt"] == 2
     assert manifest["seed"] == 0 and manifest["topk"] == 4 and manifest["stop_token_ids"] == [1]
+    assert manifest["hidden_states"] is True and all(len(r["final_hidden"]) == len(r["completion_ids"]) for r in rows)
     assert set(manifest["target"]["weights_sha256"]) == {"model.safetensors"}
     assert len(manifest["tokenizer_sha256"]) == len(manifest["chat_template_sha256"]) == 64
     assert manifest["domains"]["chat"]["prompts"] == 5 and manifest["domains"]["code"]["completions"] == 6
@@ -303,12 +304,12 @@ def test_two_accelerate_processes_produce_the_rows_of_one_cli_process(tmp_path, 
 
 # ----------------------------------------------------------------------------- batching
 
-def hf_settings(temperature: float, batch_size: int):
+def hf_settings(temperature: float, batch_size: int, hidden: bool = False):
     """Backend settings of the tests below: 8 new tokens, top-4 labels."""
     from data.collect_rows import CollectSettings
     from pipeline.sampling import Sampling
 
-    return CollectSettings(Sampling(temperature), max_new_tokens=8, samples_per_prompt=1, topk=4,
+    return CollectSettings(Sampling(temperature), max_new_tokens=8, samples_per_prompt=1, topk=4, hidden_states=hidden,
                            batch_size=batch_size, shard_size=1, backend="hf", seed=0, keep_shards=True, domains=None,
                            max_prompts_per_domain=None, max_minutes=None, vllm={})
 
@@ -333,6 +334,33 @@ def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_targ
     got = backend.generate(contexts, seed=7)
     assert backend.batch_size == 2
     assert [c.ids for c in got] == [c.ids for c in reference]
+
+
+def test_stored_final_hidden_states_give_the_labels_of_a_target_pass(tiny_target):
+    """collect.hidden_states: the head's input stored per generated token (left-padded batches, sampled) gives,
+    through the head alone, the collect's own top-k labels and the FR-Spec subset mass of distill's teacher-forced
+    target pass; the same states one position off (a wrong alignment) do not."""
+    from data.collect_hf import HFBackend
+    from distill.batch import Truncation
+    from distill.labels import labels_from_hidden, teacher_labels
+    from pipeline.models import load_model
+
+    model = load_model(tiny_target)
+    contexts = [[3, 6, 7, 1, 4], [3, 6, 1, 4], [3, 8, 9, 10, 11, 1, 4], [3, 12, 1, 4]]
+    completions = HFBackend(model, 1, [1], hf_settings(0.7, batch_size=4, hidden=True)).generate(contexts, seed=3)
+    assert all(c.final_hidden.shape == (len(c.ids), model.config.hidden_size) for c in completions)
+    vocab = torch.arange(0, model.config.vocab_size, 3)
+    lengths = [len(c.ids) for c in completions]
+    stored = labels_from_hidden(model, [c.final_hidden.astype("float32") for c in completions], lengths, 4, vocab)
+    rows = [{"prompt_ids": ctx, "completion_ids": c.ids} for ctx, c in zip(contexts, completions)]
+    forward = teacher_labels(model, rows, Truncation(64, 64), 4, vocab, 2, 1)
+    for i, c in enumerate(completions):
+        assert stored["topk_ids"][i] == c.topk_ids.tolist()
+        assert stored["subset_logmass"][i] == pytest.approx(forward["subset_logmass"][i], abs=2e-3)
+    shifted = [np.roll(c.final_hidden.astype("float32"), 1, axis=0) for c in completions]
+    off = labels_from_hidden(model, shifted, lengths, 0, vocab)["subset_logmass"]
+    worst = max(abs(a - b) for row, ref in zip(off, forward["subset_logmass"]) for a, b in zip(row, ref))
+    assert worst > 0.05, worst
 
 
 def test_batches_are_length_sorted_and_never_more_than_double_the_prefill():

@@ -97,7 +97,9 @@ def test_server_rows_have_the_hf_backends_schema_prompt_ids_and_labels(tmp_path,
         collect(tmp_path / name, real_target_path, extra)
     hf, served = rows_of(tmp_path / "hf"), rows_of(tmp_path / "server")
     features = [load_from_disk(str(tmp_path / name / "collect" / "dataset")).features for name in ("hf", "server")]
-    assert features[0] == features[1]
+    # the same schema, but for the hidden states only an in-process target can give (collect.hidden_states)
+    assert "final_hidden" in features[0] and "final_hidden" not in features[1]
+    assert {k: v for k, v in features[0].items() if k != "final_hidden"} == features[1]
     assert [r["id"] for r in served] == [r["id"] for r in hf] and len(served) == 5
     # turn 0: the very ids the HF backend feeds its target; turn 1 follows the server's own turn-0 answer
     assert [r["prompt_ids"] for r in served if r["turn"] == 0] == [r["prompt_ids"] for r in hf if r["turn"] == 0]
@@ -305,7 +307,7 @@ def backend_for(urls, **server):
     options = {**OmegaConf.load(REPO / "conf/collect/default.yaml").server, "urls": list(urls), "retries": 2,
                "backoff": 0.01, "timeout": 5, **server}
     settings = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=server.get("topk", 0),
-                               batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None,
+                               hidden_states=False, batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None,
                                max_prompts_per_domain=None, max_minutes=None, vllm={},
                                server={k: v for k, v in options.items() if k != "topk"})
     return ServerBackend.connect(settings, tiny_tokenizer(), STOP)
@@ -449,8 +451,8 @@ def test_the_fingerprint_holds_what_decides_server_rows_not_where_they_run():
     from pipeline.sampling import Sampling
 
     options = dict(OmegaConf.load(REPO / "conf/collect/default.yaml").server, urls=["http://a:1"])
-    base = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=0, batch_size=1, shard_size=1,
-                           backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
+    base = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=0, hidden_states=False,
+                           batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
                            max_minutes=None, vllm={}, server=options)
     moved = replace(base, server=ServerSettings.from_mapping({**options, "urls": ["http://b:2", "http://c:3"],
                                                               "concurrency": 4, "retries": 9}))

@@ -116,6 +116,33 @@ def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, m
         labels.cached_teacher_labels(inputs, torch.tensor([1, 8, 9]), train, 4, print)
 
 
+def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(setup, tmp_path, monkeypatch):
+    """collect.hidden_states rows: the FR-Spec subset's mass comes from the target's head alone (the label pass
+    never runs), equals what that pass gives on the same rows, and the stage trains and exports as before."""
+    from datasets import load_from_disk
+
+    from distill import labels
+    from distill.batch import Truncation
+    from pipeline.models import load_model
+    from tests.conftest import write_collect_output
+
+    target = load_model(setup["target"], torch.device("cpu"), torch.float32)
+    collect = write_collect_output(target, tmp_path / "collect", n_prompts=12, new_tokens=8, hidden=True)
+    rows = load_from_disk(str(collect / "dataset")).to_list()[:4]
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    forward = labels.teacher_labels(target, rows, Truncation(64, 64), 4, vocab, 2, 0)
+    stored = labels.labels_from_hidden(target, [torch.tensor(r["final_hidden"]) for r in rows],
+                                       [len(r["completion_ids"]) for r in rows], 4, vocab)
+    assert stored["topk_ids"] == forward["topk_ids"]
+    for a, b in zip(stored["subset_logmass"], forward["subset_logmass"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    monkeypatch.setattr(labels, "teacher_labels", lambda *a, **k: pytest.fail("a target pass ran over the rows"))
+    run_stage(setup, tmp_path / "out", f"paths.collect={collect}", "model.draft.vocab_subset=40",
+              "distill.trainer.max_steps=2", "distill.heldout.eval_steps=2", "distill.checkpoint.save_steps=2")
+    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    assert spec["training"]["steps"] == 2 and len(spec["vocab_subset"]) == 40
+
+
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
     """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
     comes from the reporting part, so no number is measured on the rows that chose it."""
