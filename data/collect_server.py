@@ -298,7 +298,8 @@ def _labels(logprobs, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray] |
 
 def launch_server(cfg, settings: CollectSettings, log_path, stack) -> CollectSettings:
     """collect.server.launch: one llama-server on 127.0.0.1 serving the target's GGUF for this run (stopped with
-    `stack`, a contextlib.ExitStack; engines.llamacpp.* sets its threads and context); the settings with its URL."""
+    `stack`, a contextlib.ExitStack; engines.llamacpp.* sets its threads and per-request context), with
+    collect.server.concurrency slots decoded as one batch; the settings with its URL."""
     from dataclasses import replace
 
     from pipeline.engines import llamacpp
@@ -311,8 +312,10 @@ def launch_server(cfg, settings: CollectSettings, log_path, stack) -> CollectSet
     engine = cfg.engines.llamacpp
     root = llamacpp.build(cfg.paths.engines, str(engine.version))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = stack.enter_context(llamacpp.Server(root, gguf, threads=engine.threads, context=int(engine.context),
-                                                 log_path=log_path, start_timeout=float(engine.start_timeout)))
+    slots = int(settings.server.concurrency)  # llama-server splits -c over its slots: each keeps the per-request context
+    server = stack.enter_context(llamacpp.Server(root, gguf, threads=engine.threads, context=int(engine.context) * slots,
+                                                 log_path=log_path, start_timeout=float(engine.start_timeout),
+                                                 parallel=slots))
     print(f"[collect] llama-server on {gguf.name} at {server.url} (log: {server.log_path})")
     return replace(settings, server=replace(settings.server, urls=(server.url,), launch=False))
 

@@ -429,3 +429,25 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
+
+
+def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, distilled, tmp_path, capsys):
+    """distill.compare_drafts: a draft against itself differs by exactly 0; the undistilled draft trails the
+    distilled one beyond the paired CI on the same rows; fewer than two drafts is one line."""
+    from distill.compare_drafts import main
+
+    run = distilled[2]
+    copy = shutil.copytree(run / "draft", tmp_path / "copy")
+    drafts = f"+compare.drafts=[{run / 'draft'},{run / 'draft_init'},{copy}]"
+    result = main(overrides(setup, tmp_path, drafts, f"+compare.json={tmp_path / 'compare.json'}"))
+    overall = result["domains"]["overall"]
+    spec = json.loads((run / "draft" / "speculative.json").read_text())
+    assert overall["acceptance"][str(run / "draft")] == pytest.approx(spec["acceptance"]["after"]["overall"], abs=1e-3)
+    same = overall["difference"][str(copy)]
+    assert same[0] == 0 and same[1] == [0, 0]
+    delta, (lo, hi) = overall["difference"][str(run / "draft_init")]
+    assert delta < 0 and hi < 0, overall
+    assert json.loads((tmp_path / "compare.json").read_text())["drafts"][1] == str(run / "draft_init")
+    assert "Δ" in capsys.readouterr().out
+    with pytest.raises(PipelineError, match="two or more different"):
+        main(overrides(setup, tmp_path, f"+compare.drafts=[{run / 'draft'}]"))

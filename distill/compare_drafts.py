@@ -1,0 +1,137 @@
+"""Drafts side by side on one collect's held-out rows: held-out acceptance Σ min(p, q) per domain at the serving
+distribution (greedy serving: argmax agreement), and each draft's difference from the first with a paired
+bootstrap CI over held-out rows.
+
+    python -m distill.compare_drafts paths.collect=<collect> '+compare.drafts=[<export A>,<export B>]' \
+        (+compare.part=reporting|calibration +compare.temperature=calibrated +compare.json=<file>)
+
+The question it answers: do drafts trained on different rows of equal size — e.g. rows a serving engine
+generated (collect.backend=server, another engine's numerics) against the HF backend's — differ beyond noise?
+Each draft's own run judged it on its own held-out rows; here every draft meets the same rows and the same
+target distribution, so the difference has the noise of the drafts, not of two samples of completions. Each draft
+runs with its own FR-Spec head (speculative.json `vocab_subset`) at the serving temperature (or, with
+compare.temperature=calibrated, at its own calibrated τ per domain).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from distill import calibrate as cal
+from distill.split import split_by_prompt
+from distill.stage import build_heldouts, load_inputs
+from pipeline.errors import PipelineError
+from pipeline.models import load_model
+from pipeline.spec import SpeculativeSpec
+
+
+def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibrated: bool) -> torch.Tensor:
+    """α per held-out position [N] of the export at `path`, through its own FR-Spec head."""
+    if not (Path(path) / "speculative.json").is_file():
+        raise PipelineError(f"{path} is not a draft export (no speculative.json): pass paths.draft of a distill run")
+    spec = SpeculativeSpec.read(path)
+    draft = load_model(path, dtype=dtype).eval()
+    vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
+    if calibrated:
+        taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
+        return cal.acceptance_at(draft, heldout, taus, vocab)
+    with torch.no_grad():
+        return cal.acceptance(draft, heldout, [heldout.sampling.temperature], vocab)[0]
+
+
+def row_sums(alpha: torch.Tensor, heldout: cal.HeldOut, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per held-out row of the domain `mask`: Σ α over its positions and its position count."""
+    rows = heldout.row_of[mask].numpy()
+    values = alpha[mask].double().numpy()
+    present = np.unique(rows)
+    return (np.array([values[rows == r].sum() for r in present]), np.array([(rows == r).sum() for r in present]))
+
+
+def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray, seed: int = 0,
+                      n_boot: int = 4000) -> tuple[float, list[float]]:
+    """(other − base) of the position-weighted means, with a 95% percentile bootstrap over rows (both drafts
+    resampled with the same rows)."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
+    n = counts[picks].sum(1)
+    boot = (other[picks].sum(1) - base[picks].sum(1)) / n
+    return float((other.sum() - base.sum()) / counts.sum()), [float(np.quantile(boot, 0.025)),
+                                                                float(np.quantile(boot, 0.975))]
+
+
+def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
+    """{domain: {"rows", "positions", "acceptance": {draft: α}, "difference": {draft: [Δ, [lo, hi]]}}}."""
+    names = list(alphas)
+    table = {}
+    for domain, mask in cal.domain_index(heldout).items():
+        sums = {name: row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
+        counts = sums[names[0]][1]
+        entry = {"rows": len(counts), "positions": int(counts.sum()),
+                 "acceptance": {name: float(s.sum() / counts.sum()) for name, (s, _) in sums.items()},
+                 "difference": {}}
+        for name in names[1:]:
+            delta, ci = paired_difference(sums[names[0]][0], sums[name][0], counts)
+            entry["difference"][name] = [delta, ci]
+        table[domain] = entry
+    return table
+
+
+def render(table: dict, names: list[str]) -> str:
+    short = [Path(n).name or n for n in names]
+    header = f"{'domain':<15}{'rows':>6}{'positions':>11}" + "".join(f"{s[:18]:>20}" for s in short) + \
+        "".join(f"{('Δ ' + s)[:30]:>32}" for s in short[1:])
+    lines = [header]
+    for domain, entry in table.items():
+        line = f"{domain:<15}{entry['rows']:>6}{entry['positions']:>11}"
+        line += "".join(f"{entry['acceptance'][n]:>20.3f}" for n in names)
+        for n in names[1:]:
+            delta, (lo, hi) = entry["difference"][n]
+            line += f"{f'{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]':>32}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=["tracking.enabled=false", *overrides])
+    options = dict(cfg.get("compare") or {})
+    drafts = [str(d) for d in options.get("drafts") or []]
+    part = str(options.get("part", "reporting"))
+    if len(drafts) < 2 or len(set(drafts)) < len(drafts):
+        raise PipelineError("name two or more different draft exports: '+compare.drafts=[<export A>,<export B>]'")
+    if part not in ("reporting", "calibration"):
+        raise PipelineError(f"+compare.part={part!r}: use reporting or calibration")
+    calibrated = str(options.get("temperature", "serving")) == "calibrated"
+    inputs = load_inputs(cfg, tracker=None)
+    split = inputs.settings.split
+    _, held_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
+                                  float(split.heldout_fraction), split.heldout_max_prompts_per_domain, int(cfg.seed))
+    heldout = getattr(build_heldouts(inputs, SimpleNamespace(heldout_idx=held_idx)), part)
+    dtype = next(inputs.target.parameters()).dtype
+    alphas = {path: draft_acceptance(path, heldout, dtype, calibrated) for path in drafts}
+    table = compare(alphas, heldout)
+    print(f"held-out {part} part of {cfg.paths.collect}: {len(heldout.rows)} rows, {heldout.n_positions} positions, "
+          f"{inputs.sampling}, draft temperature {'calibrated' if calibrated else 'serving'}; Δ = draft − "
+          f"{Path(drafts[0]).name} [95% paired bootstrap over rows]")
+    print(render(table, drafts))
+    result = {"collect": str(cfg.paths.collect), "part": part, "sampling": inputs.sampling.to_dict(),
+              "draft_temperature": "calibrated" if calibrated else "serving", "drafts": drafts, "domains": table}
+    if options.get("json"):
+        Path(options["json"]).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
