@@ -81,8 +81,18 @@ def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
     return table
 
 
+def short_names(paths: list[str]) -> list[str]:
+    """The fewest trailing path parts that tell the drafts apart (exports are usually all called `draft`)."""
+    parts = [Path(p).parts for p in paths]
+    for n in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(p[-n:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return list(paths)
+
+
 def render(table: dict, names: list[str]) -> str:
-    short = [Path(n).name or n for n in names]
+    short = short_names(names)
     header = f"{'domain':<15}{'rows':>6}{'positions':>11}" + "".join(f"{s[:18]:>20}" for s in short) + \
         "".join(f"{('Δ ' + s)[:30]:>32}" for s in short[1:])
     lines = [header]
@@ -120,7 +130,7 @@ def main(overrides: list[str]) -> dict:
     table = compare(alphas, heldout)
     print(f"held-out {part} part of {cfg.paths.collect}: {len(heldout.rows)} rows, {heldout.n_positions} positions, "
           f"{inputs.sampling}, draft temperature {'calibrated' if calibrated else 'serving'}; Δ = draft − "
-          f"{Path(drafts[0]).name} [95% paired bootstrap over rows]")
+          f"{short_names(drafts)[0]} [95% paired bootstrap over rows]")
     print(render(table, drafts))
     result = {"collect": str(cfg.paths.collect), "part": part, "sampling": inputs.sampling.to_dict(),
               "draft_temperature": "calibrated" if calibrated else "serving", "drafts": drafts, "domains": table}
