@@ -25,7 +25,7 @@ from distill.policy import simulate
 from distill.split import split_by_prompt
 from distill.stage import build_heldouts, load_inputs
 from pipeline.decoding import speculative_generate
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model
 from pipeline.sampling import derive_seed
 from pipeline.spec import SpeculativeSpec
@@ -113,8 +113,5 @@ def render(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    try:
+    with one_line_errors("acceptance_gap"):
         main(sys.argv[1:])
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

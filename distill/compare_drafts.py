@@ -25,7 +25,7 @@ import torch
 from distill import calibrate as cal
 from distill.split import split_by_prompt
 from distill.stage import build_heldouts, load_inputs
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
 
@@ -140,8 +140,5 @@ def main(overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    try:
+    with one_line_errors("compare_drafts"):
         main(sys.argv[1:])
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
