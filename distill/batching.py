@@ -16,8 +16,10 @@ calibrated copy of the export instead). In the distill
 stage it runs when `distill.calibration.batch_sizes` is non-empty.
 
 speculative.json `batching` = {batch_sizes, margin, by_domain {domain: {B: γ or 0}}, gamma_if_on {domain: {B: γ}},
-predicted_speedup {domain: {B: of gamma_if_on}}, break_even {domain: B or null}, cost {machine, context,
-by_batch {B: {c, target_step_ms, verify_ratio}}}}. Where the export has engines.vllm, each domain's
+predicted_speedup {domain: {B: of gamma_if_on}}, predicted_speedup_no_host {domain: {B: the same γ priced by its
+forwards alone}}, break_even {domain: B or null}, cost {machine, context, host_settings, by_batch {B: {c,
+target_step_ms, verify_ratio, host {plain, chain {γ}}}}}}: by_batch is each B's cost summary as priced, the batched
+loop's host work per pass included (pipeline/batch_profile.py). Where the export has engines.vllm, each domain's
 speculative_config gains vLLM's `num_speculative_tokens_per_batch_size` (below).
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_dir
-from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, measure_batch_profile
+from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import OneLineParser, PipelineError
 from pipeline.spec import DEFAULT, SpeculativeSpec
@@ -56,24 +58,31 @@ def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -
     sizes = batch_sizes_of(profile)
     costs = {size: batch_cost(profile, size) for size in sizes}
     block = {"batch_sizes": sizes, "margin": margin, "by_domain": {}, "gamma_if_on": {}, "predicted_speedup": {},
-             "break_even": {}}
+             "predicted_speedup_no_host": {}, "break_even": {}}
     for domain, per_position in per_position_by_domain.items():
         name = DEFAULT if domain == OVERALL else domain
         chosen = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
         block["gamma_if_on"][name] = {size: gamma for size, (gamma, _) in chosen.items()}
         block["predicted_speedup"][name] = {size: round(speedup, 3) for size, (_, speedup) in chosen.items()}
+        # what the forwards-only model said of the same γ: how much of the prediction the host work took back
+        block["predicted_speedup_no_host"][name] = {
+            size: round(pass_speedup(sum(per_position[:g]), g, g, forwards_only(costs[int(size)])), 3)
+            for size, (g, _) in chosen.items()}
         block["by_domain"][name] = {size: gamma if speedup >= 1 + margin else 0
                                     for size, (gamma, speedup) in chosen.items()}
         block["break_even"][name] = break_even({int(s): x for s, x in block["predicted_speedup"][name].items()})
     block["cost"] = {"machine": profile["machine"], "context": profile["context"],
+                     "host_settings": profile.get("host_settings"),
                      "by_batch": {str(size): cost_record(cost, max(gammas)) for size, cost in costs.items()}}
     return block
 
 
 def cost_record(cost: dict, longest: int) -> dict:
-    """A batch size's cost summary as speculative.json keeps it (the verify ratios of the γ compared)."""
-    return {"c": round(cost["c"], 4), "target_step_ms": round(cost["target_step_ms"], 3),
-            "verify_ratio": {str(n): round(r, 4) for n, r in cost["verify_ratio"].items() if n <= longest}}
+    """A batch size's cost summary as speculative.json keeps it (the verify ratios of the γ compared, the host
+    work per pass where the profile timed it)."""
+    record = {"c": round(cost["c"], 4), "target_step_ms": round(cost["target_step_ms"], 3),
+              "verify_ratio": {str(n): round(r, 4) for n, r in cost["verify_ratio"].items() if n <= longest}}
+    return record if "host" not in cost else {**record, "host": cost["host"]}
 
 
 def vllm_schedule(gammas_by_batch: dict, k_max: int) -> list[list[int]]:
@@ -124,7 +133,7 @@ def calibrate_batching(inputs, split, spec: SpeculativeSpec, log) -> Speculative
     device = next(inputs.target.parameters()).device
     profile = measure_batch_profile(inputs.target, draft.to(device), settings.batch_sizes,
                                     [g + 1 for g in settings.gammas], synced_clock(device), split.vocab,
-                                    repeats=int(settings.cost.repeats))
+                                    repeats=int(settings.cost.repeats), sampling=spec.sampling)
     spec = with_batching(spec, profile, settings.gammas, float(settings.speculate_margin))
     log(format_batching(spec.batching))
     return spec
@@ -181,7 +190,7 @@ def run(args) -> SpeculativeSpec:
     target, draft = load_model(args.target, dtype=dtype), load_model(args.draft, dtype=dtype)
     vocab = torch.tensor(spec.vocab_subset, dtype=torch.long) if spec.vocab_subset else None
     profile = measure_batch_profile(target, draft, args.batch_sizes, [g + 1 for g in args.gammas],
-                                    synced_clock("cpu"), vocab, repeats=args.repeats)
+                                    synced_clock("cpu"), vocab, repeats=args.repeats, sampling=spec.sampling)
     spec = with_batching(spec, profile, args.gammas, args.margin)
     if not args.out:
         spec.write(args.draft)  # atomic: pipeline/atomic.py

@@ -11,15 +11,17 @@ acceptance and, greedy, whether the rows' outputs were identical (they must be: 
 lossless per row). Asserts nothing about wall-clock. The break-even batch is where speculation stops paying as B
 grows (pipeline/batch_profile.py `break_even`); the smallest B whose CI lies below 1 is printed beside it.
 
-Default: greedy, a fixed --gamma, and the prediction from forward costs timed here at each B (1 and γ + 1 new
-tokens per row, a draft step; pipeline/batch_profile.py) priced by the one cost model with the accepted drafts per
-pass measured at the smallest B.
+Default: greedy, a fixed --gamma, and the prediction from a batch profile timed here (pipeline/batch_profile.py: at
+each B the forwards of 1 and γ + 1 new tokens per row, a draft step and the batched loop's host work per pass)
+through `batch_cost`, priced by the one cost model with the accepted drafts per pass measured at the smallest B;
+`no host` beside it is the same γ priced by its forwards alone.
 
 --calibrated: the export's per-batch-size calibration (speculative.json `batching`, distill/batching.py) for one
 domain, at the export's serving sampling and draft temperature. At each B speculation runs with the best γ there
 (`gamma_if_on`), so the measured break-even is seen even where the calibration says "off"; the calibrated policy
 is that measurement where it drafts and batched plain decoding (the same computation as the baseline: 1×) where
-it is off. The prediction is the calibration's own (`predicted_speedup`, from the batch profile it was made with).
+it is off. The prediction is the calibration's own (`predicted_speedup`, from the batch profile it was made with;
+`no host`: its `predicted_speedup_no_host`, absent from a calibration made before host work was timed).
 """
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import torch
 
 from eval.bench import DEFAULT_PROMPTS, first_turns
 from eval.metrics import _speedup_stat, bootstrap_ci
-from pipeline.batch_profile import break_even, forward_ms
+from pipeline.batch_profile import batch_cost, break_even, forwards_only, measure_batch_profile
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
@@ -89,17 +91,18 @@ def measure(target, draft, prompts: list, args, clock) -> dict:
 
 
 def predict(target, draft, measured: dict, args, clock) -> dict:
-    """{B: {c, r, predicted}} from forward costs at each B and the accepted drafts per pass at the smallest B."""
+    """{B: {c, r, predicted, no_host}} from a batch profile timed at each B (batch_cost, host work included) and
+    the accepted drafts per pass at the smallest B."""
     first = measured[min(measured)]
     accepted = first["accepted"] / first["drafting_passes"] if first["drafting_passes"] else 0.0
+    profile = measure_batch_profile(target, draft, list(measured), sorted({g + 1 for g in args.gamma_at.values()}),
+                                    clock, args.vocab, sampling=args.sampling)
     out = {}
     for size in measured:
-        gamma = args.gamma_at[size]
-        step = forward_ms(target, size, 1, clock)
-        cost = {"c": forward_ms(draft, size, 1, clock, vocab=args.vocab) / step,
-                "verify_ratio": {gamma: forward_ms(target, size, gamma + 1, clock) / step}}
-        out[size] = {"target_step_ms": step, "c": cost["c"], "r": cost["verify_ratio"][gamma],
-                     "accepted_per_pass": accepted, "predicted": pass_speedup(accepted, gamma, gamma, cost)}
+        gamma, cost = args.gamma_at[size], batch_cost(profile, size)
+        out[size] = {"target_step_ms": cost["target_step_ms"], "c": cost["c"], "r": cost["verify_ratio"][gamma],
+                     "accepted_per_pass": accepted, "predicted": pass_speedup(accepted, gamma, gamma, cost),
+                     "no_host": pass_speedup(accepted, gamma, gamma, forwards_only(cost))}
     return out
 
 
@@ -114,7 +117,8 @@ def predict_calibrated(spec: SpeculativeSpec, domain: str, sizes) -> dict:
         cost = block["cost"]["by_batch"][key]
         out[size] = {"c": cost["c"], "r": cost["verify_ratio"][str(gamma)], "gamma": gamma,
                      "policy_gamma": block["by_domain"][name][key],
-                     "predicted": block["predicted_speedup"][name][key]}
+                     "predicted": block["predicted_speedup"][name][key],
+                     "no_host": block.get("predicted_speedup_no_host", {}).get(name, {}).get(key)}
     return out
 
 
@@ -147,14 +151,15 @@ def report(summary: dict, args) -> str:
              f"{args.n_prompts} prompts, repeats={args.repeats}, torch threads={torch.get_num_threads()}, "
              f"{args.dtype}, draft head: {subset}" + (f", calibrated for {args.domain}" if args.calibrated else ""),
              f"{'B':>3} {'γ':>2} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup [95% CI]':>26} {'n':>3} "
-             f"{'accept':>7} {'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9}"
+             f"{'accept':>7} {'identical':>9} {'c(B)':>6} {'r(B)':>6} {'predicted':>9} {'no host':>8}"
              + ("  policy" if args.calibrated else "")]
     predicted = summary["predicted"]
     for size, r in summary["by_batch"].items():
         p = predicted[size]
         line = (f"{size:>3} {args.gamma_at[size]:>2} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>11.1f} "
                 f"{r['speedup']:>8.3f}× {_ci(r):>16} {r['n_batches']:>3} {r['acceptance']:>7.3f} "
-                f"{str(r['identical']):>9} {p['c']:>6.3f} {p['r']:>6.2f} {p['predicted']:>8.3f}×")
+                f"{str(r['identical']):>9} {p['c']:>6.3f} {p['r']:>6.2f} {p['predicted']:>8.3f}× "
+                f"{'-' if p['no_host'] is None else format(p['no_host'], '.3f') + '×':>8}")
         if args.calibrated:
             line += (f"  γ={p['policy_gamma']}: {r['speedup']:.3f}× {_ci(r)}" if p["policy_gamma"]
                      else "  off: plain decoding (1×)")

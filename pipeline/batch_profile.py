@@ -7,9 +7,19 @@ a cached context, through the batched decoder's own forward (pipeline/decoding/b
 mask and per-row positions, the head on the new positions only, the draft through its FR-Spec rows), so that
 `batch_cost` gives the cost summary the one cost model prices (pipeline/decoding/cost.py `pass_speedup`).
 
+A pass also pays the batched loop's own work between forwards: verification of every row, the RaggedCache's
+rollback and compaction, the pending tokens, the pass's one host sync, row selection. It is timed through the
+batched decoder itself (`host_times`): random prompts of `context` tokens decoded plainly and with chains of γ = 1
+and 4 for SHORT and LONG new tokens, interleaved over rounds after a warm-up. Per pass, host = (the LONG call's time
+less the SHORT call's, less the forwards the LONG call ran beyond the SHORT one's, priced from this profile's forward
+times at that B) / their difference in passes, in that B's 1-token target steps, clamped at 0. The difference of two
+calls cancels what every call pays once (the prompt's prefill, the draft's first read of it in pass 2, the set-up),
+which the per-token forwards timed here do not price.
+
 Schema (VERSION 1): `version`; `machine` (pipeline/cost_profile.py `machine`); `context` (cached tokens per row);
-`repeats`; `target` {B: {k: ms}} (median ms of a forward of k new tokens per row); `draft` {B: ms}. Keys are strings
-(JSON).
+`repeats`; `target` {B: {k: ms}} (median ms of a forward of k new tokens per row); `draft` {B: ms}; `host` {B:
+{plain: steps, chain: {γ: steps}}} (pipeline/pass_overhead.py's schema per B) and `host_settings` {sampling,
+new_tokens [SHORT, LONG], rounds}; a profile without `host` prices it at 0. Keys are strings (JSON).
 """
 from __future__ import annotations
 
@@ -17,11 +27,18 @@ import numpy as np
 import torch
 
 from pipeline.cost_profile import machine
+from pipeline.decoding.batch import RaggedCache, autoregressive_generate_batch, speculative_generate_batch
+from pipeline.decoding.cost import verify_cost
+from pipeline.decoding.generate import GREEDY
 from pipeline.decoding.loop import crop
 from pipeline.errors import PipelineError
+from pipeline.sampling import Sampling
 
 VERSION = 1
 CONTEXT = 96  # cached tokens per row before the timed forward: a chat prompt and some answer
+CHAINS = (1, 4)  # γ whose host work is timed, as pipeline/pass_overhead.py: the cost model interpolates between
+SHORT, LONG = 8, 40  # new tokens of the two timed calls: SHORT is past pass 2 (the draft's first read of the prompt)
+HOST_ROUNDS = 3  # timed rounds of host calls after one warm-up, as pipeline/pass_overhead.py
 
 
 @torch.inference_mode()
@@ -55,16 +72,66 @@ def forward_ms(model, batch: int, tokens: int, clock, repeats: int = 9, vocab=No
 
 
 def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=None, repeats: int = 9,
-                          context: int = CONTEXT) -> dict:
-    """The profile (module docstring) of these models on their device; tokens_fed: the k timed (1 is added)."""
-    fed = sorted({1, *(int(k) for k in tokens_fed)})
+                          context: int = CONTEXT, sampling: Sampling = GREEDY, host_rounds: int = HOST_ROUNDS) -> dict:
+    """The profile (module docstring) of these models on their device; tokens_fed: the k timed (1 and the host
+    chains' γ + 1 are added). `sampling`: the distribution the host work is timed at (the serving one)."""
+    fed = sorted({1, *(int(k) for k in tokens_fed), *(g + 1 for g in CHAINS)})
     profile = {"version": VERSION, "machine": machine(next(target.parameters()).device, target.dtype),
-               "context": context, "repeats": repeats, "target": {}, "draft": {}}
+               "context": context, "repeats": repeats, "target": {}, "draft": {}, "host": {},
+               "host_settings": {"sampling": sampling.to_dict(), "new_tokens": [SHORT, LONG], "rounds": host_rounds}}
     for size in sorted(int(b) for b in batch_sizes):
         times = forward_times(target, size, fed, clock, repeats, None, context)
         profile["target"][str(size)] = {str(k): round(ms, 4) for k, ms in times.items()}
         profile["draft"][str(size)] = round(forward_ms(draft, size, 1, clock, repeats, vocab, context), 4)
+        seconds = host_times(target, draft, size, clock, vocab, sampling, context, host_rounds)
+        profile["host"][str(size)] = host_block(seconds, batch_cost(profile, size))
     return profile
+
+
+def host_times(target, draft, batch: int, clock, vocab, sampling: Sampling, context: int, rounds: int) -> dict:
+    """{shape: [(seconds, per-pass drafted list) of the SHORT and the LONG call] per timed round}, shape None =
+    plain decoding, else a chain's γ. Every round decodes every shape at both lengths from one seed, so the SHORT
+    call is the LONG one's beginning and load that comes and goes moves every shape alike."""
+    device = next(target.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    n_vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    prompts = list(torch.randint(0, n_vocab, (batch, context), generator=g).to(device))
+    shapes, out = [None, *CHAINS], {}
+    for round_ in range(rounds + 1):  # round 0 is a warm-up
+        for shape in shapes:
+            calls = []
+            for new_tokens in (SHORT, LONG):
+                generator = torch.Generator(device=device).manual_seed(round_)
+                start = clock()
+                result = (autoregressive_generate_batch(target, prompts, sampling=sampling, max_new_tokens=new_tokens,
+                                                        generator=generator) if shape is None else
+                          speculative_generate_batch(target, draft, prompts, sampling=sampling, gamma=shape,
+                                                     max_new_tokens=new_tokens, draft_vocab=vocab, generator=generator))
+                seconds = clock() - start
+                calls.append((seconds, max((s.drafted for s in result.stats), key=len)))  # the longest row: every pass
+            if round_:
+                out.setdefault(shape, []).append(calls)
+    return out
+
+
+def forwards_ms(drafted: list[int], cost: dict) -> float:
+    """What the passes' forwards cost at this B by the profile: γ draft steps and a target forward of γ + 1 tokens
+    per pass (plain: the 1-token step). Rows that finished early are priced as if still there: both calls end with
+    such a tail, so their difference mostly cancels it."""
+    step = cost["target_step_ms"]
+    return sum(d * cost["c"] * step + verify_cost(cost["verify_ratio"], d) * step for d in drafted)
+
+
+def host_block(times: dict, cost: dict) -> dict:
+    """{plain, chain {γ}}: the median over rounds of the host steps per pass (module docstring) of each shape."""
+    def steps(calls) -> float:
+        (short_s, short_d), (long_s, long_d) = calls
+        extra = 1e3 * (long_s - short_s) - (forwards_ms(long_d, cost) - forwards_ms(short_d, cost))
+        return max(extra / max(len(long_d) - len(short_d), 1), 0.0) / cost["target_step_ms"]
+
+    per_shape = {shape: round(float(np.median([steps(calls) for calls in rounds])), 4)
+                 for shape, rounds in times.items()}
+    return {"plain": per_shape[None], "chain": {str(g): per_shape[g] for g in CHAINS}}
 
 
 def batch_sizes_of(profile: dict) -> list[int]:
@@ -72,15 +139,23 @@ def batch_sizes_of(profile: dict) -> list[int]:
 
 
 def batch_cost(profile: dict, batch: int) -> dict:
-    """The cost summary {c, verify_ratio {N: r}} at a measured batch size, for pass_speedup: c = draft step /
-    target step and r(N) = the target's forward of N + 1 tokens / its step, both at that B."""
+    """The cost summary {c, target_step_ms, verify_ratio {N: r}, host} at a measured batch size, for pass_speedup:
+    c = draft step / target step, r(N) = the target's forward of N + 1 tokens / its step and the loop's host work
+    per pass in steps, all at that B (no `host` key where the profile has none: priced at 0)."""
     rows = profile["target"].get(str(batch))
     if rows is None or str(batch) not in profile["draft"]:
         raise PipelineError(f"the batch cost profile has no batch size {batch} (it has {batch_sizes_of(profile)}): "
                             "measure one with those batch sizes")
     step = float(rows["1"])
-    return {"c": float(profile["draft"][str(batch)]) / step, "target_step_ms": step,
+    cost = {"c": float(profile["draft"][str(batch)]) / step, "target_step_ms": step,
             "verify_ratio": {int(k) - 1: float(ms) / step for k, ms in rows.items() if int(k) > 1}}
+    host = (profile.get("host") or {}).get(str(batch))
+    return cost if host is None else {**cost, "host": host}
+
+
+def forwards_only(cost: dict) -> dict:
+    """A cost summary without its host work: what the forwards-only model (before host work was timed) priced."""
+    return {k: v for k, v in cost.items() if k != "host"}
 
 
 def validate(profile, where: str) -> None:
@@ -91,6 +166,9 @@ def validate(profile, where: str) -> None:
         if "1" not in profile["target"][str(size)] or str(size) not in profile["draft"]:
             raise PipelineError(f"{where}: batch size {size} lacks the target's 1-token step or the draft's step: "
                                 "measure it again")
+        host = profile["host"].get(str(size), {}) if "host" in profile else {"plain": 0.0, "chain": {}}
+        if "plain" not in host or "chain" not in host:  # a profile from before host work was timed has no `host`
+            raise PipelineError(f"{where}: batch size {size} lacks its host block (plain, chain): measure it again")
 
 
 def break_even(speedup_by_batch: dict) -> int | None:

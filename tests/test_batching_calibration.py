@@ -8,7 +8,7 @@ import time
 import pytest
 
 from distill import batching
-from pipeline.batch_profile import batch_cost, break_even, measure_batch_profile, validate
+from pipeline.batch_profile import CHAINS, batch_cost, break_even, measure_batch_profile, validate
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
@@ -111,7 +111,8 @@ def test_a_profile_measured_on_tiny_models_prices_every_batch_size(target, close
                                     repeats=1, context=8)
     validate(profile, "profile")
     cost = batch_cost(profile, 2)
-    assert cost["c"] > 0 and set(cost["verify_ratio"]) == {1, 2}
+    assert cost["c"] > 0 and set(cost["verify_ratio"]) == {1, 2, *CHAINS}  # the host chains' verifies are timed too
+    assert set(cost["host"]) == {"plain", "chain"}
     with pytest.raises(PipelineError, match="no batch size 4"):
         batch_cost(profile, 4)
 
