@@ -106,12 +106,10 @@ def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
             log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={objective.loss_temperature} "
                 "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
         k = 0 if "topk_ids" in train.column_names else int(objective.topk)
-        if (k or split.vocab is not None) and "final_hidden" in train.column_names:
-            columns = hidden_labels(inputs, split.vocab, train, k, log)
-            for name, values in columns.items():
-                train = train.add_column(name, values)
-        elif k or split.vocab is not None:
-            if split.share is None:
+        if k or split.vocab is not None:
+            if "final_hidden" in train.column_names:  # the head alone, no target pass: nothing to share or cache
+                columns = hidden_labels(inputs, split.vocab, train, k, log)
+            elif split.share is None:
                 columns = cached_teacher_labels(inputs, split.vocab, train, k, log)
             else:  # labelled once for every train row: the other learning-curve points reuse them
                 columns = {name: [values[i] for i in split.share]
