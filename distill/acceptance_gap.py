@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from distill import calibrate as cal
 from distill.policy import simulate
-from distill.split import split_by_prompt
-from distill.stage import build_heldouts, load_inputs
+from distill.offline import collect_heldouts, tool_config
 from pipeline.decoding import speculative_generate
 from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model
@@ -64,22 +62,15 @@ def ratio_ci(pairs: list[tuple[int, int]], seed: int = 0, n_boot: int = 2000) ->
 
 
 def main(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("config", overrides=["tracking.enabled=false", *overrides])
+    cfg = tool_config(overrides)
     options = dict(cfg.get("acceptance_gap") or {})
     gammas, repeats = list(options.get("gammas", [1, 2])), int(options.get("repeats", 2))
     if not (Path(cfg.paths.draft) / "speculative.json").is_file():
         raise PipelineError(f"no draft export at {cfg.paths.draft}: run stage=distill first or set paths.draft=<dir>")
-    inputs = load_inputs(cfg, tracker=None)
+    inputs, heldouts = collect_heldouts(cfg)
+    reporting = heldouts.reporting
     spec = SpeculativeSpec.read(cfg.paths.draft)
     draft = load_model(cfg.paths.draft, dtype=next(inputs.target.parameters()).dtype).eval()
-    split = inputs.settings.split
-    _, held_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
-                                  float(split.heldout_fraction), split.heldout_max_prompts_per_domain, int(cfg.seed))
-    reporting = build_heldouts(inputs, SimpleNamespace(heldout_idx=held_idx)).reporting
     vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
     taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(reporting.domains), cal.OVERALL]}
     alpha = cal.acceptance_at(draft, reporting, taus, vocab)

@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from distill import calibrate as cal
-from distill.split import split_by_prompt
-from distill.stage import build_heldouts, load_inputs
+from distill.offline import collect_heldouts, tool_config
 from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
@@ -107,11 +105,7 @@ def render(table: dict, names: list[str]) -> str:
 
 
 def main(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("config", overrides=["tracking.enabled=false", *overrides])
+    cfg = tool_config(overrides)
     options = dict(cfg.get("compare") or {})
     drafts = [str(d) for d in options.get("drafts") or []]
     part = str(options.get("part", "reporting"))
@@ -120,11 +114,8 @@ def main(overrides: list[str]) -> dict:
     if part not in ("reporting", "calibration"):
         raise PipelineError(f"+compare.part={part!r}: use reporting or calibration")
     calibrated = str(options.get("temperature", "serving")) == "calibrated"
-    inputs = load_inputs(cfg, tracker=None)
-    split = inputs.settings.split
-    _, held_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
-                                  float(split.heldout_fraction), split.heldout_max_prompts_per_domain, int(cfg.seed))
-    heldout = getattr(build_heldouts(inputs, SimpleNamespace(heldout_idx=held_idx)), part)
+    inputs, heldouts = collect_heldouts(cfg)
+    heldout = getattr(heldouts, part)
     dtype = next(inputs.target.parameters()).dtype
     alphas = {path: draft_acceptance(path, heldout, dtype, calibrated) for path in drafts}
     table = compare(alphas, heldout)
