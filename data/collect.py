@@ -77,6 +77,7 @@ from data.collect_rows import CollectSettings, collect_shard, features, format_s
 from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
+from pipeline.deadline import would_overrun
 from pipeline.errors import PipelineError
 from pipeline.sampling import derive_seed
 
@@ -147,8 +148,16 @@ class CollectJob:
     def max_minutes(self) -> float | None:
         return self.settings.max_minutes
 
-    def out_of_time(self) -> bool:
-        return self.max_minutes is not None and time.time() - self.started > 60 * self.max_minutes
+    def next_shard_overruns(self, done: int) -> bool:
+        """The next shard would end past collect.max_minutes at this run's mean shard time; the first round (a
+        shard per domain, plan order interleaves them) always runs."""
+        first_round = max(1, len(self.prompts) // self.state.num_processes)
+        return would_overrun(self.started, done, self.max_minutes, first_round)
+
+    @property
+    def stop_marker(self) -> Path:
+        """Written by a process whose budget stopped it, so the merge knows its missing shards are meant."""
+        return self.shard_dir / f"budget-stopped.{self.state.process_index}"
 
     def my_unfinished_shards(self) -> list[Shard]:
         return [shard for shard in self.plan if shard.position % self.state.num_processes == self.state.process_index
@@ -294,10 +303,13 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> No
               disable=not job.state.is_local_main_process) as bar:
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
             backend.show_rates = bar.set_postfix_str
-        for shard in mine:
-            if job.out_of_time():
-                print(f"[collect] collect.max_minutes={job.max_minutes} reached: stopping before shard {shard.name}; "
-                      "rerun stage=collect (with a larger budget) to continue")
+        job.stop_marker.unlink(missing_ok=True)
+        for done, shard in enumerate(mine):
+            if job.next_shard_overruns(done):
+                job.shard_dir.mkdir(parents=True, exist_ok=True)
+                job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
+                print(f"[collect] collect.max_minutes={job.max_minutes} would be passed by the next shard: stopping "
+                      f"before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
             tokens_per_s = _generate_shard(job, backend, shard, bar.update)
             if not hasattr(backend, "show_rates"):
@@ -356,9 +368,10 @@ def _merge_shards(job: CollectJob):
     from datasets import concatenate_datasets, load_from_disk
 
     parts, metas = [], []
+    stopped_by_budget = any(job.shard_dir.glob("budget-stopped.*"))
     for shard in job.plan:
         shard_path = job.shard_dir / shard.name
-        if not job.finished(shard) and job.max_minutes is not None and job.out_of_time():
+        if not job.finished(shard) and stopped_by_budget:
             continue
         if not job.finished(shard):
             raise PipelineError(f"shard {shard_path} is missing after generation: rerun stage=collect to finish it")

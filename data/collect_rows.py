@@ -47,7 +47,7 @@ class CollectSettings:
     keep_shards: bool                   # keep the shards after the merge
     domains: tuple[str, ...] | None     # domains to collect; None = every train domain
     max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
-    max_minutes: float | None           # no new shard starts after this long; None = no limit
+    max_minutes: float | None           # no shard starts that would end past this many minutes; None = no limit
     vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
     # collect.backend=server only (data/collect_server.py): a mapping is checked; the one field with a default,
     # None = no servers, so code that builds settings for the in-process backends need not name it

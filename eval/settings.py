@@ -50,7 +50,7 @@ class EvalSettings:
     domains: tuple[str, ...] | None      # keep only these domains; null = all
     max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
     max_new_tokens: int                  # tokens generated per request (one user turn)
-    max_minutes: float | None            # no new prompt starts after this many minutes; null = no limit
+    max_minutes: float | None            # no prompt starts that would end past this many minutes; null = no limit
     temperature: float                   # the serving temperature of target and draft; 0 = greedy
     top_k: int                           # serving top-k; 0 = off
     top_p: float                         # serving top-p; 1 = off

@@ -31,6 +31,7 @@ from eval.report import (comparison_lines, control_lines, domain_rows, draft_row
 from eval.settings import EvalSettings
 from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
 from pipeline.chat import encode_chat, messages_for
+from pipeline.deadline import would_overrun
 from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate, tree_key
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
@@ -238,7 +239,8 @@ def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
 
 
 def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -> tuple[list[dict], list[dict]]:
-    """Decodes every request with every method until eval.max_minutes; returns (records, contexts) — contexts
+    """Decodes every request with every method while the next one fits in eval.max_minutes (at the mean time per
+    prompt so far; the first round, one prompt per domain, always runs); returns (records, contexts) — contexts
     are the encoded requests, reused by the γ sweep and the fidelity check so every run sees the same inputs."""
     from tqdm.auto import tqdm
 
@@ -253,10 +255,11 @@ def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -
     queue = interleaved(prompts)
     bar = tqdm(total=sum(len(p["turns"]) for p in queue), desc="eval", unit="req", dynamic_ncols=True)
     for done, prompt in enumerate(queue):
-        if settings.max_minutes is not None and time.time() - started > 60 * settings.max_minutes:
+        if would_overrun(started, done, settings.max_minutes, first_round=len(prompts)):
             evaluation.budget = {"max_minutes": settings.max_minutes, "prompts_done": done,
                                  "prompts_planned": len(queue)}
-            print(f"[eval] eval.max_minutes={settings.max_minutes} reached after {done} of {len(queue)} prompts "
+            print(f"[eval] the next prompt would pass eval.max_minutes={settings.max_minutes}: stopping after {done} of "
+                  f"{len(queue)} prompts "
                   "(every domain cut alike); raise it for narrower intervals")
             break
         decode_prompt(prompt, methods, names, evaluation, seed, clock, records, contexts)

@@ -18,6 +18,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, target_step_seconds
 from pipeline.errors import PipelineError
 from pipeline.params import from_params_file, write_params
 from pipeline.tracking import start_run
@@ -88,10 +89,28 @@ def _main(cfg: DictConfig) -> dict:
     _configure(cfg)
     if stage != "all":
         return run_stage(stage, cfg)
-    results = {}
-    with start_run(cfg, "all"):
+    return run_all(cfg)
+
+
+def run_all(cfg: DictConfig) -> dict:
+    """Every stage in order; with `deadline.minutes`, each budgeted stage first gets its share of the time left
+    (pipeline/deadline.py)."""
+    settings = DeadlineSettings.from_cfg(cfg)
+    clock = RunDeadline(settings) if settings.minutes is not None else None
+    results, plans = {}, {}
+    with start_run(cfg, "all") as tracker:
         for name in ORDER:
-            results[name] = run_stage(name, cfg, nested=True)
+            stage_cfg = cfg
+            if clock is not None and name in BUDGET_KEYS:
+                stage_cfg, plans[name] = clock.apply(cfg, name, target_step_seconds(cfg))
+                print(describe(name, plans[name]))
+                tracker.log_metrics({f"deadline/{name}_budget_min": plans[name]["minutes"],
+                                     f"deadline/{name}_left_min": plans[name]["left_s"] / 60})
+            results[name] = run_stage(name, stage_cfg, nested=True)
+        if clock is not None:
+            wall = 60 * settings.minutes - clock.left_s()
+            print(f"[pipeline] run finished in {wall / 60:.1f} min (deadline.minutes={settings.minutes:g})")
+            tracker.log_metrics({"deadline/wall_min": wall / 60})
     return results
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from pipeline.atomic import write_json
 from pipeline.machine import cpu_name
+from pipeline.timing import synced_clock
 
 CACHE = "dtype_choice.json"
 CANDIDATES = ("float32", "bfloat16")
@@ -29,14 +29,15 @@ def time_forward(model, context: int = 64, fed: int = 1, repeats: int = 6) -> fl
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (1, context + fed), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-    seconds = []
+    seconds, clock = [], synced_clock(model.device)
     for i in range(repeats + 1):
-        start = time.perf_counter()
+        start = clock()
         model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=fed)
         if i:  # the first is a warm-up
-            seconds.append(time.perf_counter() - start)
+            seconds.append(clock() - start)
         cache.crop(-fed)
     return statistics.median(seconds)
 
@@ -53,8 +54,8 @@ def measure(model_path: Path) -> dict:
     return timings
 
 
-def measured_cpu_dtype(model_path: str | Path, cache_dir: str | Path | None = None) -> str:
-    """The CPU dtype whose decoding step + 5-token verify pass is cheaper for this model here (cached)."""
+def cpu_timings(model_path: str | Path, cache_dir: str | Path | None = None) -> dict:
+    """{"dtype": the cheaper one, dtype: {"step_ms", "verify5_ms"}} for this model on this CPU (timed once, cached)."""
     model_path = Path(model_path)
     cache = Path(cache_dir or model_path) / CACHE
     key = f"{model_path.resolve()}|{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
@@ -66,4 +67,9 @@ def measured_cpu_dtype(model_path: str | Path, cache_dir: str | Path | None = No
         write_json(cache, known)
         shown = ", ".join(f"{d} {t['step_ms']:.0f} / {t['verify5_ms']:.0f} ms" for d, t in timings.items())
         print(f"[runtime] dtype=auto: {choice} on this CPU (1-token / 5-token forward: {shown}; cached in {cache})")
-    return known[key]["dtype"]
+    return known[key]
+
+
+def measured_cpu_dtype(model_path: str | Path, cache_dir: str | Path | None = None) -> str:
+    """The CPU dtype whose decoding step + 5-token verify pass is cheaper for this model here (cached)."""
+    return cpu_timings(model_path, cache_dir)["dtype"]

@@ -257,6 +257,22 @@ def test_more_prompts_per_domain_later_only_add_shards(tmp_path, tiny_target, mo
     assert rows_of(tmp_path) == rows_of(fresh)
 
 
+def test_a_budget_stops_before_a_shard_that_would_overrun_and_a_rerun_completes_it(tmp_path, tiny_target):
+    """collect.max_minutes far below one shard's time: the first round (a shard per domain) still runs, the next
+    shard would end past the budget so none starts, the merge keeps what ran; a rerun without a budget finishes the
+    rest and gives the rows of an uninterrupted run."""
+    write_prompts(tmp_path / "whole")
+    collect(tmp_path / "whole", tiny_target)
+    write_prompts(tmp_path)
+    collect(tmp_path, tiny_target, ["collect.max_minutes=0.0001"])
+    manifest = json.loads((tmp_path / "collect" / "manifest.json").read_text())
+    assert manifest["budget"] == {"max_minutes": 0.0001, "shards_done": 2, "stopped_early": True}
+    assert {row["domain"] for row in rows_of(tmp_path)} == {"chat", "code"}
+    collect(tmp_path, tiny_target, ["collect.max_minutes=null"])
+    assert json.loads((tmp_path / "collect" / "manifest.json").read_text())["budget"]["stopped_early"] is False
+    assert rows_of(tmp_path) == rows_of(tmp_path / "whole")
+
+
 def test_changed_sampling_settings_never_reuse_old_shards(tmp_path, tiny_target):
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target)

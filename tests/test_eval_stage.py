@@ -505,3 +505,13 @@ def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(
     target = load_model(models["target"])
     ids = torch.tensor([[2, 4, 7, 8, 3, 2, 5]])
     assert (speculative_generate(target, target, ids, drafting=None, max_new_tokens=6).stats.drafted == [])
+
+
+def test_a_budget_stops_before_a_prompt_that_would_overrun_after_one_per_domain(tmp_path, models):
+    """eval.max_minutes far below one prompt's time: the first round (a prompt per domain) still runs, then no
+    prompt starts that would end past the budget; the report says how far it got."""
+    metrics, out, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.draft_init=none",
+                                "eval.temperature=0", "eval.max_minutes=0.0001")
+    assert metrics["budget"] == {"max_minutes": 0.0001, "prompts_done": 2, "prompts_planned": 4}
+    assert {domain: d["n_prompts"] for domain, d in metrics["domains"].items()} == {"chat": 1, "code": 1}
+    assert "eval.max_minutes" in (out / "report.md").read_text()

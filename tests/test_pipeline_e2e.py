@@ -52,6 +52,18 @@ def test_interrupted_run_fails_cleanly_and_resumes(quick_run):
     assert done and done.group(1) == done.group(2), resumed.stdout[-3000:]
 
 
+def test_stage_all_gives_each_budgeted_stage_its_share_of_the_deadline(quick_run):
+    """stage=all plans each stage from the run's clock (pipeline/deadline.py) and the stage runs with that budget."""
+    artifacts, _, resumed = quick_run
+    plans = dict(re.findall(r"\[pipeline\] deadline: [\d.]+ min left; ([\w.]+)=([\d.]+) ", resumed.stdout))
+    assert set(plans) == {"collect.max_minutes", "distill.checkpoint.max_train_minutes", "eval.max_minutes"}, \
+        resumed.stdout[-3000:]
+    manifest = json.loads((artifacts / "collect/manifest.json").read_text())
+    assert manifest["budget"]["max_minutes"] == float(plans["collect.max_minutes"])
+    assert float(plans["distill.checkpoint.max_train_minutes"]) <= 1  # experiment=quick's own minute, never raised
+    assert re.search(r"\[pipeline\] run finished in [\d.]+ min \(deadline.minutes=15\)", resumed.stdout)
+
+
 def test_every_artifact_is_written_with_its_schema(quick_run):
     artifacts, _, resumed = quick_run
     assert resumed.returncode == 0, resumed.stderr[-3000:]

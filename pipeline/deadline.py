@@ -1,0 +1,109 @@
+"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows.
+
+Each stage has one loop whose length is a budget: collect's shards (collect.max_minutes), distill's training steps
+(distill.checkpoint.max_train_minutes), eval's requests (eval.max_minutes). Everything else a stage does is a fixed
+amount of model work (distill's label pass, cost profile and calibration; eval's γ sweep and fidelity check), so on a
+slower machine it takes proportionally longer. Before each stage the planner takes the time left, holds back the
+fixed work of the stages still to run, with a margin for its estimate's error — priced in target decoding steps (`deadline.fixed_steps`) times the
+step this machine measured (the dtype probe's 1-token forward, pipeline/dtype.py) — and splits the rest among the
+budgeted loops still to run by `deadline.shares`. A stage's own budget only ever gets lower, and the next stage
+plans again from the clock, so an estimate that was off is absorbed by the stages after it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.errors import PipelineError
+
+STAGES = ("collect", "distill", "eval")
+BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
+               "eval": "eval.max_minutes"}
+FLOOR_MINUTES = 0.1  # a budget is never zero: each loop's first round still runs (would_overrun)
+
+
+@dataclass(frozen=True)
+class DeadlineSettings:
+    minutes: float | None               # the whole run; None = off
+    margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
+    shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
+    fixed_steps: dict[str, float]       # each stage's fixed work, in target 1-token steps
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
+        d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
+        settings = cls(minutes=d.get("minutes"), margin=float(d.get("margin", 0.0)),
+                       shares={s: float((d.get("shares") or {}).get(s, 0.0)) for s in STAGES},
+                       fixed_steps={s: float((d.get("fixed_steps") or {}).get(s, 0.0)) for s in STAGES})
+        if settings.minutes is not None and not (isinstance(settings.minutes, (int, float)) and settings.minutes > 0):
+            raise PipelineError(f"deadline.minutes={settings.minutes} must be a positive number of minutes "
+                                "(null = no run-level deadline)")
+        if not 0 <= settings.margin or min(settings.shares.values()) < 0 or sum(settings.shares.values()) <= 0:
+            raise PipelineError("deadline.margin must be >= 0 and deadline.shares be >= 0 with a positive sum")
+        return settings
+
+
+def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
+    """Seconds for `stage`'s budgeted loop when `left_s` remain and a target step costs `step_s`.
+
+    The time left, less the fixed work of this and every later stage (priced `margin` dearer), is split among the
+    budgeted loops of this and the later stages in proportion to their shares. Returns the budget with its parts.
+    """
+    ahead = STAGES[STAGES.index(stage):]
+    fixed_s = step_s * sum(settings.fixed_steps[s] for s in ahead) * (1 + settings.margin)
+    flexible_s = left_s - fixed_s
+    share = settings.shares[stage] / sum(settings.shares[s] for s in ahead)
+    return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s,
+            "budget_s": max(60 * FLOOR_MINUTES, share * flexible_s)}
+
+
+class RunDeadline:
+    """The run's clock: `apply(cfg, stage, step_s)` returns cfg with that stage's budget lowered to fit."""
+
+    def __init__(self, settings: DeadlineSettings, started: float | None = None):
+        self.settings = settings
+        self.started = time.time() if started is None else started
+
+    def left_s(self) -> float:
+        return 60 * self.settings.minutes - (time.time() - self.started)
+
+    def apply(self, cfg: DictConfig, stage: str, step_s: float) -> tuple[DictConfig, dict]:
+        plan = stage_budget_s(self.settings, stage, self.left_s(), step_s)
+        key = BUDGET_KEYS[stage]
+        own = OmegaConf.select(cfg, key)
+        minutes = plan["budget_s"] / 60 if own is None else min(float(own), plan["budget_s"] / 60)
+        cfg = cfg.copy()
+        OmegaConf.update(cfg, key, round(minutes, 3))
+        plan.update(key=key, own_minutes=own, minutes=round(minutes, 3), step_ms=1e3 * step_s)
+        return cfg, plan
+
+
+def describe(stage: str, plan: dict) -> str:
+    own = "none" if plan["own_minutes"] is None else f"{plan['own_minutes']:g}"
+    return (f"[pipeline] deadline: {plan['left_s'] / 60:.1f} min left; {plan['key']}={plan['minutes']:g} "
+            f"(its own {own}; fixed work ahead ≈ {plan['fixed_s'] / 60:.1f} min at {plan['step_ms']:.1f} ms a "
+            f"target step)")
+
+
+def would_overrun(started: float, done: int, budget_minutes: float | None, first_round: int = 1) -> bool:
+    """True when the next item of a budgeted loop, at the mean duration of the items so far, would end past the
+    budget. The first `first_round` items always run: an interleaved loop gives every domain at least one."""
+    if budget_minutes is None or done < max(1, first_round):
+        return False
+    elapsed = time.time() - started
+    return elapsed + elapsed / done > 60 * budget_minutes
+
+
+def target_step_seconds(cfg: DictConfig) -> float:
+    """The target's 1-token decoding step on the run's device and dtype: the dtype probe's figure on a CPU (timed
+    once per machine and cached), a timed forward elsewhere."""
+    from pipeline.dtype import cpu_timings, time_forward
+    from pipeline.models import load_model, resolve_device, resolve_model
+
+    path = resolve_model(cfg.model.target, "target", cfg.paths)
+    device, dtype = resolve_device(cfg.get("runtime"), path, cfg.paths.models)
+    if device.type == "cpu":
+        return cpu_timings(path, cfg.paths.models)[str(dtype).removeprefix("torch.")]["step_ms"] / 1e3
+    return time_forward(load_model(path, device, dtype))
