@@ -34,7 +34,11 @@ def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Te
                                 (("topk_ids", k), ("topk_logprobs", k), ("subset_logmass", vocab is not None)) if wanted}
     # rows of similar length share a batch: a fifth less padding on a default collect; columns return in row order
     order = sorted(range(len(rows)), key=lambda i: sum(map(len, truncation(rows[i]))))
-    for batch, mask in batches([rows[i] for i in order], batch_size, pad, device, truncation):
+    from tqdm.auto import tqdm
+
+    passes = tqdm(batches([rows[i] for i in order], batch_size, pad, device, truncation), desc="target labels",
+                  total=-(-len(rows) // batch_size), unit="batch", dynamic_ncols=True)
+    for batch, mask in passes:
         logp = head_logits(completion_hidden(target, batch), rows_of_head).log_softmax(-1)
         lengths = mask.sum(1).tolist()
         if k:
