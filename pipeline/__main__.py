@@ -97,16 +97,16 @@ def run_all(cfg: DictConfig) -> dict:
     (pipeline/deadline.py)."""
     settings = DeadlineSettings.from_cfg(cfg)
     clock = RunDeadline(settings) if settings.minutes is not None else None
-    results, plans, step_s = {}, {}, None
+    results, step_s = {}, None
     with start_run(cfg, "all") as tracker:
         for name in ORDER:
             stage_cfg = cfg
             if clock is not None and name in BUDGET_KEYS:
                 step_s = step_s or target_step_seconds(cfg)  # timed once: off a CPU it loads the target
-                stage_cfg, plans[name] = clock.apply(cfg, name, step_s)
-                print(describe(name, plans[name]))
-                tracker.log_metrics({f"deadline/{name}_budget_min": plans[name]["minutes"],
-                                     f"deadline/{name}_left_min": plans[name]["left_s"] / 60})
+                stage_cfg, plan = clock.apply(cfg, name, step_s)
+                print(describe(plan))
+                tracker.log_metrics({f"deadline/{name}_budget_min": plan["minutes"],
+                                     f"deadline/{name}_left_min": plan["left_s"] / 60})
             results[name] = run_stage(name, stage_cfg, nested=True)
         if clock is not None:
             wall = 60 * settings.minutes - clock.left_s()

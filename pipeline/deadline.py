@@ -62,9 +62,8 @@ def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s
 class RunDeadline:
     """The run's clock: `apply(cfg, stage, step_s)` returns cfg with that stage's budget lowered to fit."""
 
-    def __init__(self, settings: DeadlineSettings, started: float | None = None):
-        self.settings = settings
-        self.started = time.time() if started is None else started
+    def __init__(self, settings: DeadlineSettings):
+        self.settings, self.started = settings, time.time()
 
     def left_s(self) -> float:
         return 60 * self.settings.minutes - (time.time() - self.started)
@@ -80,7 +79,7 @@ class RunDeadline:
         return cfg, plan
 
 
-def describe(stage: str, plan: dict) -> str:
+def describe(plan: dict) -> str:
     own = "none" if plan["own_minutes"] is None else f"{plan['own_minutes']:g}"
     return (f"[pipeline] deadline: {plan['left_s'] / 60:.1f} min left; {plan['key']}={plan['minutes']:g} "
             f"(its own {own}; fixed work ahead ≈ {plan['fixed_s'] / 60:.1f} min at {plan['step_ms']:.1f} ms a "

@@ -39,7 +39,7 @@ def test_a_stage_budget_only_ever_gets_lower_and_is_recorded():
     assert open_ended.distill.checkpoint.max_train_minutes == pytest.approx(plan["budget_s"] / 60, abs=1e-3)
     kept, _ = clock.apply(cfg, "eval", step_s=0.03)
     assert kept.eval.max_minutes == 0.5
-    assert "collect.max_minutes" in deadline.describe("collect", clock.apply(cfg, "collect", 0.03)[1])
+    assert "collect.max_minutes" in deadline.describe(clock.apply(cfg, "collect", 0.03)[1])
 
 
 def test_no_item_starts_that_would_end_past_the_budget(monkeypatch):
