@@ -166,6 +166,12 @@ class CollectJob:
 
 # ----------------------------------------------------------------------------- the stage
 
+def check_settings(cfg: DictConfig) -> None:
+    """`collect.*` checked as run() builds them first, without a prompt or the target (pipeline/__main__.py runs it
+    before any stage); what needs those (top-k against the vocabulary, unknown domains) is checked where they load."""
+    CollectSettings.from_config(cfg.collect, cfg.seed)
+
+
 def run(cfg: DictConfig, tracker) -> dict:
     """settings -> prompts -> target and fingerprint -> missing shards -> merge + manifest -> summary."""
     started = time.time()

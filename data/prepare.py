@@ -34,6 +34,47 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _unknown_domain(domain: str) -> PipelineError:
+    return PipelineError(f"unknown domain {domain!r} in data.domains: built-in domains are {list(BUILTIN_DOMAINS)}; "
+                         "remove it or give its prompts in data.extra_files")
+
+
+def _entry_split(entry, path) -> str | None:
+    split = entry.get("split")
+    if split is not None and split not in SPLITS:
+        raise PipelineError(f"data.extra_files entry {path}: split must be one of {list(SPLITS)}, "
+                            f"got {split!r}; fix the entry or drop `split`")
+    return split
+
+
+def _count(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PipelineError(f"data.{key}={value!r} is not a count >= 0: use e.g. data.{key}=40")
+
+
+def check_settings(cfg) -> None:
+    """`data.*` checked without reading a source or a prompt file (pipeline/__main__.py runs it before any stage).
+    What needs the files (an extra file's rows and domains, a source's prompts) is checked by build()."""
+    data = cfg.data
+    _count("train_per_domain", data.train_per_domain)
+    _count("eval_per_domain", data.eval_per_domain)
+    for key in ("max_train", "max_eval"):
+        for domain, cap in (data.get(key) or {}).items():
+            _count(f"{key}.{domain}", cap)
+    fraction = data.extra_eval_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise PipelineError(f"data.extra_eval_fraction={fraction!r} is not a share in [0, 1]: use e.g. 0.2")
+    for entry in data.extra_files:
+        entry = OmegaConf.create({"path": entry}) if isinstance(entry, str) else entry
+        if not entry.get("path"):
+            raise PipelineError(f"data.extra_files entry {entry!r} has no path: give a path or {{path, split, domain_map}}")
+        _entry_split(entry, Path(entry.path))
+    if not data.extra_files:  # extra files may add domains: those are known once they are read
+        unknown = [domain for domain in data.domains if domain not in BUILTIN_DOMAINS]
+        if unknown:
+            raise _unknown_domain(unknown[0])
+
+
 def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]], list[dict]]:
     """User prompt files -> {(domain, split): prompts in priority order}, plus their provenance.
 
@@ -46,10 +87,7 @@ def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]]
         if isinstance(entry, str):
             entry = OmegaConf.create({"path": entry})
         path = Path(entry.path)
-        entry_split = entry.get("split")
-        if entry_split is not None and entry_split not in SPLITS:
-            raise PipelineError(f"data.extra_files entry {path}: split must be one of {list(SPLITS)}, "
-                                f"got {entry_split!r}; fix the entry or drop `split`")
+        entry_split = _entry_split(entry, path)
         domain_map = dict(entry.get("domain_map") or {})
         unsplit: dict[str, list[dict]] = {}
         rows = load_prompts(path)
@@ -89,9 +127,7 @@ def build(cfg) -> tuple[dict[str, list[dict]], dict]:
         supplied = {s: extras.get((domain, s)) for s in SPLITS}
         built, provenance = {"train": [], "eval": []}, []
         if domain not in BUILTIN_DOMAINS and not any(supplied.values()):
-            raise PipelineError(
-                f"unknown domain {domain!r} in data.domains: built-in domains are "
-                f"{list(BUILTIN_DOMAINS)}; remove it or give its prompts in data.extra_files")
+            raise _unknown_domain(domain)
         if domain in BUILTIN_DOMAINS and not all(supplied.values()):
             result = getattr(sources, domain)(ctx)
             built, provenance = {"train": result.train, "eval": result.eval}, result.provenance

@@ -296,3 +296,9 @@ def _plain(value):
     if isinstance(value, tuple):
         return [_plain(item) for item in value]
     return value
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """`distill.*` checked as the stage builds them first, before any row or model loads (pipeline/__main__.py runs it
+    before any stage)."""
+    DistillSettings.from_config(cfg.distill)

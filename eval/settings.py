@@ -204,3 +204,9 @@ class EvalSettings:
         except PipelineError as e:  # the core names the knob; prefix it with where it is set
             raise PipelineError(f"eval.{e}") from None
         self._normalise("guard", values)
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """`eval.*` checked as the stage builds them first, before any prompt or model loads (pipeline/__main__.py runs it
+    before any stage)."""
+    EvalSettings.from_config(cfg.eval)

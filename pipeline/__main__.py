@@ -23,22 +23,49 @@ from pipeline.errors import PipelineError
 from pipeline.params import from_params_file, write_params
 from pipeline.tracking import start_run
 
-STAGES = {  # stage name -> module with `run(cfg, tracker) -> dict`
-    "prepare": "data.prepare",
-    "collect": "data.collect",
-    "distill": "distill.stage",
-    "eval": "eval.stage",
+# One line per stage, in run order: (module with `run(cfg, tracker) -> dict`, module with `check_settings(cfg)`,
+# which checks the stage's settings without loading a model or data, so every stage's are checked before any runs).
+STAGES = {
+    "prepare": ("data.prepare", "data.prepare"),
+    "collect": ("data.collect", "data.collect"),
+    "distill": ("distill.stage", "distill.settings"),
+    "eval": ("eval.stage", "eval.settings"),
 }
-ORDER = ["prepare", "collect", "distill", "eval"]
+ORDER = list(STAGES)
+
+
+def _module(name: str, role: int):
+    """The stage's run (role 0) or settings (role 1) module; a stage listed before its code exists is one line."""
+    path = STAGES[name][role]
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name in (path, path.rsplit(".", 1)[0]):
+            raise PipelineError(f"stage {name!r} is not implemented yet") from None
+        raise
+
+
+def stages_of(stage: str) -> list[str]:
+    """The stages `stage=<stage>` runs (params: every stage, whose settings the file will hold)."""
+    if stage in ("all", "params"):
+        return ORDER
+    if stage not in STAGES:
+        raise PipelineError(f"unknown stage {stage!r}: use stage={'|'.join(STAGES)}|all|params")
+    return [stage]
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The settings of every stage `cfg.stage` runs, checked before the first one starts: a bad value for a later
+    stage fails in one line before the earlier ones spend minutes. What needs files or models is checked where
+    those load."""
+    if cfg.stage == "all":
+        DeadlineSettings.from_cfg(cfg)
+    for name in stages_of(cfg.stage):
+        _module(name, 1).check_settings(cfg)
 
 
 def run_stage(name: str, cfg: DictConfig, nested: bool = False) -> dict:
-    try:
-        module = importlib.import_module(STAGES[name])
-    except ModuleNotFoundError as e:
-        if e.name in (STAGES[name], STAGES[name].rsplit(".", 1)[0]):
-            raise PipelineError(f"stage {name!r} is not implemented yet") from None
-        raise
+    module = _module(name, 0)
     t0 = time.time()
     with start_run(cfg, name, nested=nested) as tracker:
         result = module.run(cfg, tracker) or {}
@@ -79,13 +106,12 @@ def main(cfg: DictConfig) -> dict:
 
 def _main(cfg: DictConfig) -> dict:
     stage = cfg.stage
+    if stage != "params" and cfg.get("params_file"):
+        cfg = from_params_file(cfg, _task_overrides())
+    check_settings(cfg)  # again here: a params file, a sweep's job or hydra.verbose skip the check in cli()
     if stage == "params":
         print(f"[pipeline] wrote {write_params(cfg, _task_overrides())}: run stages from it with params_file=<that file> (dvc.yaml does)")
         return {}
-    if stage != "all" and stage not in STAGES:
-        raise PipelineError(f"unknown stage {stage!r}: use stage=prepare|collect|distill|eval|all|params")
-    if cfg.get("params_file"):
-        cfg = from_params_file(cfg, _task_overrides())
     _configure(cfg)
     if stage != "all":
         return run_stage(stage, cfg)
@@ -122,7 +148,8 @@ def _task_overrides() -> list[str]:
 
 
 def _precheck_overrides(argv: list[str]) -> None:
-    """Compose once before Hydra does, so an unknown preset or bad override is one clear line.
+    """Compose once before Hydra does, so an unknown preset, a bad override or a bad setting of any stage that will
+    run is one clear line, and nothing is written (Hydra makes its run directory before calling main).
 
     Skipped for Hydra's own flags (--help, --cfg, -m sweeps), which Hydra reports itself.
     """
@@ -134,7 +161,7 @@ def _precheck_overrides(argv: list[str]) -> None:
     conf = str(Path(__file__).resolve().parent.parent / "conf")
     try:
         with initialize_config_dir(config_dir=conf, version_base="1.3"):
-            compose("config", overrides=argv)
+            cfg = compose("config", overrides=argv)
     except Exception as e:
         text = str(e).strip()
         first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
@@ -147,6 +174,11 @@ def _precheck_overrides(argv: list[str]) -> None:
             options.append(line.strip())
         hint = f" (available: {', '.join(options)})" if options else " (see `python -m pipeline --help`)"
         _fail(f"bad configuration: {first}{hint}")
+    if not cfg.get("params_file"):  # the file is the config: _main checks it once loaded
+        try:
+            check_settings(cfg)
+        except PipelineError as e:
+            _fail(str(e))
 
 
 def cli() -> None:
