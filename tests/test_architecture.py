@@ -1,6 +1,7 @@
 """The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), no folder
 has an import circle, the speedup model lives once in the core (pipeline/decoding/cost.py), the committed
-params.yaml is the default composition DVC runs from, and every model preset has the same keys."""
+params.yaml is the default composition DVC runs from, each dvc.yaml stage depends on exactly the code it runs, and
+every model preset has the same keys."""
 from __future__ import annotations
 
 import ast
@@ -98,6 +99,83 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     (tmp_path / "eval/a.py").write_text("from eval.b import x\n")
     (tmp_path / "eval/b.py").write_text("def f():\n    from eval.a import y\n")
     assert import_cycles(import_graph(tmp_path, ("eval",))) == [["eval.a", "eval.b", "eval.a"]]
+
+
+def imported_closure(graph: dict[str, set[str]], starts) -> set[str]:
+    """The modules importing `starts` runs: each one's imports, transitively, and the packages above each (Python
+    runs a package's __init__ before any module in it)."""
+    seen, todo = set(), list(starts)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in graph]
+        todo += graph.get(name, ())
+    return seen
+
+
+def stage_code(root: Path, stages: dict) -> dict[str, set[str]]:
+    """stage -> the project files `python -m pipeline stage=<stage>` imports: pipeline/__main__.py and the stage's
+    run and settings modules (pipeline/__main__.py's STAGES), with all they import."""
+    graph = import_graph(root)
+    files = {module_name(path, root): path for folder in ("pipeline", "data", "distill", "eval")
+             for path in (root / folder).rglob("*.py")}
+    return {stage: {files[m].relative_to(root).as_posix()
+                    for m in imported_closure(graph, ["pipeline.__main__", *modules])} for stage, modules in stages.items()}
+
+
+def dvc_deps_mismatch(dvc_yaml: Path, root: Path, stages: dict) -> dict[str, dict[str, list[str]]]:
+    """Per dvc.yaml stage, the imported files its deps miss and the Python files they list that it does not import
+    (a folder dep counts as every .py file under it), plus deps that name nothing (outside artifacts/)."""
+    import yaml
+
+    declared = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    code = stage_code(root, stages)
+    report = {}
+    for stage in sorted(set(declared) | set(stages)):
+        deps = [next(iter(d)) if isinstance(d, dict) else d for d in declared.get(stage, {}).get("deps", [])]
+        listed = set()
+        for dep in deps:
+            path = root / dep
+            listed |= {p.relative_to(root).as_posix() for p in path.rglob("*.py")} if path.is_dir() else {dep}
+        problems = {"missing": sorted(code.get(stage, set()) - listed),
+                    "not imported": sorted(d for d in listed if d.endswith(".py") and d not in code.get(stage, set())),
+                    "absent": sorted(d for d in deps if not d.startswith("artifacts/") and not (root / d).exists())}
+        if any(problems.values()):
+            report[stage] = {k: v for k, v in problems.items() if v}
+    return report
+
+
+def test_each_dvc_stage_depends_on_exactly_the_code_it_imports():
+    from pipeline.__main__ import STAGES
+
+    assert dvc_deps_mismatch(REPO / "dvc.yaml", REPO, STAGES) == {}
+
+
+def test_the_dvc_deps_check_sees_a_missing_an_extra_and_a_stale_dep(tmp_path):
+    import yaml
+    from pipeline.__main__ import STAGES
+
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    dvc["stages"]["collect"]["deps"].remove("data/collect_rows.py")
+    dvc["stages"]["eval"]["deps"].append("eval")  # the whole folder: its tools are not the stage's code
+    dvc["stages"]["prepare"]["deps"].append("data/gone.py")
+    planted = tmp_path / "dvc.yaml"
+    planted.write_text(yaml.safe_dump(dvc))
+    report = dvc_deps_mismatch(planted, REPO, STAGES)
+    assert report["collect"] == {"missing": ["data/collect_rows.py"]}
+    assert "eval/learning_curve.py" in report["eval"]["not imported"] and "missing" not in report["eval"]
+    assert report["prepare"] == {"not imported": ["data/gone.py"], "absent": ["data/gone.py"]}
+    assert set(report) == {"collect", "eval", "prepare"}
+
+
+def test_a_stage_without_a_dvc_stage_is_reported(tmp_path):
+    from pipeline.__main__ import STAGES
+
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    assert set(dvc_deps_mismatch(tmp_path / "dvc.yaml", REPO, STAGES)) == set(STAGES)
 
 
 def _names(node) -> set[str]:
