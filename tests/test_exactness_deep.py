@@ -245,4 +245,3 @@ def test_deep_test_rejects_cache_keeping_a_rejected_token(target, draft, prefix_
     monkeypatch.setattr(chain, "crop", crop_keeping_rejected)
     pvalue, _ = deep_pvalue(target, draft, prefix_logits, "fixed_6", CASES["fixed_6"], "WRONG chain_cache")
     assert pvalue < 1e-6
-
