@@ -1,7 +1,7 @@
 """The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), no folder
 has an import circle, the speedup model lives once in the core (pipeline/decoding/cost.py), the committed
-params.yaml is the default composition DVC runs from, each dvc.yaml stage depends on exactly the code it runs, and
-every model preset has the same keys."""
+params.yaml is the default composition DVC runs from, each dvc.yaml stage depends on exactly the code it runs,
+every model preset has the same keys, and no test can only pass."""
 from __future__ import annotations
 
 import ast
@@ -176,6 +176,38 @@ def test_a_stage_without_a_dvc_stage_is_reported(tmp_path):
 
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     assert set(dvc_deps_mismatch(tmp_path / "dvc.yaml", REPO, STAGES)) == set(STAGES)
+
+
+# Calls that check nothing: a test making only these (and no assert) can only pass.
+CHECKS_NOTHING = {"print", "items", "keys", "values", "range", "enumerate", "zip", "sorted", "len", "str", "format"}
+
+
+def unfailable_tests(path: Path) -> list[str]:
+    """Tests in a file that can only pass: no assert and no call but printing and looping (a helper or the code
+    under test may raise, pytest.raises/fail are calls), or an assert of a constant."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test")):
+            continue
+        asserts = [n for n in ast.walk(node) if isinstance(n, ast.Assert)]
+        calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", getattr(n.func, "attr", None)) not in CHECKS_NOTHING]
+        if (not asserts and not calls) or any(isinstance(a.test, ast.Constant) for a in asserts):
+            found.append(node.name)
+    return found
+
+
+def test_no_test_can_only_pass():
+    offenders = {str(path.relative_to(REPO)): unfailable_tests(path) for path in (REPO / "tests").glob("test_*.py")}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_the_cannot_fail_check_sees_a_print_only_test_and_a_constant_assert(tmp_path):
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("def test_summary():\n    for name, r in RESULTS.items():\n        print(name, r)\n\n\n"
+                       "def test_true():\n    x = 1\n    assert True\n\n\n"
+                       "def test_real():\n    assert 1 + 1 == 2\n")
+    assert unfailable_tests(planted) == ["test_summary", "test_true"]
 
 
 def _names(node) -> set[str]:
