@@ -67,7 +67,8 @@ def check_settings(cfg) -> None:
     for entry in data.extra_files:
         entry = OmegaConf.create({"path": entry}) if isinstance(entry, str) else entry
         if not entry.get("path"):
-            raise PipelineError(f"data.extra_files entry {entry!r} has no path: give a path or {{path, split, domain_map}}")
+            raise PipelineError(f"data.extra_files entry {entry!r} has no path: give a path or "
+                                "{path, split, domain_map}")
         _entry_split(entry, Path(entry.path))
     if not data.extra_files:  # extra files may add domains: those are known once they are read
         unknown = [domain for domain in data.domains if domain not in BUILTIN_DOMAINS]

@@ -122,8 +122,8 @@ def stage_code(root: Path, stages: dict) -> dict[str, set[str]]:
     graph = import_graph(root)
     files = {module_name(path, root): path for folder in ("pipeline", "data", "distill", "eval")
              for path in (root / folder).rglob("*.py")}
-    return {stage: {files[m].relative_to(root).as_posix()
-                    for m in imported_closure(graph, ["pipeline.__main__", *modules])} for stage, modules in stages.items()}
+    closures = {stage: imported_closure(graph, ["pipeline.__main__", *modules]) for stage, modules in stages.items()}
+    return {stage: {files[m].relative_to(root).as_posix() for m in modules} for stage, modules in closures.items()}
 
 
 def dvc_deps_mismatch(dvc_yaml: Path, root: Path, stages: dict) -> dict[str, dict[str, list[str]]]:
