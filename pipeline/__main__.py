@@ -1,8 +1,8 @@
 """Entry point: `python -m pipeline stage=prepare|collect|distill|eval|all` (Hydra over conf/).
 
-Thin on purpose: compose the config, open the MLflow run, call the stage's `run(cfg, tracker)`.
-Bad input raises PipelineError, printed as one line with a non-zero exit (traceback only
-with `hydra.verbose=true`).
+Thin on purpose: compose the config, check the settings of every stage that will run, open the MLflow run, call
+the stage's `run(cfg, tracker)`. Bad input raises PipelineError, printed as one line with a non-zero exit (traceback
+only with `hydra.verbose=true`).
 
 `stage=params [overrides]` writes the composed config to params.yaml; `params_file=params.yaml stage=<name>`
 runs a stage from such a file instead of composing one. That is how DVC runs the pipeline (dvc.yaml): the

@@ -31,12 +31,12 @@ def _compose(*overrides: str):
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -m pipeline` run from an empty folder of tmp_path, artifacts under it."""
+    """`python -m pipeline` run from an empty folder of tmp_path (`args` put the artifacts under it too)."""
     work = tmp_path / "work"
     work.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args, f"paths.artifacts={tmp_path}/artifacts"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_every_stage_has_a_bad_setting_case():
@@ -46,7 +46,7 @@ def test_every_stage_has_a_bad_setting_case():
 @pytest.mark.parametrize("stage, override, needle", BAD, ids=[override for _, override, _ in BAD])
 def test_a_bad_setting_of_any_stage_fails_stage_all_in_one_line_before_anything_is_written(tmp_path, stage, override,
                                                                                             needle):
-    done = _cli(tmp_path, "stage=all", override)
+    done = _cli(tmp_path, "stage=all", override, f"paths.artifacts={tmp_path}/artifacts")
     err = done.stderr.strip()
     assert done.returncode == 2, (done.returncode, err[-2000:], done.stdout[-2000:])
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-2000:]
@@ -82,6 +82,21 @@ PRESETS = ([f"experiment={p.stem}" for p in sorted((REPO / "conf/experiment").gl
 def test_every_shipped_preset_passes_the_check_of_every_stage(preset):
     check_settings(_compose("stage=all", preset))
     check_settings(_compose("stage=params", preset))
+
+
+def test_a_bad_setting_in_a_params_file_fails_its_stage_in_one_line(tmp_path):
+    """DVC runs each stage from params.yaml: the file's values are checked once loaded, before the stage starts."""
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.load(REPO / "params.yaml")
+    params.eval.temperature = -1
+    params.paths = {key: str(tmp_path / "artifacts" / key) for key in params.paths}  # were anything written
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    done = _cli(tmp_path, "stage=eval", f"params_file={tmp_path}/params.yaml")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1 and "eval.temperature" in err, err[-2000:]
+    assert not done.stdout.strip(), done.stdout[-2000:]
+    assert not (tmp_path / "artifacts" / "eval").exists()
 
 
 def test_paths_an_earlier_stage_will_write_are_not_checked_before_it_runs(tmp_path):
