@@ -508,12 +508,17 @@ def _sweep_lines(metrics: dict) -> list[str]:
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:
     """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md, in one atomic rename."""
+    stalls = metrics.get("stalls") or {}
+    disturbed = {tuple(key) for key in stalls.get("disturbed", [])} if stalls.get("n_excluded") else set()
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "metrics.json", metrics)
         with open(tmp / "requests.jsonl", "w") as f:
             for r in records:
                 row = {k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")}
                 row["n_tokens"] = len(r["tokens"])
+                row.update({k: r[k] for k in ("reused", "retimed") if r.get(k)})  # a copy of the plain run; re-timed
+                if (r["domain"], r["prompt_id"], r["turn"]) in disturbed:
+                    row["disturbed"] = True  # kept out of metrics.json's figures (eval.stall)
                 if r["stats"] is not None and r["method"] != "autoregressive":
                     row["accepted"] = r["stats"].accepted  # accepted drafts per verify pass
                 if getattr(r["stats"], "chunk_times", None):  # own methods: when each pass's tokens were committed

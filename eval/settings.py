@@ -51,6 +51,7 @@ class EvalSettings:
     max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
     max_new_tokens: int                  # tokens generated per request (one user turn)
     max_minutes: float | None            # no prompt starts that would end past this many minutes; null = no limit
+    min_requests_for_ci: int             # a domain's intervals need this many requests; below, point estimates only
     temperature: float                   # the serving temperature of target and draft; 0 = greedy
     top_k: int                           # serving top-k; 0 = off
     top_p: float                         # serving top-p; 1 = off
@@ -75,7 +76,6 @@ class EvalSettings:
     control_band: tuple[float, float]    # [low, high] tokens/s ratio of the control pair outside which a request is disturbed
     warmup_tokens: int                   # untimed warm-up tokens per method before measuring
     stall: dict                          # the stall rule: {factor (null = off), retimes, agree} (eval/harness.py)
-    min_requests_for_ci: int             # a domain's intervals need this many requests; below, point estimates only
     engine: str                          # where the methods run: one of ENGINES
     guard: dict                          # the online guard: {enabled, compare, GuardSettings' knobs}
 
