@@ -42,6 +42,7 @@ class Evaluation:
     stop: list[int]  # token ids that end a turn
     plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_length", "draft_temperature"}}}
     budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
+    stalls: dict | None = None  # the stall rule's verdicts (eval/harness.py retime_stalls); None when it is off
 
 
 def _n_params(model) -> int:

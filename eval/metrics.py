@@ -292,13 +292,30 @@ def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: 
     m.update(streaming_latency(recs) | latency_ratios(recs, ar))
     if greedy:
         m["greedy_match"] = greedy_match(recs, ar)
+    plain = sum(bool(r.get("reused")) for r in recs)  # copies of the plain run (eval/harness.py decodes_plainly)
+    if plain == len(recs):
+        m["off"] = True  # calibrated off: decoded plainly on every request, its figures are the plain run's
+    elif plain:
+        m["n_plain_requests"] = plain
     return m
 
 
-def summarize(records: list[dict], greedy: bool) -> dict:
+def _withhold_intervals(entry: dict) -> None:
+    """Nulls every interval of a group too small to support one (its point estimates stay)."""
+    for key, value in entry.items():
+        if key.endswith("ci95") or key == "ci95":
+            entry[key] = None
+        elif key == "within_noise":
+            entry[key] = None
+        elif isinstance(value, dict):
+            _withhold_intervals(value)
+
+
+def summarize(records: list[dict], greedy: bool, min_ci_requests: int = 2) -> dict:
     """Metrics of one group of requests (a domain, or all of them): one entry per method present,
     plus the headline `speedup` / `greedy_match` of the tuned draft, as the metrics.json schema
-    (docs/architecture.md) has them."""
+    (docs/architecture.md) has them. Below `min_ci_requests` requests every interval is null and `ci_withheld`
+    says why (eval.min_requests_for_ci)."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -317,6 +334,9 @@ def summarize(records: list[dict], greedy: bool) -> dict:
     if SPECULATIVE in by_method:
         out["comparisons"] = {f"{SPECULATIVE}_vs_{m}": compare(by_method[SPECULATIVE], recs)
                               for m, recs in by_method.items() if m not in (AUTOREGRESSIVE, SPECULATIVE)}
+    if 2 <= len(ar) < min_ci_requests:  # below 2 the bootstrap gives none anyway
+        _withhold_intervals(out)
+        out["ci_withheld"] = f"n={len(ar)} < {min_ci_requests}"
     return out
 
 
@@ -372,6 +392,14 @@ def disturbed_requests(records: list[dict], band: tuple[float, float] = CONTROL_
     return [key for key in ar if key in control and not low <= ratio(key) <= high]
 
 
+def without_disturbed(records: list[dict], stalls: dict | None) -> list[dict]:
+    """The records of every request but those the stall rule left disturbed; all of them when every request was
+    (nothing else to measure on: the report then says to read no timing)."""
+    drop = {tuple(key) for key in (stalls or {}).get("disturbed", [])}
+    kept = [r for r in records if (r["domain"], r["prompt_id"], r["turn"]) not in drop]
+    return kept if any(r["method"] == AUTOREGRESSIVE for r in kept) else records
+
+
 def _speedups(summary: dict) -> dict:
     return {m: {"speedup": v["speedup"], "speedup_ci95": v["speedup_ci95"]}
             for m, v in summary.items() if isinstance(v, dict) and "speedup_ci95" in v}
@@ -395,11 +423,15 @@ def control_check(records: list[dict], greedy: bool, band: tuple[float, float] =
 
 
 def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float,
-          band: tuple[float, float] = CONTROL_BAND) -> dict:
+          band: tuple[float, float] = CONTROL_BAND, stalls: dict | None = None, min_ci_requests: int = 2) -> dict:
     """metrics.json's core (the schema in docs/architecture.md, every method beside `speculative`); plans[draft][domain]
-    holds the γ, draft-length policy and draft temperature that draft ran with (domain "default" for `overall`)."""
+    holds the γ, draft-length policy and draft temperature that draft ran with (domain "default" for `overall`).
+    `stalls` (eval/harness.py retime_stalls) lists requests still disturbed after re-timing: they are kept out of
+    every figure, and `stalls.unfiltered` holds the overall speedups with them. Per domain, intervals need
+    `min_ci_requests` requests; `overall` always has its own."""
     greedy = temperature == 0
-    domains = {d: summarize([r for r in records if r["domain"] == d], greedy)
+    every, records = records, without_disturbed(records, stalls)
+    domains = {d: summarize([r for r in records if r["domain"] == d], greedy, min_ci_requests)
                for d in dict.fromkeys(r["domain"] for r in records)}
     overall = summarize(records, greedy)
     def as_json(plan: dict) -> dict:
@@ -414,6 +446,13 @@ def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: f
                     for k in ("acceptance_rate", "acceptance_rate_ci95", "mean_accepted_length")})
     metrics = {"gamma": plans[SPECULATIVE]["default"]["gamma"], "temperature": temperature,
                "methods": list(dict.fromkeys(r["method"] for r in records)), "domains": domains, "overall": overall}
+    if stalls is not None:
+        excluded = len(every) > len(records)
+        metrics["stalls"] = stalls | {"n_excluded": len(stalls["disturbed"]) if excluded else 0}
+        if excluded:
+            metrics["stalls"]["unfiltered"] = {"speedup": _speedups(summarize(every, greedy))}
+    if min_ci_requests > 2:
+        metrics["min_requests_for_ci"] = min_ci_requests
     control = control_check(records, greedy, band)
     if control is not None:
         metrics["control"] = control

@@ -17,8 +17,10 @@ from pipeline.machine import cpu_name
 CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RESAMPLES:,} resamples, BCa, "
            "percentile where BCa degenerates), each resample taking the same requests for a method and for the "
            "autoregressive run, of the same pooled ratio as the estimate; `n<2, no CI`: a single request gives "
-           "no interval. With only a few requests the bootstrap understates the spread (2 requests allow 3 "
-           "distinct resamples): an interval from 2–3 requests is a lower bound on the noise, not a test.")
+           "no interval. With only a few requests the bootstrap understates the spread (3 requests allow 10 "
+           "distinct resamples), so a domain with fewer requests than eval.min_requests_for_ci shows its point "
+           "estimate alone (`n=3, no CI`); the overall interval always stands. `off (plain)`: the domain is "
+           "calibrated off, so the method decodes plainly there — the plain run's tokens and time, not timed twice.")
 METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
                  "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
                  "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)",
@@ -43,16 +45,27 @@ def _f(value, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def _ci(value, ci, fmt: str = ".2f", unit: str = "") -> str:
-    """`1.38× [1.21, 1.52]`; a null interval (fewer than 2 requests) says so instead of hiding."""
+def _ci(value, ci, fmt: str = ".2f", unit: str = "", withheld: str | None = None) -> str:
+    """`1.38× [1.21, 1.52]`; a null interval says why instead of hiding: `withheld` (a domain with fewer requests
+    than eval.min_requests_for_ci, e.g. "n=3, no CI"), else fewer than 2 requests."""
     if value is None:
         return "–"
-    interval = "[n<2, no CI]" if ci is None else f"[{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]"
+    if ci is None:
+        interval = f"({withheld})" if withheld else "[n<2, no CI]"
+    else:
+        interval = f"[{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]"
     return f"{_f(value, fmt)}{unit} {interval}"
 
 
-def _speedup(m: dict) -> str:
-    return _ci(m.get("speedup"), m.get("speedup_ci95"), unit="×")
+def _withheld(group: dict) -> str | None:
+    """"n=3, no CI" for a group whose intervals were withheld (eval.min_requests_for_ci), else None."""
+    return f"n={group.get('n_requests')}, no CI" if group.get("ci_withheld") else None
+
+
+def _speedup(m: dict, withheld: str | None = None) -> str:
+    if m.get("off"):  # calibrated off: plain decoding, timed once (eval/harness.py decodes_plainly)
+        return "off (plain)"
+    return _ci(m.get("speedup"), m.get("speedup_ci95"), unit="×", withheld=withheld)
 
 
 def _tau(tau, temperature: float, row: str) -> str:
@@ -83,16 +96,29 @@ def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         spec, init, ar = d.get("speculative", {}), d.get("speculative_init"), d.get("autoregressive", {})
-        acceptance = (_ci(spec["acceptance_rate"], spec.get("acceptance_rate_ci95"))
-                      if "acceptance_rate" in spec else "–")
+        withheld = _withheld(d)
+        acceptance = _acceptance(spec, withheld)
         if init:
-            acceptance = f"{_f(init.get('acceptance_rate'))}→{acceptance}"
-        tau = spec.get("draft_temperature")
-        rows.append([name, str(d.get("n_prompts", "")), acceptance, _f(spec.get("mean_accepted_length")),
-                     _f(spec.get("drafted_per_pass")), _f(ar.get("tokens_per_s"), ".1f"),
-                     _f(spec.get("tokens_per_s"), ".1f"), _speedup(d), _f(d.get("greedy_match")),
-                     _tau(tau, metrics["temperature"], name), _drafting(spec)])
+            acceptance = f"{'off' if init.get('off') else _f(init.get('acceptance_rate'))}→{acceptance}"
+        off = bool(spec.get("off"))
+        rows.append([name, str(d.get("n_prompts", "")), acceptance,
+                     "–" if off else _f(spec.get("mean_accepted_length")),
+                     "–" if off else _f(spec.get("drafted_per_pass")), _f(ar.get("tokens_per_s"), ".1f"),
+                     "= AR" if off else _f(spec.get("tokens_per_s"), ".1f"),
+                     "off (plain)" if off else _ci(d.get("speedup"), d.get("speedup_ci95"), unit="×",
+                                                   withheld=withheld),
+                     _f(d.get("greedy_match")), "–" if off else _tau(spec.get("draft_temperature"),
+                                                                     metrics["temperature"], name),
+                     "off" if off else _drafting(spec)])
     return header, rows
+
+
+def _acceptance(m: dict, withheld: str | None = None) -> str:
+    if m.get("off"):
+        return "off"
+    if "acceptance_rate" not in m:
+        return "–"
+    return _ci(m["acceptance_rate"], m.get("acceptance_rate_ci95"), withheld=withheld)
 
 
 def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
@@ -117,8 +143,8 @@ def latency_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method in sorted(metrics["methods"], key=_method_order):
             m = d.get(method)
-            if not isinstance(m, dict) or m.get("ttft_p50_s") is None:
-                continue
+            if not isinstance(m, dict) or m.get("ttft_p50_s") is None or m.get("off"):
+                continue  # an off method's stream is the plain run's
             ms = [_f(None if m.get(k) is None else 1000 * m[k], ".1f")
                   for k in ("ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p50_s", "itl_p95_s")]
             plain = method == "autoregressive"
@@ -160,10 +186,13 @@ def draft_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
                      "1.00×", "–", "–", "–", "–"])
         for method in own:
             m = d.get(method)
-            if m:
+            if m and m.get("off"):
                 rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m),
-                             _ci(m.get("acceptance_rate"), m.get("acceptance_rate_ci95")),
-                             _f(m.get("mean_accepted_length")), _f(m.get("c")), _drafting(m)])
+                             "off", "–", "–", "off"])
+            elif m:
+                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m, _withheld(d)),
+                             _acceptance(m, _withheld(d)), _f(m.get("mean_accepted_length")), _f(m.get("c")),
+                             _drafting(m)])
         for method in sorted(metrics["methods"], key=_method_order):
             m = d.get(method) if method.startswith("hf_") else None
             if m:
@@ -182,10 +211,11 @@ def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
             m = d.get(method)
             if not m:
                 continue
-            passes = m.get("target_passes") or 1
+            passes, off = m.get("target_passes") or 1, bool(m.get("off"))
             rows.append([name, "calibrated" if method == "speculative" else method.removeprefix("speculative_"),
-                         _drafting(m), _f(m.get("mean_accepted_length")),
-                         _f(m.get("drafted_per_pass")), _f(m.get("wasted_drafts", 0) / passes), _speedup(m)])
+                         "off" if off else _drafting(m), "–" if off else _f(m.get("mean_accepted_length")),
+                         "–" if off else _f(m.get("drafted_per_pass")),
+                         "–" if off else _f(m.get("wasted_drafts", 0) / passes), _speedup(m, _withheld(d))])
     return header, rows
 
 
@@ -347,9 +377,31 @@ def control_lines(metrics: dict) -> list[str]:
               for name, c in clean["comparisons"].items()]]
 
 
+def stall_lines(metrics: dict) -> list[str]:
+    """The stall rule's verdict (eval.stall, eval/harness.py): requests re-timed, and those still disturbed, kept out
+    of every figure, with the overall speedups they would have given beside."""
+    stalls = metrics.get("stalls")
+    if not stalls:
+        return []
+    rule = stalls["rule"]
+    head = (f"Stall rule (fixed before the run, eval.stall: a method slower than {rule['factor']:g}× its median seconds "
+            f"per token; re-timed up to {rule['retimes']}×): {len(stalls['suspects'])} of {stalls['n_requests']} "
+            f"requests re-timed, {len(stalls['disturbed'])} still disturbed")
+    if not stalls["disturbed"]:
+        return [head + "."]
+    names = ", ".join(f"{d} {p} turn {t}" for d, p, t in stalls["disturbed"])
+    if not stalls.get("n_excluded"):
+        return [head + f" ({names}) — every request: read no timing of this run."]
+    unfiltered = "; ".join(f"{method_label(m)} {_speedup(v)}" for m, v in stalls["unfiltered"]["speedup"].items())
+    return [head + f" ({names}): kept out of every figure above ({stalls['n_excluded']} requests). "
+                   f"Overall with them: {unfiltered}."]
+
+
 def _control(metrics: dict) -> list[str]:
     lines = control_lines(metrics)
-    return ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
+    control = ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
+    stalls = stall_lines(metrics)
+    return control + (["## Timing checks", "", *[f"- {line}" for line in stalls], ""] if stalls else [])
 
 
 def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
@@ -456,12 +508,17 @@ def _sweep_lines(metrics: dict) -> list[str]:
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:
     """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md, in one atomic rename."""
+    stalls = metrics.get("stalls") or {}
+    disturbed = {tuple(key) for key in stalls.get("disturbed", [])} if stalls.get("n_excluded") else set()
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "metrics.json", metrics)
         with open(tmp / "requests.jsonl", "w") as f:
             for r in records:
                 row = {k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")}
                 row["n_tokens"] = len(r["tokens"])
+                row.update({k: r[k] for k in ("reused", "retimed") if r.get(k)})  # a copy of the plain run; re-timed
+                if (r["domain"], r["prompt_id"], r["turn"]) in disturbed:
+                    row["disturbed"] = True  # kept out of metrics.json's figures (eval.stall)
                 if r["stats"] is not None and r["method"] != "autoregressive":
                     row["accepted"] = r["stats"].accepted  # accepted drafts per verify pass
                 if getattr(r["stats"], "chunk_times", None):  # own methods: when each pass's tokens were committed

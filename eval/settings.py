@@ -51,6 +51,7 @@ class EvalSettings:
     max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
     max_new_tokens: int                  # tokens generated per request (one user turn)
     max_minutes: float | None            # no prompt starts that would end past this many minutes; null = no limit
+    min_requests_for_ci: int             # a domain's intervals need this many requests; below, point estimates only
     temperature: float                   # the serving temperature of target and draft; 0 = greedy
     top_k: int                           # serving top-k; 0 = off
     top_p: float                         # serving top-p; 1 = off
@@ -74,6 +75,7 @@ class EvalSettings:
     fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
     control_band: tuple[float, float]    # [low, high] tokens/s ratio of the control pair outside which a request is disturbed
     warmup_tokens: int                   # untimed warm-up tokens per method before measuring
+    stall: dict                          # the stall rule: {factor (null = off), retimes, agree} (eval/harness.py)
     engine: str                          # where the methods run: one of ENGINES
     guard: dict                          # the online guard: {enabled, compare, GuardSettings' knobs}
 
@@ -91,6 +93,7 @@ class EvalSettings:
             raise PipelineError(f"eval.{e}") from None
         self._check_counts()
         self._check_control_band()
+        self._check_stall()
         self._check_drafting()
         self._check_methods()
         self._check_guard()
@@ -140,6 +143,23 @@ class EvalSettings:
             _bad("control_band", band, "is not a band [low, high] with 0 < low < 1 < high",
                  "use e.g. eval.control_band=[0.8,1.25] (fix it before the run)")
         self._normalise("control_band", (float(band[0]), float(band[1])))
+
+    def _check_stall(self) -> None:
+        rule = dict(self.stall or {})
+        if set(rule) != {"factor", "retimes", "agree"}:
+            _bad("stall", self.stall, "is not {factor, retimes, agree}", "give every key of conf/eval/default.yaml's eval.stall")
+        factor, retimes, agree = rule["factor"], rule["retimes"], rule["agree"]
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1):
+            _bad("stall.factor", factor, "is not a factor > 1", "use e.g. eval.stall.factor=3, or null for no stall rule")
+        if isinstance(retimes, bool) or not isinstance(retimes, int) or retimes < 0:
+            _bad("stall.retimes", retimes, "is not a count >= 0", "use e.g. eval.stall.retimes=2")
+        if isinstance(agree, bool) or not isinstance(agree, (int, float)) or agree <= 1:
+            _bad("stall.agree", agree, "is not a ratio > 1", "use e.g. eval.stall.agree=1.25")
+        self._normalise("stall", rule)
+        least = self.min_requests_for_ci
+        if isinstance(least, bool) or not isinstance(least, int) or least < 2:
+            _bad("min_requests_for_ci", least, "is not a count >= 2", "use e.g. eval.min_requests_for_ci=8 (a bootstrap "
+                 "needs 2 requests at the very least)")
 
     def _check_drafting(self) -> None:
         self._normalise("compare_draft_lengths", _names("compare_draft_lengths", self.compare_draft_lengths,

@@ -27,16 +27,15 @@ from eval.baselines import hf_engine_methods
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
 from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
-                         slowdown_advice, text_table, write_outputs)
+                         slowdown_advice, stall_lines, text_table, write_outputs)
 from eval.settings import EvalSettings
-from eval.sweeps import gamma_sweep, rotated, timed, tree_sweep
-from pipeline.chat import encode_chat, messages_for
-from pipeline.deadline import would_overrun
+from eval.harness import benchmark
+from eval.sweeps import gamma_sweep, tree_sweep
 from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate, tree_key
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
-from pipeline.sampling import Sampling, derive_seed
-from pipeline.timing import Laps, synced_clock
+from pipeline.sampling import Sampling
+from pipeline.timing import Laps
 
 # ---------------------------------------------------------------- inputs
 
@@ -232,68 +231,12 @@ def make_methods(evaluation: Evaluation) -> dict:
     return methods
 
 
-def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
-    """Every domain's first prompt, then every second one, ...: a time budget then cuts every domain alike."""
-    longest = max(map(len, prompts.values()))
-    return [domain_prompts[i] for i in range(longest) for domain_prompts in prompts.values() if i < len(domain_prompts)]
-
-
-def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -> tuple[list[dict], list[dict]]:
-    """Decodes every request with every method while the next one fits in eval.max_minutes (at the mean time per
-    prompt so far; the first round, one prompt per domain, always runs); returns (records, contexts) — contexts
-    are the encoded requests, reused by the γ sweep and the fidelity check so every run sees the same inputs."""
-    from tqdm.auto import tqdm
-
-    settings = evaluation.settings
-    clock, names = synced_clock(evaluation.device), list(methods)
-    first = next(iter(prompts.values()))[0]
-    warmup_ids = encode_chat(evaluation.tokenizer, messages_for(first, [], 0)).to(evaluation.device)
-    for name in names:  # warm-up: allocator, lazy imports and kernel selection stay out of the timed runs
-        methods[name](warmup_ids, first["domain"], settings.warmup_tokens, seed)
-
-    records, contexts, started = [], [], time.time()
-    queue = interleaved(prompts)
-    bar = tqdm(total=sum(len(p["turns"]) for p in queue), desc="eval", unit="req", dynamic_ncols=True)
-    for done, prompt in enumerate(queue):
-        if would_overrun(started, done, settings.max_minutes, first_round=len(prompts)):
-            evaluation.budget = {"max_minutes": settings.max_minutes, "prompts_done": done,
-                                 "prompts_planned": len(queue)}
-            print(f"[eval] the next prompt would pass eval.max_minutes={settings.max_minutes}: stopping after {done} of "
-                  f"{len(queue)} prompts "
-                  "(every domain cut alike); raise it for narrower intervals")
-            break
-        decode_prompt(prompt, methods, names, evaluation, seed, clock, records, contexts)
-        bar.set_postfix_str(prompt["domain"])
-        bar.update(len(prompt["turns"]))
-    bar.close()
-    return records, contexts
-
-
-def decode_prompt(prompt: dict, methods: dict, names: list, evaluation: Evaluation, seed: int, clock,
-                  records: list, contexts: list) -> None:
-    """Every turn of one prompt with every method, in rotating order; later turns continue from the target's
-    own answer, identical for every method."""
-    tokenizer, device, settings = evaluation.tokenizer, evaluation.device, evaluation.settings
-    answers: list[str] = []
-    for turn in range(len(prompt["turns"])):
-        ids = encode_chat(tokenizer, messages_for(prompt, answers, turn)).to(device)
-        request = len(contexts)
-        contexts.append({"domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn, "ids": ids})
-        request_seed = derive_seed(seed, "eval", request)  # the same for every method of a request
-        for name in rotated(names, request):
-            tokens, stats, seconds = timed(methods[name], ids, prompt["domain"], settings.max_new_tokens,
-                                           request_seed, clock)
-            records.append({"method": name, "domain": prompt["domain"], "prompt_id": prompt["id"], "turn": turn,
-                            "tokens": tokens, "time_s": seconds, "stats": stats})
-        own_answer = next(r["tokens"] for r in reversed(records) if r["method"] == "autoregressive")
-        answers.append(tokenizer.decode(own_answer, skip_special_tokens=True).strip())
-
-
 # ---------------------------------------------------------------- metrics
 
 def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
     settings, drafts = evaluation.settings, evaluation.drafts
-    core = M.build(records, evaluation.plans, evaluation.sampling.temperature, band=settings.control_band)
+    core = M.build(records, evaluation.plans, evaluation.sampling.temperature, band=settings.control_band,
+                   stalls=evaluation.stalls, min_ci_requests=settings.min_requests_for_ci)
     init = drafts.get("speculative_init")
     return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings.top_k,
             "top_p": settings.top_p, "max_new_tokens": settings.max_new_tokens,
@@ -403,7 +346,7 @@ def run(cfg: DictConfig, tracker) -> dict:
         print(text_table(*policy_rows(metrics)))
     if settings.extra_drafts:
         print(text_table(*draft_rows(metrics)))
-    print("\n".join(comparison_lines(metrics) + control_lines(metrics)))
+    print("\n".join(comparison_lines(metrics) + control_lines(metrics) + stall_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots; {laps.summary()}")

@@ -1,24 +1,14 @@
 """Sweeps on a subset of the eval's requests: γ (acceptance and speedup per draft length) and token-tree shapes
 (measured speedup beside distill's prediction), each point interleaved with an autoregressive run of the same
-request; and the timing helpers every timed run shares."""
+request, timed with eval/harness.py's helpers."""
 from __future__ import annotations
 
 from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
+from eval.harness import rotated, timed
 from pipeline.sampling import derive_seed
 from pipeline.timing import synced_clock
-
-
-def timed(fn, ids, domain, n, seed, clock, **kw) -> tuple[list[int], object, float]:
-    start = clock()
-    tokens, stats = fn(ids, domain, n, seed, **kw)
-    return tokens, stats, clock() - start
-
-
-def rotated(names: list, k: int) -> list:
-    """Who runs first changes with every request, so drift and cache warmth favour no method."""
-    return names[k % len(names):] + names[:k % len(names)]
 
 
 def _interleaved_runs(requests: list[dict], points: dict, methods: dict, evaluation: Evaluation, seed: int,

@@ -383,6 +383,7 @@ def recompute_from_requests(path: Path) -> dict[str, dict[str, dict]]:
     speedup over autoregressive on the same group (the ratio of tokens/s, eval/metrics.py's definition), and for
     speculative methods the accepted drafts and verify passes (one `accepted` entry per pass)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [row for row in rows if not row.get("disturbed")]  # the stall rule keeps these out of every figure
     groups = {"overall": rows}
     for row in rows:
         groups.setdefault(row["domain"], []).append(row)

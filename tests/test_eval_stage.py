@@ -421,7 +421,7 @@ def test_draft_length_policies_side_by_side(tmp_path, models):
 
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
                               "eval.compare_draft_lengths=true", "eval.gammas=[]", "eval.max_draft=6",
-                              "eval.confidence_threshold=0.5")
+                              "eval.confidence_threshold=0.5", "eval.min_requests_for_ci=2")  # intervals on 2-3 requests
     for domain in metrics["domains"].values():
         for policy in ("fixed", "confidence", "heuristic"):
             entry = domain[f"speculative_{policy}"]
