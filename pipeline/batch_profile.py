@@ -31,6 +31,7 @@ from pipeline.decoding.batch import RaggedCache, autoregressive_generate_batch, 
 from pipeline.decoding.cost import verify_cost
 from pipeline.decoding.generate import GREEDY
 from pipeline.decoding.loop import crop
+from pipeline.decoding.plan import DraftPlan
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
@@ -105,8 +106,9 @@ def host_times(target, draft, batch: int, clock, vocab, sampling: Sampling, cont
                 start = clock()
                 result = (autoregressive_generate_batch(target, prompts, sampling=sampling, max_new_tokens=new_tokens,
                                                         generator=generator) if shape is None else
-                          speculative_generate_batch(target, draft, prompts, sampling=sampling, gamma=shape,
-                                                     max_new_tokens=new_tokens, draft_vocab=vocab, generator=generator))
+                          speculative_generate_batch(target, draft, prompts, sampling=sampling,
+                                                     plan=DraftPlan(shape, draft_vocab=vocab), max_new_tokens=new_tokens,
+                                                     generator=generator))
                 seconds = clock() - start
                 calls.append((seconds, max((s.drafted for s in result.stats), key=len)))  # the longest row: every pass
             if round_:

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.decoding import PLAIN
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
-from tests.conftest import REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
+from tests.conftest import read_spec, REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
 from tests.conftest import tiny_tokenizer as word_tokenizer
 
 VOCAB = 64
@@ -157,7 +158,7 @@ def test_sampling_eval_uses_calibrated_draft_temperature_and_checks_greedy_fidel
     assert_headlines_match_requests(metrics, out)
     # A user override beats the calibration.
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0.8",
-                              "eval.draft_temperature=0.5", "eval.gamma=2", "eval.baselines=false", "eval.gammas=[]",
+                              "eval.draft_temperature=0.5", "eval.drafting=2", "eval.baselines=false", "eval.gammas=[]",
                               "eval.fidelity_prompts_per_domain=0")
     spec = metrics["domains"]["code"]["speculative"]
     assert spec["draft_temperature"] == 0.5 and spec["gamma"] == 2 and "fidelity" not in metrics
@@ -183,7 +184,7 @@ def test_missing_default_draft_falls_back_to_derived_draft(tmp_path, models, cap
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.gamma=0", "eval.gamma"),
+    ("eval.drafting=0", "eval.gamma"),
     ("eval.temperature=-1", "eval.temperature"),
     ("eval.top_p=1.5", "eval.top_p"),
     ("eval.gammas=[2,0]", "eval.gammas"),
@@ -213,7 +214,7 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     assert [f.name for f in dataclasses.fields(EvalSettings)] == declared  # one field per key, in the YAML's order
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(EvalSettings))  # no default in code
     settings = eval_settings(tmp_path, "eval.compare_draft_lengths=true", "eval.baselines=true", "eval.domains=code",
-                             "eval.gammas=[1,2]", "eval.tree=[3,2,1]", "eval.trees=null")
+                             "eval.gammas=[1,2]", "eval.drafting=[3,2,1]", "eval.trees=null")
     assert settings.compare_draft_lengths == POLICIES and settings.baselines == HF_METHODS
     assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.tree == (3, 2, 1)
     assert settings.trees == () and settings.baselines_draft == "speculative" and settings.extra_drafts == {}
@@ -221,7 +222,7 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     with pytest.raises(FrozenInstanceError):
         settings.gamma = 3
     assert replace(settings, gamma=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
-    with pytest.raises(PipelineError, match="eval.gamma=0 is not a draft length"):
+    with pytest.raises(PipelineError, match="eval.drafting=0 is invalid"):
         replace(settings, gamma=0)
     for override, message in (("+eval.gama=3", "unknown setting"), ("eval.max_draft=12.5", "integer >= 1"),
                               ("eval.compare_draft_lengths=fixed", "unknown policy"),
@@ -249,7 +250,7 @@ def test_hydra_multirun_writes_one_eval_per_job(tmp_path, models):
     cmd = [sys.executable, "-m", "pipeline", "-m", "stage=eval", f"paths.artifacts={tmp_path / 'a'}",
            f"model.target.path={models['target']}", "tracking.enabled=false", "runtime.threads=1", "runtime.dtype=float32",
            f"eval.prompts_file={prompts}", "eval.draft=derive", "model.draft.derive.layers=[0]",
-           "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.gamma=1,2"]
+           "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.drafting=1,2"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     found = sorted((tmp_path / "a" / "hydra-multirun").glob("*/*/eval/metrics.json"))
@@ -378,7 +379,7 @@ def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, 
     import shutil
 
     draft = shutil.copytree(models["draft"], tmp_path / "old_draft")
-    old = json.loads((draft / "speculative.json").read_text()) | {"version": 1, "temperature": 0.8}
+    old = read_spec(draft) | {"version": 1, "temperature": 0.8}
     (draft / "speculative.json").write_text(json.dumps(old))
     with pytest.raises(PipelineError, match="format version 1") as info:
         run_stage(tmp_path, models, f"eval.draft={draft}", "eval.baselines=false", "eval.gammas=[]")
@@ -461,7 +462,7 @@ def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, mo
 
 def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
-                              "eval.tree=[2,2]", "eval.gammas=[]")
+                              "eval.drafting=[2,2]", "eval.gammas=[]")
     spec = metrics["overall"]["speculative"]
     assert spec["tree"] == [2, 2] and metrics["overall"]["greedy_match"] == 1.0
     assert 0 < spec["drafted_per_pass"] <= 6 and spec["tokens_per_verified_node"] > 0
@@ -472,7 +473,7 @@ def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     assert spec["per_position_acceptance"][0] == pytest.approx(depth[0])
     assert "per_depth_acceptance" not in metrics["overall"]["autoregressive"]
     with pytest.raises(PipelineError, match="branching factor"):
-        run_stage(tmp_path, models, "eval.tree=[0,2]")
+        run_stage(tmp_path, models, "eval.drafting=[0,2]")
 
 
 def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(tmp_path, models):
@@ -497,14 +498,14 @@ def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(
     assert code["speculate"] is False and code["n_drafted"] == 0 and code["greedy_match"] == 1.0
     assert chat["speculate"] is True and chat["n_drafted"] > 0 and chat["greedy_match"] == 1.0
     forced, _, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
-                             "eval.temperature=0.0", "eval.gammas=[]", "eval.gamma=2")
+                             "eval.temperature=0.0", "eval.gammas=[]", "eval.drafting=2")
     assert forced["domains"]["code"]["speculative"]["n_drafted"] > 0
     # the public API: drafting=None is plain decoding
     from pipeline.models import load_model
 
     target = load_model(models["target"])
     ids = torch.tensor([[2, 4, 7, 8, 3, 2, 5]])
-    assert (speculative_generate(target, target, ids, drafting=None, max_new_tokens=6).stats.drafted == [])
+    assert (speculative_generate(target, target, ids, plan=PLAIN, max_new_tokens=6).stats.drafted == [])
 
 
 def test_a_budget_stops_before_a_prompt_that_would_overrun_after_one_per_domain(tmp_path, models):

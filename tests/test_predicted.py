@@ -24,7 +24,7 @@ def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tm
                                     "code": {"speedup": 1.0, "speculate": False}}  # off: plain decoding's 1.0
     assert (out / "predicted_vs_measured.png").stat().st_size > 0
     forced, out, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
-                               "eval.temperature=0", "eval.gammas=[]", "eval.gamma=2")
+                               "eval.temperature=0", "eval.gammas=[]", "eval.drafting=2")
     assert "predicted" not in forced and not (out / "predicted_vs_measured.png").exists()
 
 
