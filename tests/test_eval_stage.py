@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.decoding import PLAIN
+from pipeline.decoding import PLAIN, DraftPlan
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
@@ -220,11 +220,11 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     assert settings.trees == () and settings.baselines_draft == "speculative" and settings.extra_drafts == {}
     assert settings.sampling.temperature == settings.temperature
     with pytest.raises(FrozenInstanceError):
-        settings.gamma = 3
-    assert replace(settings, gamma=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
+        settings.drafting = 3
+    assert replace(settings, drafting=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
     with pytest.raises(PipelineError, match="eval.drafting=0 is invalid"):
-        replace(settings, gamma=0)
-    for override, message in (("+eval.gama=3", "unknown setting"), ("eval.max_draft=12.5", "integer >= 1"),
+        replace(settings, drafting=0)
+    for override, message in (("+eval.gama=3", "unknown setting"), ("eval.drafting={policy:confidence,max:12.5,threshold:0.4}", "integer >= 1"),
                               ("eval.compare_draft_lengths=fixed", "unknown policy"),
                               ("eval.baselines_draft=other", "not a draft eval loads"),
                               ("eval.control_band=[1.0,1.25]", "0 < low < 1 < high"),
@@ -314,8 +314,7 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32(tmp_path):
     draft = Draft(derive_draft(target, [0]), {})
     contexts = [{"domain": d, "prompt_id": f"{d}-{i}", "turn": 0, "ids": torch.tensor([[0, 5 + i, 9, 12]])}
                 for d in ("chat", "code") for i in range(2)]
-    plans = {"chat": {"gamma": 3, "draft_length": DraftLength("fixed", 3)},
-             "code": {"gamma": 2, "draft_length": DraftLength("fixed", 2)}}
+    plans = {"chat": DraftPlan(3), "code": DraftPlan(2)}
     s = eval_settings(tmp_path, "eval.fidelity_prompts_per_domain=1")  # max_new_tokens=12
     out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
     assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
@@ -329,21 +328,23 @@ def test_draft_length_comes_from_the_calibration_unless_overridden(tmp_path):
                            draft_length={"code": {"policy": "confidence", "max": 16, "threshold": 0.3},
                                          "default": {"policy": "fixed", "max": 3, "threshold": None}})
     draft = Draft(None, {}, spec)
-    settings = eval_settings(tmp_path, "eval.max_draft=12")  # calibrated, default_gamma 4, confidence 0.4
-    policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0))["draft_length"]
+    settings = eval_settings(tmp_path)  # calibrated
+    policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0)).drafting
     assert policy("code") == DraftLength("confidence", 16, 0.3)
     assert policy("chat") == DraftLength("fixed", 3)
-    assert policy("code", draft_length="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
-    assert policy("chat", draft_length="confidence") == DraftLength("confidence", 12, 0.4)
-    assert policy("code", draft_length="heuristic") == DraftLength("heuristic", 5)
-    assert policy("code", gamma=2) == DraftLength("fixed", 2)  # an explicit γ wins
-    assert policy("chat", gamma=2) == DraftLength("fixed", 2)  # also over a calibrated fixed γ (it returned 3)
+    assert policy("code", drafting="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
+    assert policy("chat", drafting="confidence") == DraftLength("confidence", 16, 0.4)  # HF's threshold, cap 16
+    assert policy("chat", drafting={"policy": "confidence", "max": 12, "threshold": 0.5}) == \
+        DraftLength("confidence", 12, 0.5)
+    assert policy("code", drafting="heuristic") == DraftLength("heuristic", 5)
+    assert policy("code", drafting=2) == DraftLength("fixed", 2)  # an explicit γ wins
+    assert policy("chat", drafting=2) == DraftLength("fixed", 2)  # also over a calibrated fixed γ (it returned 3)
 
 
 @pytest.mark.parametrize("override,message", [
-    ("eval.draft_length=longest", "not a draft-length policy"),
-    ("eval.confidence_threshold=1.5", "must be in \\(0, 1\\)"),
-    ("eval.max_draft=0", "integer >= 1"),
+    ("eval.drafting=longest", "is not a drafting"),
+    ("eval.drafting={policy:confidence,max:16,threshold:1.5}", "must be in \\(0, 1\\)"),
+    ("eval.drafting={policy:confidence,max:0,threshold:0.4}", "integer >= 1"),
 ])
 def test_bad_draft_length_settings_are_refused(tmp_path, models, override, message):
     with pytest.raises(PipelineError, match=message):
@@ -397,39 +398,38 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
 
     def plan(*args):
         result = draft_plan(*args)
-        return {"gamma": result["gamma"], "draft_temperature": result["draft_temperature"]}
+        return {"gamma": result.gamma, "draft_temperature": result.draft_temperature}
 
     assert plan(draft, "code", settings, Sampling(0.8, 20)) == {"gamma": 5, "draft_temperature": 1.3}
     assert plan(draft, "poetry", settings, Sampling(0.8, 20)) == {"gamma": 3, "draft_temperature": 1.1}
     # Another serving distribution: the calibrated γ still applies, the calibrated τ does not.
     assert plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
     assert plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
-    overridden = replace(settings, gamma=2, draft_temperature=0.5)
+    overridden = replace(settings, drafting=2, draft_temperature=0.5)
     assert plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
-    uncalibrated = replace(settings, use_calibration=False)
+    uncalibrated = replace(settings, drafting="uncalibrated")
     assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
-    assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
+    assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20)).gamma == 4
     # A token tree chosen for sampled serving runs at that sampling only.
     with_tree = Draft(None, {}, SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={},
                                                 tree={"code": [3, 1], "default": None}))
-    assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20))["tree"] == [3, 1]
-    assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20))["tree"] is None
-    assert draft_plan(with_tree, "code", settings, Sampling(0.0))["tree"] is None
+    assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20)).tree == (3, 1)
+    assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20)).tree is None
+    assert draft_plan(with_tree, "code", settings, Sampling(0.0)).tree is None
 
 
 def test_draft_length_policies_side_by_side(tmp_path, models):
     from eval.report import policy_rows
 
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
-                              "eval.compare_draft_lengths=true", "eval.gammas=[]", "eval.max_draft=6",
-                              "eval.confidence_threshold=0.5")
+                              "eval.compare_draft_lengths=true", "eval.gammas=[]")
     for domain in metrics["domains"].values():
         for policy in ("fixed", "confidence", "heuristic"):
             entry = domain[f"speculative_{policy}"]
             assert entry["draft_length"]["policy"] == policy and entry["greedy_match"] == 1.0  # lossless
             assert entry["n_drafted"] >= entry["n_accepted"] and entry["speedup_ci95"] is not None
     confidence = metrics["overall"]["speculative_confidence"]
-    assert confidence["drafted_per_pass"] <= 6
+    assert confidence["drafted_per_pass"] <= 16  # UNCALIBRATED_CONFIDENCE's cap
     header, rows = policy_rows(metrics)
     assert {row[1] for row in rows} == {"calibrated", "fixed", "confidence", "heuristic"}
     assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()

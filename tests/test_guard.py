@@ -214,7 +214,6 @@ def eval_settings(*overrides: str):
 
 
 def test_eval_guards_each_domain_from_the_draft_calibration():
-    from eval.stage import guard_for
     from pipeline.spec import SpeculativeSpec
 
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.7), draft={}, cost=COST,
@@ -246,3 +245,8 @@ def test_metrics_count_the_guard_decisions(target, far_draft):
     assert counted == decisions(stats).to_dict() | {"cost_factor": 1.0} and counted["off"] > 0
     assert "guard" not in speculative_counters([{"stats": DecodeStats(drafted=[1], accepted=[0], target_passes=1)}],
                                                ar_step_s=0.01)
+
+
+def guard_for(spec, domain, settings, tree=None):
+    """The guard spec.plan gives a domain's chain (or `tree`) under eval's guard settings."""
+    return spec.plan(domain, spec.sampling, drafting=tuple(tree) if tree else 4, guard=settings.guard_settings).guard

@@ -32,7 +32,6 @@ def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
     from hydra import compose, initialize_config_dir
 
     from eval.settings import EvalSettings
-    from eval.stage import guard_for
     from tests.conftest import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -47,3 +46,8 @@ def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
     # a chain, or a tree whose truncations were not simulated: the chain's per-position acceptance
     assert guard_for(spec, "code", settings).prior == (0.28, 0.08)
     assert guard_for(spec, "code", settings, [2, 2]).prior == (0.28, 0.08)
+
+
+def guard_for(spec, domain, settings, tree=None):
+    """The guard spec.plan gives a domain's chain (or `tree`) under eval's guard settings."""
+    return spec.plan(domain, spec.sampling, drafting=tuple(tree) if tree else 4, guard=settings.guard_settings).guard
