@@ -184,7 +184,7 @@ def test_missing_default_draft_falls_back_to_derived_draft(tmp_path, models, cap
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.drafting=0", "eval.gamma"),
+    ("eval.drafting=0", "eval.drafting"),
     ("eval.temperature=-1", "eval.temperature"),
     ("eval.top_p=1.5", "eval.top_p"),
     ("eval.gammas=[2,0]", "eval.gammas"),
@@ -216,7 +216,7 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     settings = eval_settings(tmp_path, "eval.compare_draft_lengths=true", "eval.baselines=true", "eval.domains=code",
                              "eval.gammas=[1,2]", "eval.drafting=[3,2,1]", "eval.trees=null")
     assert settings.compare_draft_lengths == POLICIES and settings.baselines == HF_METHODS
-    assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.tree == (3, 2, 1)
+    assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.drafting == (3, 2, 1)
     assert settings.trees == () and settings.baselines_draft == "speculative" and settings.extra_drafts == {}
     assert settings.sampling.temperature == settings.temperature
     with pytest.raises(FrozenInstanceError):
