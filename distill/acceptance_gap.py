@@ -22,7 +22,7 @@ import torch
 from distill import calibrate as cal
 from distill.policy import simulate
 from distill.offline import collect_heldouts, tool_config
-from pipeline.decoding import speculative_generate
+from pipeline.decoding import DraftPlan, speculative_generate
 from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model
 from pipeline.sampling import derive_seed
@@ -45,10 +45,10 @@ def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -
         for r in range(repeats):
             generator = torch.Generator().manual_seed(derive_seed(seed, "gap", i, r) % 2**63)
             stats = speculative_generate(inputs.target, draft, torch.tensor([row["prompt_ids"]]),
-                                         sampling=inputs.sampling, drafting=gamma,
-                                         max_new_tokens=len(row["completion_ids"]),
-                                         draft_temperature=spec.for_domain("draft_temperature", domain),
-                                         draft_vocab=vocab, eos_token_id=inputs.stops, generator=generator).stats
+                                         sampling=inputs.sampling,
+                                         plan=DraftPlan(gamma, spec.for_domain("draft_temperature", domain), vocab),
+                                         max_new_tokens=len(row["completion_ids"]), eos_token_id=inputs.stops,
+                                         generator=generator).stats
             out.setdefault(domain, []).append((stats.n_accepted, stats.n_drafted))
     return out
 

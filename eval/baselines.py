@@ -33,14 +33,14 @@ def hf_engine_methods(evaluation) -> dict:
         draft = evaluation.drafts[name]
         plans, configs = evaluation.plans[name], {}
         hf_table = (((draft.spec.engines or {}).get("hf") or {}).get("generation_config")
-                    if draft.spec is not None and evaluation.settings.use_calibration else None)
+                    if draft.spec is not None and evaluation.settings.drafting != "uncalibrated" else None)
         for domain, plan in plans.items():
             if hf_table:
                 chosen = hf_table.get(domain, hf_table.get("default"))
                 configs[domain] = None if chosen is None else assistant_configs(draft.model, 1, chosen)["calibrated"]
             else:
-                configs[domain] = (assistant_configs(draft.model, plan["gamma"], plan["draft_length"]
-                                                     .hf_generation_config())["calibrated"] if plan["speculate"] else None)
+                configs[domain] = (assistant_configs(draft.model, plan.gamma, plan.as_chain().hf_generation_config())
+                                   ["calibrated"] if plan.speculates else None)
 
         def generate(ids, domain, n, seed, gamma=None):
             config = assistant_configs(draft.model, gamma)["fixed"] if gamma else configs[domain]

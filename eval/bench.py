@@ -16,7 +16,7 @@ import torch
 
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import GREEDY, autoregressive_generate, speculative_generate
+from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
 from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.models import derive_draft, load_model, load_tokenizer
 from pipeline.prompts import load_prompts
@@ -54,8 +54,8 @@ def make_methods(target, draft, gamma: int, n: int, stop: list[int]) -> dict:
     return {
         "own_ar": lambda ids: own(autoregressive_generate(target, ids, max_new_tokens=n, eos_token_id=stop)),
         "hf_generate": lambda ids: hf_generate(target, ids, n, GREEDY, stop),
-        "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, drafting=gamma, max_new_tokens=n,
-                                                                eos_token_id=stop)),
+        "own_speculative": lambda ids: own(speculative_generate(target, draft, ids, plan=DraftPlan(gamma),
+                                                                max_new_tokens=n, eos_token_id=stop)),
         "hf_assisted": lambda ids: hf_generate(target, ids, n, GREEDY, stop, draft, fixed_gamma),
     }
 

@@ -32,7 +32,7 @@ from eval.bench import DEFAULT_PROMPTS, first_turns
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.batch_profile import batch_cost, break_even, forwards_only, measure_batch_profile
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import GREEDY, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
+from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.models import load_model, load_tokenizer
 from pipeline.spec import SpeculativeSpec
@@ -56,8 +56,8 @@ def methods_at(target, draft, gamma: int, args) -> dict:
     return {
         "plain": lambda rows, gen: autoregressive_generate_batch(target, rows, generator=gen, **common),
         "speculative": lambda rows, gen: speculative_generate_batch(
-            target, draft, rows, gamma=gamma, draft_vocab=args.vocab, draft_temperature=args.draft_temperature,
-            generator=gen, **common),
+            target, draft, rows, plan=DraftPlan(gamma, args.draft_temperature, args.vocab), generator=gen,
+            **common),
     }
 
 
@@ -239,7 +239,7 @@ def main(argv=None):
         args.stop = stop_token_ids(tokenizer, target)
         prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0]
                    for text in first_turns(args.prompts, args.n_prompts)]
-        speculative_generate_batch(target, draft, prompts[:2], gamma=2, max_new_tokens=4)  # warm-up
+        speculative_generate_batch(target, draft, prompts[:2], plan=DraftPlan(2), max_new_tokens=4)  # warm-up
         autoregressive_generate_batch(target, prompts[:2], max_new_tokens=4)
         measured = measure(target, draft, prompts, args, synced_clock("cpu"))
         summary = summarize(measured)

@@ -18,7 +18,7 @@ from eval.bench import DEFAULT_PROMPTS
 from eval.bench_batch import draft_vocab
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.chat import encode_chat
-from pipeline.decoding import autoregressive_stream, speculative_stream
+from pipeline.decoding import DraftPlan, autoregressive_stream, speculative_stream
 from pipeline.errors import PipelineError, one_line_errors
 from pipeline.models import load_model, load_tokenizer
 from pipeline.prompts import load_prompts
@@ -41,7 +41,7 @@ def measure(target, draft, prompts: list[dict], spec, vocab, args) -> dict:
             drafting = args.gamma or (spec and spec.drafting_for(p["domain"])) or 2  # γ = 2 where calibrated off
             runs = {
                 0: lambda: autoregressive_stream(target, p["ids"], max_new_tokens=8),
-                1: lambda: speculative_stream(target, draft, p["ids"], drafting=drafting, draft_vocab=vocab,
+                1: lambda: speculative_stream(target, draft, p["ids"], plan=DraftPlan(drafting, draft_vocab=vocab),
                                               max_new_tokens=8),
             }
             firsts = {}
@@ -91,7 +91,7 @@ def main(argv=None):
                    for r in rows]
         spec, vocab = SpeculativeSpec.read(Path(args.draft)), draft_vocab(Path(args.draft))
         first_chunk(autoregressive_stream(target, prompts[0]["ids"], max_new_tokens=2))  # warm-up
-        first_chunk(speculative_stream(target, draft, prompts[0]["ids"], drafting=2, draft_vocab=vocab))
+        first_chunk(speculative_stream(target, draft, prompts[0]["ids"], plan=DraftPlan(2, draft_vocab=vocab)))
         measured = measure(target, draft, prompts, spec, vocab, args)
     print(report(measured, args))
 

@@ -40,7 +40,7 @@ class Evaluation:
     drafts: dict[str, Draft]  # "speculative" (evaluated), "speculative_init" (undistilled, when there is one),
                               #   "speculative_<name>" (eval.extra_drafts)
     stop: list[int]  # token ids that end a turn
-    plans: dict = field(default_factory=dict)  # {draft name: {domain: {"gamma", "draft_length", "draft_temperature"}}}
+    plans: dict = field(default_factory=dict)  # {method: {domain: DraftPlan}} (eval/stage.py make_plans)
     budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
     stalls: dict | None = None  # the stall rule's verdicts (eval/harness.py retime_stalls); None when it is off
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from eval.engine_llamacpp import EngineStats, finish, method_metrics, requests_of, write_engine_outputs
 from pipeline.atomic import atomic_dir
 from pipeline.chat import stop_token_ids
+from pipeline.decoding import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, resolve_model
 from pipeline.sampling import derive_seed
@@ -122,7 +123,7 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
     target = Path(resolve_model(cfg.model.target, "target", cfg.paths))
     tokenizer = load_tokenizer(target)
     stop = stop_token_ids(tokenizer)
-    plan = engine_plan(drafts, list(prompts), int(settings.default_gamma))
+    plan = engine_plan(drafts, list(prompts), settings.drafting if isinstance(settings.drafting, int) else DraftLength().max)
     requests = requests_of(prompts, tokenizer)
     engines = start_engines(target, plan, cfg.engines.vllm, "bfloat16" if cfg.runtime.dtype == "auto" else
                             str(cfg.runtime.dtype))

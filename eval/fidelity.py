@@ -16,7 +16,7 @@ import torch
 
 from eval import metrics as M
 from eval.settings import EvalSettings
-from pipeline.decoding import autoregressive_generate, speculative_generate
+from pipeline.decoding import DraftLength, DraftPlan, autoregressive_generate, speculative_generate
 
 # A gap up to this many units in the last place of the top logit counts as a near-tie: the two forward
 # shapes accumulate a 30-layer residual stream in different orders, so a few ulps of drift are expected.
@@ -59,8 +59,8 @@ def fidelity_check(contexts, target, draft, plans, stop, s: EvalSettings) -> dic
         plan = plans[c["domain"]]
         a = autoregressive_generate(target, c["ids"], max_new_tokens=s.max_new_tokens, eos_token_id=stop)
         b = speculative_generate(target, draft.model, c["ids"], max_new_tokens=s.max_new_tokens,
-                                 drafting=tuple(plan["tree"]) if plan.get("tree") else plan["draft_length"],
-                                 eos_token_id=stop, draft_vocab=draft.vocab)
+                                 plan=DraftPlan(plan.drafting or DraftLength(), draft_vocab=draft.vocab),
+                                 eos_token_id=stop)
         ar.append(key | {"tokens": a.tokens.tolist()})
         spec.append(key | {"tokens": b.tokens.tolist()})
         if ar[-1]["tokens"] != spec[-1]["tokens"]:

@@ -19,7 +19,7 @@ import torch
 from eval.bench import DEFAULT_PROMPTS, first_turns, load_pair
 from eval.metrics import bootstrap_ci
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import DraftLength, Guard, GuardSettings, speculative_generate
+from pipeline.decoding import DraftLength, DraftPlan, Guard, GuardSettings, speculative_generate
 from pipeline.decoding.draft_length import Policy
 from pipeline.errors import OneLineParser, one_line_errors, require_positive
 from pipeline.timing import synced_clock
@@ -54,14 +54,14 @@ def run(args) -> dict:
     clock, drafting = synced_clock(device), DraftLength("fixed", args.gamma)
     rows = {name: [] for name in guards}  # per request: (seconds, passes, tokens)
     for name, guard in guards.items():  # warm-up
-        speculative_generate(target, draft, prompts[0][:, :8], drafting=drafting, max_new_tokens=8, guard=guard)
+        speculative_generate(target, draft, prompts[0][:, :8], plan=DraftPlan(drafting, guard=guard), max_new_tokens=8)
     for repeat in range(args.repeats):
         for i, ids in enumerate(prompts):
             order = list(guards) if (repeat + i) % 2 == 0 else list(reversed(guards))
             for name in order:
                 start = clock()
-                out = speculative_generate(target, draft, ids, drafting=drafting, max_new_tokens=args.max_new_tokens,
-                                           eos_token_id=stop, guard=guards[name])
+                out = speculative_generate(target, draft, ids, plan=DraftPlan(drafting, guard=guards[name]),
+                                           max_new_tokens=args.max_new_tokens, eos_token_id=stop)
                 rows[name].append((clock() - start, out.stats.target_passes, out.tokens.tolist()))
     same = all(a[2] == b[2] for a, b in zip(rows["unguarded"], rows["guarded"]))
     guarded, unguarded = (np.array([r[0] for r in rows[name]]) for name in ("guarded", "unguarded"))

@@ -38,10 +38,10 @@ def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
 
 def decodes_plainly(evaluation: Evaluation, method: str, domain: str) -> bool:
     """Whether `method` runs plain decoding on `domain` (its plan calibrated "off", nothing forcing a drafting):
-    speculative_generate(drafting=None) is autoregressive_stream itself, so its tokens and cost are the plain
+    speculative_generate(plan=PLAIN) is autoregressive_stream itself, so its tokens and cost are the plain
     run's, and timing it again would only measure noise as a speedup."""
     plan = (evaluation.plans or {}).get(method, {}).get(domain)
-    return plan is not None and plan.get("speculate") is False
+    return plan is not None and not plan.speculates
 
 
 # ---------------------------------------------------------------- the benchmark

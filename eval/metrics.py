@@ -434,7 +434,9 @@ def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: f
     domains = {d: summarize([r for r in records if r["domain"] == d], greedy, min_ci_requests)
                for d in dict.fromkeys(r["domain"] for r in records)}
     overall = summarize(records, greedy)
-    def as_json(plan: dict) -> dict:
+    def as_json(plan) -> dict:  # a DraftPlan, or (tests) a dict of its fields
+        if hasattr(plan, "to_dict"):
+            return plan.to_dict()
         return {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in plan.items()}
 
     for name, plan in plans.items():
@@ -444,7 +446,7 @@ def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: f
     # The schema keeps the tuned draft's headline numbers at the top of `overall`.
     overall.update({k: overall[SPECULATIVE][k]
                     for k in ("acceptance_rate", "acceptance_rate_ci95", "mean_accepted_length")})
-    metrics = {"gamma": plans[SPECULATIVE]["default"]["gamma"], "temperature": temperature,
+    metrics = {"gamma": as_json(plans[SPECULATIVE]["default"])["gamma"], "temperature": temperature,
                "methods": list(dict.fromkeys(r["method"] for r in records)), "domains": domains, "overall": overall}
     if stalls is not None:
         excluded = len(every) > len(records)

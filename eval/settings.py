@@ -8,7 +8,7 @@ fast and writes nothing; what needs the file system or the model preset (do the 
 checked where the drafts load (eval/drafts.py).
 
 Validation also normalises, so the rest of eval reads one shape per setting: `compare_draft_lengths` and `baselines`
-(true | false | a list) become the tuple of names to run, `gammas`, `trees`, `tree` and `domains` tuples (a single
+(true | false | a list) become the tuple of names to run, `gammas`, `trees`, a tree `drafting` and `domains` tuples (a single
 domain string a 1-tuple), a null `gammas`/`trees`/`extra_drafts` empty. Normalising is idempotent, so
 `dataclasses.replace` (which validates again) keeps working on a built instance.
 """
@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, fields
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.decoding import POLICIES, DraftLength, GuardSettings, parse_tree
+from pipeline.decoding import POLICIES, DraftLength, DraftPlan, GuardSettings, parse_tree
 from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
 from pipeline.sampling import Sampling
 
 ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
+DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.drafting's names (conf/eval/default.yaml)
 RESERVED = ("init", "fixed", "confidence", "heuristic")  # speculative_<these> name other methods: no extra draft's name
 
 
@@ -55,15 +56,9 @@ class EvalSettings:
     temperature: float                   # the serving temperature of target and draft; 0 = greedy
     top_k: int                           # serving top-k; 0 = off
     top_p: float                         # serving top-p; 1 = off
-    gamma: int | None                    # one fixed γ for every domain (overrides the policy); null = calibrated
-    default_gamma: int                   # γ for a draft without a calibration
-    draft_length: str | None             # the draft-length policy (one of POLICIES); null = the calibrated one
-    confidence_threshold: float          # the confidence policy's stop threshold when none is calibrated
-    max_draft: int                       # the confidence policy's most drafts per target pass when none is calibrated
-    tree: tuple[int, ...] | str | None   # branching factors for every domain; "none" = chains only; null = calibrated
+    drafting: str | int | tuple | dict   # what every draft drafts (one of DRAFTINGS, a γ, branching factors, a policy)
     compare_draft_lengths: tuple[str, ...]  # policies also run side by side (speculative_<policy>); () = none
     draft_temperature: float | None      # the draft's τ; null = calibrated when sampling, else the target's temperature
-    use_calibration: bool                # read γ, policy, tree and τ from the draft's speculative.json
     use_vocab_subset: bool               # restrict the draft head to speculative.json's vocab_subset (FR-Spec)
     baselines: tuple[str, ...]           # HF peers timed beside ours (of HF_METHODS); () = none
     baselines_draft: str                 # the loaded draft HF assisted generation uses (speculative, speculative_init, ...)
@@ -111,10 +106,6 @@ class EvalSettings:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
 
     def _check_counts(self) -> None:
-        if self.gamma is not None and (not isinstance(self.gamma, int) or self.gamma < 1):
-            _bad("gamma", self.gamma, "is not a draft length >= 1", "use e.g. eval.gamma=4, or null for the calibrated γ")
-        if not isinstance(self.default_gamma, int) or self.default_gamma < 1:
-            _bad("default_gamma", self.default_gamma, "is not a draft length >= 1", "use e.g. eval.default_gamma=4")
         gammas = list(self.gammas or [])
         if any(not isinstance(g, int) or g < 1 for g in gammas):
             _bad("gammas", gammas, "holds a γ < 1",
@@ -164,23 +155,35 @@ class EvalSettings:
     def _check_drafting(self) -> None:
         self._normalise("compare_draft_lengths", _names("compare_draft_lengths", self.compare_draft_lengths,
                                                         POLICIES, "policy"))
-        if self.draft_length not in (None, *POLICIES):
-            _bad("draft_length", self.draft_length, "is not a draft-length policy",
-                 f"use one of {', '.join(POLICIES)}, or null for the calibrated one")
-        DraftLength("confidence", self.max_draft, self.confidence_threshold)  # one-line errors if bad
+        self._check_drafting_value()
         trees = list(self.trees or [])
         if any(not isinstance(tree, (list, tuple)) or not all(isinstance(b, int) for b in tree) for tree in trees):
             _bad("trees", trees, "holds something other than branching factors",
                  "use e.g. eval.trees=[[1,1,1],[2,1],[3,2,1]]")
         self._normalise("trees", tuple(tuple(tree) for tree in trees))
-        if self.tree is not None and self.tree != "none":
-            if not isinstance(self.tree, (list, tuple)):
-                _bad("tree", self.tree, "is not a tree",
-                     "use null (calibrated), none, or branching factors such as eval.tree=[3,2,1]")
-            parse_tree(tuple(self.tree))  # a zero factor or too many nodes: one line
-            self._normalise("tree", tuple(self.tree))
         for tree in self.trees:
             parse_tree(tree)
+
+    def _check_drafting_value(self) -> None:
+        """eval.drafting: a name of DRAFTINGS, an int γ >= 1, branching factors (a tuple after this) or a policy
+        {policy, max, threshold}; anything else one line."""
+        value = self.drafting
+        fix = (f"use one of {', '.join(DRAFTINGS)}, a γ such as eval.drafting=4, branching factors such as "
+               "eval.drafting=[3,2,1], or {policy: confidence, max: 16, threshold: 0.4}")
+        try:
+            if isinstance(value, (list, tuple)):
+                DraftPlan(tuple(value))  # a zero factor or too many nodes: one line
+                self._normalise("drafting", tuple(value))
+            elif isinstance(value, dict):
+                DraftLength.from_dict(value)
+            elif isinstance(value, bool) or not (value in DRAFTINGS or isinstance(value, int)):
+                _bad("drafting", value, "is not a drafting", fix)
+            elif isinstance(value, int):
+                DraftPlan(value)
+        except PipelineError as e:
+            if str(e).startswith("eval.drafting"):
+                raise
+            _bad("drafting", value, f"is invalid ({e})", fix)
 
     def _check_methods(self) -> None:
         if self.engine not in ENGINES:

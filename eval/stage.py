@@ -1,6 +1,6 @@
 """Eval stage: the project's speculative decoder against plain target decoding, per domain.
 
-    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.gamma=4] ...
+    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=calibrated|off|4|[3,2,1]|confidence] ...
 
 Every held-out request (one user turn of one prompt, chat template applied; later turns conditioned on
 the target's own autoregressive answer) is decoded by every method back to back, in rotating order,
@@ -31,10 +31,12 @@ from eval.report import (comparison_lines, control_lines, domain_rows, draft_row
 from eval.settings import EvalSettings
 from eval.harness import benchmark
 from eval.sweeps import gamma_sweep, tree_sweep
-from pipeline.decoding import DraftLength, Guard, autoregressive_generate, speculative_generate, tree_key
+from pipeline.decoding import POLICIES, DraftLength, DraftPlan, autoregressive_generate, speculative_generate
+from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
+from pipeline.spec import CALIBRATED
 from pipeline.timing import Laps
 
 # ---------------------------------------------------------------- inputs
@@ -81,84 +83,71 @@ def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str
 
 # ---------------------------------------------------------------- plans
 
-def draft_length(spec, domain: str, settings: EvalSettings, gamma: int) -> DraftLength:
-    """The draft-length policy: a fixed eval.gamma; else eval.draft_length's policy (the calibrated one where
-    the calibration chose that policy); else the calibrated policy; else fixed γ."""
-    if settings.gamma:  # a forced γ is that γ, whatever fixed γ the calibration chose
-        return DraftLength("fixed", int(settings.gamma))
+def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Sampling, drafting=None) -> DraftPlan:
+    """One draft's plan on one domain: eval.drafting (or `drafting`, a compared policy) applied to the draft's
+    calibration (spec.plan: its tree, τ and "off" only for the sampling it was calibrated for, its guard), the
+    draft's vocabulary subset, and eval.draft_temperature over the calibrated τ. A domain planned "off" keeps its
+    τ, so the sweeps, which force a shape, draft there as everywhere else."""
+    wanted = settings.drafting if drafting is None else drafting
+    spec = None if wanted == "uncalibrated" else draft.spec
+    shape = drafting_shape(wanted, spec, domain, sampling)
+    if spec is None:
+        plan = DraftPlan(DraftLength() if shape is CALIBRATED else shape)
+    else:
+        plan = spec.plan(domain, sampling, drafting=shape, guard=settings.guard_settings, vocab=False)
+        if not plan.speculates:  # off: the chain's τ, for a sweep that forces drafting here
+            plan = replace(spec.plan(domain, sampling, drafting=spec.draft_length_for(domain) or DraftLength()),
+                           drafting=None)
+    tau = plan.draft_temperature if settings.draft_temperature is None else settings.draft_temperature
+    return replace(plan, draft_temperature=None if sampling.greedy else tau, draft_vocab=draft.vocab)
+
+
+def drafting_shape(wanted, spec, domain: str, sampling: Sampling):
+    """eval.drafting as what spec.plan's `drafting` takes: CALIBRATED (the recipe's own), None (plain), a policy
+    or a tree. A policy the calibration chose is used with its calibrated parameters."""
     calibrated = spec.draft_length_for(domain) if spec is not None else None
-    wanted = settings.draft_length
-    if wanted is None:
-        return calibrated or DraftLength("fixed", gamma)
-    if calibrated is not None and calibrated.policy == wanted:
-        return calibrated
-    if wanted == "confidence":
-        return DraftLength("confidence", settings.max_draft, settings.confidence_threshold)
-    return DraftLength(wanted, gamma)
-
-
-def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Sampling) -> dict:
-    """γ, draft-length policy and draft temperature τ for one draft on one domain: the user's override, else
-    the draft's calibration (eval.use_calibration), else eval.default_gamma and the target's temperature."""
-    spec = draft.spec if settings.use_calibration else None
-    gamma = settings.gamma or (spec and spec.for_domain("gamma", domain)) or settings.default_gamma
-    policy = draft_length(spec, domain, settings, int(gamma))
-    tree = list(settings.tree) if isinstance(settings.tree, tuple) else None
-    if settings.tree is None and settings.draft_length is None and not settings.gamma and spec is not None:
-        # a tree is chosen for one serving distribution (greedy: top-k hits; sampled: sibling acceptance)
-        tree = spec.for_domain("tree", domain) if spec.sampling == sampling else None
-    tau = settings.draft_temperature
-    # A calibrated τ fits only the distribution it was calibrated against. At T=0 the target is greedy and
-    # the draft proposes its argmax (q one-hot), so no τ is used at all.
-    if tau is None and spec is not None and spec.sampling == sampling:
-        tau = spec.for_domain("draft_temperature", domain)
-    # "off" (plain decoding) was calibrated for this serving; any drafting override asks to speculate anyway
-    overridden = settings.gamma or settings.draft_length is not None or isinstance(settings.tree, tuple)
-    speculate = overridden or spec is None or spec.sampling != sampling or spec.speculates(domain)
-    return {"gamma": int(gamma), "draft_length": policy, "tree": tree, "speculate": bool(speculate),
-            "draft_temperature": None if tau is None or sampling.greedy else float(tau),
-            "guard": guard_for(spec, domain, settings, tree)}
-
-
-def guard_for(spec, domain: str, settings: EvalSettings, tree: list | None = None) -> Guard | None:
-    """The online guard of one domain (eval.guard): the draft's calibrated cost profile and acceptance as its
-    prior (a token tree's own per-depth acceptance where the calibration simulated it, else the chain's
-    per-position acceptance); None when it is off or the draft has no calibration to price passes with."""
-    knobs = settings.guard_settings
-    if knobs is None or spec is None or not spec.cost.get("c"):
+    gamma = (spec.for_domain("gamma", domain) if spec is not None else None) or DraftLength().max
+    if wanted in ("calibrated", "uncalibrated"):
+        return CALIBRATED
+    if wanted == "off":
         return None
-    prior = (tree and tree_prior(spec.tree_candidates.get(domain) or spec.tree_candidates.get("overall"), tree)) or \
-        spec.per_position_acceptance.get(domain) or spec.per_position_acceptance.get("overall")
-    return Guard(spec.cost, tuple(prior), knobs) if prior else None
+    if wanted == "chain":  # the calibrated chain, "off" still honoured
+        off = spec is not None and spec.sampling == sampling and not spec.speculates(domain)
+        return None if off else calibrated or DraftLength("fixed", gamma)
+    if isinstance(wanted, dict):
+        return DraftLength.from_dict(wanted)
+    if wanted in POLICIES:
+        if calibrated is not None and calibrated.policy == wanted:
+            return calibrated
+        return UNCALIBRATED_CONFIDENCE if wanted == "confidence" else DraftLength(wanted, gamma)
+    return wanted  # an int γ or a tree's branching factors
 
 
-def tree_prior(candidates: dict | None, tree: list) -> list[float] | None:
-    """P_d, the chance a pass of `tree` accepts a node at depth d, from the calibration's expected accepted
-    nodes A of the tree truncated to each depth (tree_candidates): P_d = A(d) − A(d − 1). None when a truncation
-    was not simulated (the chain's acceptance then stands in, which understates a tree's: more siblings, more
-    chances)."""
-    accepted = [(candidates or {}).get(tree_key(tree[:depth]), {}).get("accepted") for depth in range(1, len(tree) + 1)]
-    if not accepted or None in accepted:
-        return None
-    return [min(max(a - b, 0.0), 1.0) for a, b in zip(accepted, [0.0] + accepted[:-1])]
+def fixed_gamma(draft: Draft, domain: str, settings: EvalSettings) -> int:
+    """The fixed γ a chain-only peer (HF assisted generation's fixed γ) runs: eval.drafting's int, else the
+    calibrated one, else DraftLength's default."""
+    if isinstance(settings.drafting, int):
+        return settings.drafting
+    spec = draft.spec if settings.drafting != "uncalibrated" else None
+    return (spec.for_domain("gamma", domain) if spec is not None else None) or DraftLength().max
 
 
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
+    """{method: {domain: DraftPlan}} for every draft, the unguarded baseline and each compared policy."""
     settings, sampling = evaluation.settings, evaluation.sampling
     spec = evaluation.drafts["speculative"].spec
-    if (settings.use_calibration and not sampling.greedy and settings.draft_temperature is None
+    if (settings.drafting != "uncalibrated" and not sampling.greedy and settings.draft_temperature is None
             and spec is not None and spec.sampling != sampling):
         print(f"[eval] note: the draft's τ was calibrated for {spec.sampling}, not {sampling}; the draft samples "
               "at the eval temperature (set eval.draft_temperature to choose one)")
-    plans = {name: {domain: draft_plan(draft, domain, settings, sampling) for domain in [*domains, "default"]}
+    every = [*domains, "default"]
+    plans = {name: {d: draft_plan(draft, d, settings, sampling) for d in every}
              for name, draft in evaluation.drafts.items()}
     if settings.guard["compare"]:  # the evaluated draft as planned, never switched down: the guard's own baseline
-        plans["speculative_unguarded"] = {domain: plan | {"guard": None} for domain, plan in plans["speculative"].items()}
-    if settings.compare_draft_lengths:  # the evaluated draft once per policy, side by side in the same run
-        for policy in settings.compare_draft_lengths:
-            forced = replace(settings, draft_length=policy, gamma=None)
-            plans[f"speculative_{policy}"] = {domain: draft_plan(evaluation.drafts["speculative"], domain, forced,
-                                                                 sampling) for domain in [*domains, "default"]}
+        plans["speculative_unguarded"] = {d: replace(plan, guard=None) for d, plan in plans["speculative"].items()}
+    for policy in settings.compare_draft_lengths:  # the evaluated draft once per policy, side by side
+        plans[f"speculative_{policy}"] = {d: draft_plan(evaluation.drafts["speculative"], d, settings, sampling,
+                                                        policy) for d in every}
     return plans
 
 
@@ -174,7 +163,9 @@ def _hf_methods(evaluation: Evaluation) -> dict:
                             f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
                             "undistilled draft exists")
     assistant = evaluation.drafts[assistant_name].model
-    configs = {domain: assistant_configs(assistant, plan["gamma"], plan["draft_length"].hf_generation_config())
+    draft = evaluation.drafts[assistant_name]
+    configs = {domain: assistant_configs(assistant, fixed_gamma(draft, domain, settings),
+                                         plan.as_chain().hf_generation_config())
                for domain, plan in evaluation.plans[assistant_name].items()}
 
     def hf(draft=None, which: str = "defaults"):
@@ -208,15 +199,10 @@ def make_methods(evaluation: Evaluation) -> dict:
 
         def generate(ids, domain, n, seed, gamma=None, tree=None):
             plan = evaluation.plans[name][domain]
-            guard = None if gamma or tree else plan["guard"]  # the sweeps measure each length as it is
-            policy = DraftLength("fixed", gamma) if gamma else plan["draft_length"]  # the γ sweep fixes γ
-            if tree is None:  # the tree sweep gives one
-                tree = None if gamma or not plan["tree"] else tuple(plan["tree"])
-            drafting = (tree or policy) if plan["speculate"] or gamma else None  # None: plain, as calibrated
-            out = speculative_generate(target, draft.model, ids, sampling=sampling, drafting=drafting,
-                                       max_new_tokens=n, draft_temperature=plan["draft_temperature"],
-                                       draft_vocab=draft.vocab, eos_token_id=stop, generator=generator(seed),
-                                       guard=guard)
+            if gamma or tree:  # the sweeps measure each shape as it is: drafting, never switched down
+                plan = replace(plan, drafting=tree or gamma, guard=None)
+            out = speculative_generate(target, draft.model, ids, plan=plan, sampling=sampling, max_new_tokens=n,
+                                       eos_token_id=stop, generator=generator(seed))
             return out.tokens.tolist(), out.stats
         return generate
 
@@ -248,9 +234,8 @@ def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:
     """Per domain, distill's predicted speedup for what the evaluated draft runs there (1.0 where calibrated
     "off"), when it runs as calibrated for this serving; None when eval overrides the calibration."""
     settings, spec = evaluation.settings, evaluation.drafts[M.SPECULATIVE].spec
-    overridden = (settings.gamma or settings.draft_length is not None or settings.tree is not None
-                  or settings.draft_temperature is not None or settings.engine != "ours")
-    if spec is None or not settings.use_calibration or overridden or spec.sampling != evaluation.sampling:
+    overridden = settings.drafting != "calibrated" or settings.draft_temperature is not None or settings.engine != "ours"
+    if spec is None or overridden or spec.sampling != evaluation.sampling:
         return None
     table = {d: spec.predicted_speedup.get(d, spec.predicted_speedup.get("overall")) for d in domains}
     return {d: {"speedup": float(v) if spec.speculates(d) else 1.0, "speculate": spec.speculates(d)}
@@ -280,13 +265,13 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
     """Where and with what the numbers were measured."""
     settings = evaluation.settings
     tuned, init = evaluation.drafts["speculative"], evaluation.drafts.get("speculative_init")
-    calibrated = settings.use_calibration and tuned.spec is not None and tuned.spec.gamma
+    calibrated = settings.drafting == "calibrated" and tuned.spec is not None and tuned.spec.gamma
     return {
         "machine": machine(), "device": str(evaluation.device), "dtype": str(evaluation.dtype).removeprefix("torch."),
         "target": evaluation.target_identity,
         "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
         "draft_init": init.identity if init else None,
-        "calibrated": bool(calibrated and settings.gamma is None),
+        "calibrated": bool(calibrated),
         "prompt_source": source, "settings": settings.to_dict(),
         "prompts": {domain: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
                     for domain, ps in prompts.items()},

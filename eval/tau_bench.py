@@ -22,9 +22,9 @@ import torch
 
 from eval.bench import DEFAULT_PROMPTS, load_pair
 from eval.metrics import bootstrap_ci
-from eval.stage import tree_prior
+from pipeline.spec import tree_prior
 from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.decoding import Guard, GuardSettings, GuardStats, speculative_generate
+from pipeline.decoding import DraftPlan, Guard, GuardSettings, GuardStats, speculative_generate
 from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
 from pipeline.prompts import load_prompts
 from pipeline.sampling import derive_seed
@@ -66,10 +66,9 @@ def decode_domain(target, draft, tokenizer, prompts: list[str], plan: dict, samp
         for method in METHODS if i % 2 == 0 else reversed(METHODS):
             generator = torch.Generator().manual_seed(derive_seed("tau_bench", domain, i))
             start = clock()
-            out = speculative_generate(target, draft, ids, sampling=sampling, drafting=plan["drafting"],
-                                       max_new_tokens=plan["max_new_tokens"], draft_vocab=vocab,
-                                       draft_temperature=plan["draft_temperature"], eos_token_id=stop,
-                                       generator=generator, guard=plan["guards"][method])
+            out = speculative_generate(target, draft, ids, sampling=sampling,
+                                       plan=DraftPlan(plan["drafting"], plan["draft_temperature"], vocab, plan["guards"][method]),
+                                       max_new_tokens=plan["max_new_tokens"], eos_token_id=stop, generator=generator)
             s = out.stats
             rows[method].append((len(out.tokens), clock() - start, s.target_passes, s.n_accepted, s.n_drafted))
             if method == "adaptive":
@@ -111,9 +110,9 @@ def run(args) -> dict:
     hello = encode_chat(tokenizer, [{"role": "user", "content": "Hello, who are you?"}])
     for warm in plans.values():  # allocator, kernels, lazy imports and every plan's shapes out of the timed runs
         for guard in warm["guards"].values():
-            speculative_generate(target, draft, hello, sampling=spec.sampling, drafting=warm["drafting"],
-                                 max_new_tokens=16, draft_vocab=vocab, draft_temperature=warm["draft_temperature"],
-                                 guard=guard)
+            speculative_generate(target, draft, hello, sampling=spec.sampling,
+                                 plan=DraftPlan(warm["drafting"], warm["draft_temperature"], vocab, guard),
+                                 max_new_tokens=16)
     results, pooled, total = {}, {m: [] for m in METHODS}, GuardStats()
     for domain, prompts in turns.items():
         done = decode_domain(target, draft, tokenizer, prompts, plans[domain], spec.sampling, vocab, domain)

@@ -31,6 +31,7 @@ from pipeline.decoding.batch import RaggedCache, autoregressive_generate_batch, 
 from pipeline.decoding.cost import verify_cost
 from pipeline.decoding.generate import GREEDY
 from pipeline.decoding.loop import crop
+from pipeline.decoding.plan import DraftPlan
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
@@ -46,7 +47,6 @@ def forward_times(model, batch: int, tokens_fed, clock, repeats: int = 9, vocab=
     """{k: median ms of one forward of k new tokens per row after `context` cached ones} at this batch size. The
     context is read once and each timed forward cropped away again; every round times each k once, in rotating
     order, so load that comes and goes during the profile moves every k alike rather than a few of them."""
-    from pipeline.decoding.batch import RaggedCache
 
     fed = sorted(set(int(k) for k in tokens_fed))
     device = next(model.parameters()).device
@@ -105,8 +105,9 @@ def host_times(target, draft, batch: int, clock, vocab, sampling: Sampling, cont
                 start = clock()
                 result = (autoregressive_generate_batch(target, prompts, sampling=sampling, max_new_tokens=new_tokens,
                                                         generator=generator) if shape is None else
-                          speculative_generate_batch(target, draft, prompts, sampling=sampling, gamma=shape,
-                                                     max_new_tokens=new_tokens, draft_vocab=vocab, generator=generator))
+                          speculative_generate_batch(target, draft, prompts, sampling=sampling,
+                                                     plan=DraftPlan(shape, draft_vocab=vocab), max_new_tokens=new_tokens,
+                                                     generator=generator))
                 seconds = clock() - start
                 calls.append((seconds, max((s.drafted for s in result.stats), key=len)))  # the longest row: every pass
             if round_:

@@ -23,6 +23,7 @@ import statistics
 import torch
 
 from pipeline.decoding.generate import autoregressive_generate, speculative_generate
+from pipeline.decoding.plan import DraftPlan
 from pipeline.decoding.tree import nodes
 from pipeline.sampling import Sampling
 
@@ -57,8 +58,9 @@ def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: S
                 out = autoregressive_generate(target, prompt, sampling=sampling, max_new_tokens=NEW_TOKENS,
                                               generator=generator)
             else:
-                out = speculative_generate(target, draft, prompt, sampling=sampling, drafting=shape,
-                                           max_new_tokens=NEW_TOKENS, draft_vocab=vocab, generator=generator)
+                out = speculative_generate(target, draft, prompt, sampling=sampling,
+                                           plan=DraftPlan(shape, draft_vocab=vocab), max_new_tokens=NEW_TOKENS,
+                                           generator=generator)
             if r >= warmup:
                 seconds, step = _host_steps(out.stats)
                 host[shape].append(seconds)

@@ -1,78 +1,69 @@
-"""`speculative.json`: the contract between the distill stage (writer) and every user of a draft export
-(the eval stage, the model card, anyone serving the draft).
+"""`speculative.json` and `evidence.json`: the contract between the stage that calibrates a draft (writer) and
+every user of a draft export (the eval stage, the model card, anyone serving the draft).
 
-It travels next to the draft's HF weights. Per-domain entries are `{domain: value, ..., "default": value}`;
-`default` serves domains the calibration never saw. Fields (docs/architecture.md has the full schema):
-
-    version                this file's format; a reader refuses other versions with one line
-    target                 identity of the target the draft was tuned for (name, path, sizes, source_sha256)
-    sampling               the serving distribution the calibration is for: temperature, top_k, top_p
-    draft                  how the draft was built (init, layers / path, parameters)
-    vocab_subset           FR-Spec target ids of the draft head, or null (weights stay full-vocabulary)
-    distilled              false for the undistilled reference export (draft_init)
-    gamma                  best fixed draft length γ per domain (null: not calibrated)
-    draft_length           the draft-length policy per domain: {"policy", "max", "threshold"} (pipeline/decoding/draft_length.py)
-    tree                   per domain, the token tree's branching factors, or null for a chain (greedy serving only)
-    draft_temperature      draft sampling temperature τ, per domain (null: not calibrated)
-    selected               "distilled" | "init": which weights were exported (distill.keep_best)
-    acceptance             held-out Σmin(p, q) per domain: before, after, after_training, after_calibrated, and
-                           full_head (the exported checkpoint through its full head, as engines run it)
-    mean_accepted_length   {"gamma": γ, "before": {...}, "after": {...}} predicted tokens per target pass
-    per_position_acceptance  P_k per domain (the chance the first k drafts of a block are accepted)
-    predicted_speedup      per domain, of the chosen drafting (if the domain speculates), from the measured cost
-    speculate              per domain, false when no drafting is predicted ≥ 1 + speculate_margin: plain decoding
-    cost                   c, forward times, verify ratios, device, dtype
-    training               loss, teacher, steps, train_tokens, minutes, rows, data_tokens, train_fraction, ...
-    learning_curve         [{step, train_tokens, train_minutes, acceptance, by_domain}] (distill/progress.py)
-    tree_candidates        {domain: {"3,1": {accepted, nodes, predicted_speedup}}}: every candidate tree on the
-                           reporting part, for the serving the trees were calibrated for (empty otherwise)
-    heldout                sizes of the calibration and reporting splits
-    engines                per serving engine, its calibration: {"llamacpp": {"by_domain": {domain: {"speculate",
-                           "n_max", "p_min", "predicted_speedup"}}, "cost": ..., "flags": {...}}} (optional)
-    batching               the draft length per batch size: {"batch_sizes", "by_domain": {domain: {B: γ or 0 = plain}},
-                           "break_even", "cost", ...} (distill/batching.py; optional, {} = not calibrated)
+Both travel next to the draft's HF weights. speculative.json is the serving recipe: per domain one recipe (what
+to draft, at which draft temperature), plus what it is valid for (target, sampling, vocabulary subset) and the
+engines' own recipes; evidence.json is what the recipe was chosen from (acceptance, costs, training, curves).
+`SpeculativeSpec` is the one schema: its fields, with `metadata["file"]` saying which file and key holds each,
+and docs/architecture.md ("speculative.json") describes them (tests/test_spec_schema.py keeps the two equal).
+`spec.plan(domain, sampling)` applies a recipe: the DraftPlan every decoder entry point takes.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+
+import torch
 
 from pipeline.atomic import write_json
 from pipeline.decoding.draft_length import DraftLength
+from pipeline.decoding.guard import Guard, GuardSettings
+from pipeline.decoding.plan import PLAIN, DraftPlan
+from pipeline.decoding.tree import tree_key
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
 FILENAME = "speculative.json"
-VERSION = 2
+EVIDENCE = "evidence.json"
+VERSION = 3
 DEFAULT = "default"
+OFF = "off"  # a recipe's drafting when the calibration chose plain decoding
+CALIBRATED = object()  # spec.plan's drafting: the recipe's own
+RECIPE, SERVING, PROOF = "recipe", FILENAME, EVIDENCE  # metadata["file"]: a recipe key, a speculative.json key, evidence
+
+
+def _in(where: str, key: str | None = None, **kw):
+    return field(metadata={"file": where, "key": key}, **kw)
 
 
 @dataclass
 class SpeculativeSpec:
-    target: dict
-    sampling: Sampling
-    draft: dict
-    vocab_subset: list[int] | None = None
-    distilled: bool = True
-    gamma: dict[str, int] | None = None
-    draft_length: dict[str, dict] | None = None
-    tree: dict[str, list | None] | None = None
-    draft_temperature: dict[str, float] | None = None
-    selected: str = "distilled"
-    acceptance: dict = field(default_factory=dict)
-    mean_accepted_length: dict = field(default_factory=dict)
-    per_position_acceptance: dict = field(default_factory=dict)
-    predicted_speedup: dict = field(default_factory=dict)
-    cost: dict = field(default_factory=dict)
-    training: dict = field(default_factory=dict)
-    learning_curve: list = field(default_factory=list)
-    tree_candidates: dict = field(default_factory=dict)  # optional: exports before it still read
-    engines: dict = field(default_factory=dict)  # optional: {engine: calibration for it}, e.g. llamacpp (distill)
-    speculate: dict = field(default_factory=dict)  # optional: per domain, False = plain decoding (calibrated off)
-    batching: dict = field(default_factory=dict)  # optional: per domain and batch size, γ (0 = plain decoding)
-    heldout: dict = field(default_factory=dict)
-    version: int = VERSION
+    """One draft export's calibration. Recipe fields are per domain (`{domain: value, "default": value}`) in the
+    constructor and live as `recipes[domain][key]` on disk; evidence fields live in evidence.json."""
+    target: dict = _in(SERVING)
+    sampling: Sampling = _in(SERVING)
+    draft: dict = _in(SERVING)
+    vocab_subset: list[int] | None = _in(SERVING, default=None)
+    distilled: bool = _in(SERVING, default=True)
+    gamma: dict[str, int] | None = _in(RECIPE, "gamma", default=None)
+    draft_length: dict[str, dict] | None = _in(RECIPE, "chain", default=None)
+    tree: dict[str, list | None] | None = _in(RECIPE, "drafting", default=None)
+    draft_temperature: dict[str, float] | None = _in(RECIPE, "draft_temperature", default=None)
+    selected: str = _in(SERVING, default="distilled")
+    acceptance: dict = _in(PROOF, default_factory=dict)
+    mean_accepted_length: dict = _in(PROOF, default_factory=dict)
+    per_position_acceptance: dict = _in(PROOF, default_factory=dict)
+    predicted_speedup: dict = _in(PROOF, default_factory=dict)
+    cost: dict = _in(PROOF, default_factory=dict)
+    training: dict = _in(PROOF, default_factory=dict)
+    learning_curve: list = _in(PROOF, default_factory=list)
+    tree_candidates: dict = _in(PROOF, default_factory=dict)
+    engines: dict = _in(SERVING, default_factory=dict)  # {engine: its own recipe}, e.g. llamacpp, vllm, hf
+    speculate: dict = _in(RECIPE, "drafting", default_factory=dict)  # per domain, False = plain decoding ("off")
+    batching: dict = _in(SERVING, default_factory=dict)  # per domain and batch size, γ (0 = plain decoding)
+    heldout: dict = _in(PROOF, default_factory=dict)
+    version: int = _in(SERVING, default=VERSION)
 
     def for_domain(self, key: str, domain: str):
         """A per-domain calibration value (`gamma`, `draft_temperature`): the domain's, else `default`, else None."""
@@ -82,7 +73,7 @@ class SpeculativeSpec:
         return values.get(domain, values.get(DEFAULT))
 
     def draft_length_for(self, domain: str) -> DraftLength | None:
-        """The calibrated draft-length policy of a domain (else `default`), or None when not calibrated."""
+        """The calibrated chain policy of a domain (else `default`), or None when not calibrated."""
         entry = self.for_domain("draft_length", domain)
         return None if entry is None else DraftLength.from_dict(entry)
 
@@ -92,13 +83,52 @@ class SpeculativeSpec:
         return True if on is None else bool(on)
 
     def drafting_for(self, domain: str) -> DraftLength | tuple | None:
-        """What speculative_generate's `drafting` takes for a domain: its token tree (branching factors) when
-        it has one, else its draft-length policy; None when the domain is calibrated off (plain decoding) or not
-        calibrated."""
+        """The recipe's drafting of a domain: its token tree (branching factors) when it has one, else its
+        chain policy; None when the domain is calibrated off (plain decoding) or not calibrated."""
         if not self.speculates(domain):
             return None
         tree = self.for_domain("tree", domain)
         return tuple(tree) if tree else self.draft_length_for(domain)
+
+    def plan(self, domain: str, sampling: Sampling, *, drafting=CALIBRATED, guard: GuardSettings | None = None,
+             vocab: bool = True) -> DraftPlan:
+        """The DraftPlan that serves `domain` at `sampling` as calibrated. The recipe's tree, τ and "off" are
+        used only when the calibration was for this sampling (a tree and a τ fit one distribution; at T = 0 the
+        draft proposes its argmax, so no τ is used at all); elsewhere the domain drafts its chain policy.
+        `drafting` replaces the recipe's shape (None = plain decoding), keeping its τ, vocabulary and guard;
+        `guard` (its knobs) adds the online guard priced with this export's cost and acceptance; `vocab=False`
+        drafts over the full vocabulary."""
+        same = self.sampling == sampling
+        if drafting is CALIBRATED:
+            if same and not self.speculates(domain):
+                return PLAIN
+            tree = self.for_domain("tree", domain) if same else None
+            chain = self.draft_length_for(domain) or DraftLength("fixed", self.for_domain("gamma", domain) or 4)
+            drafting = tuple(tree) if tree else chain
+        if drafting is None:
+            return PLAIN
+        tau = self.for_domain("draft_temperature", domain) if same and not sampling.greedy else None
+        plan = DraftPlan(drafting, None if tau is None else float(tau), self.vocab() if vocab else None)
+        return DraftPlan(plan.drafting, plan.draft_temperature, plan.draft_vocab, self.guard(domain, plan, guard))
+
+    def vocab(self) -> torch.Tensor | None:
+        """vocab_subset as a LongTensor, one tensor per spec (the decoder keeps the head rows of a tensor it saw)."""
+        if self.vocab_subset is None:
+            return None
+        if getattr(self, "_vocab", None) is None:
+            self._vocab = torch.tensor(self.vocab_subset, dtype=torch.long)
+        return self._vocab
+
+    def guard(self, domain: str, plan: DraftPlan, settings: GuardSettings | None) -> Guard | None:
+        """The online guard of a domain's plan: this export's cost profile and acceptance as its prior (a token
+        tree's own per-depth acceptance where the calibration simulated it, else the chain's per-position
+        acceptance); None without settings or a calibration to price passes with."""
+        if settings is None or not plan.speculates or not self.cost.get("c"):
+            return None
+        candidates = self.tree_candidates.get(domain) or self.tree_candidates.get("overall")
+        prior = (plan.tree and tree_prior(candidates, list(plan.tree))) or \
+            self.per_position_acceptance.get(domain) or self.per_position_acceptance.get("overall")
+        return Guard(self.cost, tuple(prior), settings) if prior else None
 
     def gamma_for_batch(self, domain: str, batch: int) -> int | None:
         """The calibrated γ of a domain (else `default`) at a batch size, 0 = plain decoding: the setting of the
@@ -111,54 +141,117 @@ class SpeculativeSpec:
         sizes = sorted(int(b) for b in table)
         return int(table[str(next((b for b in sizes if b >= batch), sizes[-1]))])
 
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["sampling"] = self.sampling.to_dict()
+    # ------------------------------------------------------------ the two files
+
+    def recipes(self) -> dict[str, dict]:
+        """{domain: {"drafting": "off" | chain policy | branching factors, "chain", "gamma", "draft_temperature"}}."""
+        keyed = [f.name for f in fields(self) if f.metadata["file"] == RECIPE]
+        domains = sorted({d for name in keyed for d in (getattr(self, name) or {})})
+        out = {}
+        for d in domains:
+            chain = self.for_domain("draft_length", d)
+            tree = self.for_domain("tree", d)
+            out[d] = {"drafting": OFF if not self.speculates(d) else (list(tree) if tree else chain),
+                      "chain": chain, "gamma": self.for_domain("gamma", d),
+                      "draft_temperature": self.for_domain("draft_temperature", d)}
         return out
+
+    def to_dict(self) -> dict:
+        """speculative.json: the serving recipe."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["file"] == SERVING}
+        return out | {"sampling": self.sampling.to_dict(), "recipes": self.recipes()}
+
+    def evidence(self) -> dict:
+        """evidence.json: what the recipe was chosen from."""
+        return {"version": self.version} | {f.name: getattr(self, f.name) for f in fields(self)
+                                            if f.metadata["file"] == PROOF}
 
     def write(self, directory: str | Path) -> Path:
         path = Path(directory) / FILENAME
+        write_json(Path(directory) / EVIDENCE, self.evidence())
         write_json(path, self.to_dict())
         return path
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = FILENAME) -> "SpeculativeSpec":
+    def from_dict(cls, data: dict, where: str = FILENAME, evidence: dict | None = None) -> "SpeculativeSpec":
+        """speculative.json's content (format 3, with evidence.json's), or a format-2 file (one flat object), as
+        a spec; one line naming the fix for anything else."""
         if not isinstance(data, dict):
             raise PipelineError(f"{where} is not a JSON object: re-export the draft with stage=distill")
         version = data.get("version")
+        if version == 2:  # format 2 kept every field flat in one file: the constructor's own keywords
+            return cls._checked(dict(data) | {"version": VERSION}, where)
         if version != VERSION:
-            raise PipelineError(f"{where} has format version {version} (this code reads {VERSION}): re-export the "
-                                "draft with `python -m pipeline stage=distill`, or delete the file to use the "
+            raise PipelineError(f"{where} has format version {version} (this code reads {VERSION} and 2): re-export "
+                                "the draft with `python -m pipeline stage=distill`, or delete the file to use the "
                                 "draft uncalibrated")
+        values = {k: v for k, v in data.items() if k != "recipes"}
+        values |= _unpacked(data.get("recipes"), where)
+        values |= {k: v for k, v in (evidence or {}).items() if k != "version"}
+        return cls._checked(values, where)
+
+    @classmethod
+    def _checked(cls, values: dict, where: str) -> "SpeculativeSpec":
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(values) - names)
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(required - set(data))
+        missing = sorted(required - set(values))
         if unknown or missing:
             problem = ", ".join(filter(None, [f"unknown keys {unknown}" if unknown else "",
                                               f"missing keys {missing}" if missing else ""]))
             raise PipelineError(f"{where} does not match format version {VERSION} ({problem}): re-export the draft "
                                 "with `python -m pipeline stage=distill`")
-        values = dict(data)
         for entry in (values.get("draft_length") or {}).values():
             try:
                 DraftLength.from_dict(entry)
             except (PipelineError, TypeError, AttributeError) as e:
-                raise PipelineError(f"{where}: invalid draft_length entry {entry!r} ({e}): re-export the draft") from None
+                raise PipelineError(f"{where}: invalid drafting entry {entry!r} ({e}): re-export the draft") from None
         try:
             values["sampling"] = Sampling.from_dict(values["sampling"] or {})
         except (AttributeError, TypeError, ValueError, PipelineError) as e:
-            raise PipelineError(f"{where}: invalid sampling {data['sampling']!r} ({e}): re-export the draft") from None
+            raise PipelineError(f"{where}: invalid sampling {values['sampling']!r} ({e}): re-export the draft") from None
         return cls(**values)
 
     @classmethod
     def read(cls, directory: str | Path) -> "SpeculativeSpec | None":
-        """The directory's speculative.json, or None when it has none (a plain HF model directory)."""
+        """The directory's speculative.json (with evidence.json beside it), or None when it has none (a plain HF
+        model directory)."""
         path = Path(directory) / FILENAME
         if not path.exists():
             return None
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise PipelineError(f"{path} is not valid JSON ({e.msg}): re-export the draft or delete the file") from None
-        return cls.from_dict(data, str(path))
+        data = _json(path)
+        proof = Path(directory) / EVIDENCE
+        return cls.from_dict(data, str(path), _json(proof) if proof.exists() else None)
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{path} is not valid JSON ({e.msg}): re-export the draft or delete the file") from None
+
+
+def _unpacked(recipes, where: str) -> dict:
+    """The constructor's per-domain fields from speculative.json's `recipes`."""
+    if recipes is None or not isinstance(recipes, dict) or not all(isinstance(r, dict) for r in recipes.values()):
+        raise PipelineError(f"{where}: `recipes` is not {{domain: recipe}}: re-export the draft")
+    if not recipes:
+        return {}
+    pick = {"gamma": "gamma", "draft_length": "chain", "draft_temperature": "draft_temperature"}
+    out = {name: {d: r.get(key) for d, r in recipes.items()} for name, key in pick.items()}
+    out = {name: values if any(v is not None for v in values.values()) else None for name, values in out.items()}
+    drafting = {d: r.get("drafting") for d, r in recipes.items()}
+    out["speculate"] = {d: v != OFF for d, v in drafting.items()}
+    trees = {d: v if isinstance(v, list) else None for d, v in drafting.items()}
+    return out | {"tree": trees if any(trees.values()) else None}
+
+
+def tree_prior(candidates: dict | None, tree: list) -> list[float] | None:
+    """P_d, the chance a pass of `tree` accepts a node at depth d, from the calibration's expected accepted
+    nodes A of the tree truncated to each depth (tree_candidates): P_d = A(d) − A(d − 1). None when a truncation
+    was not simulated (the chain's acceptance then stands in, which understates a tree's: more siblings, more
+    chances)."""
+    accepted = [(candidates or {}).get(tree_key(tree[:depth]), {}).get("accepted") for depth in range(1, len(tree) + 1)]
+    if not accepted or None in accepted:
+        return None
+    return [min(max(a - b, 0.0), 1.0) for a, b in zip(accepted, [0.0] + accepted[:-1])]

@@ -141,19 +141,38 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue  # exact sums for scipy
 
 
+def read_spec(directory) -> dict:
+    """An export's calibration (speculative.json and evidence.json) as one flat dict of SpeculativeSpec's fields."""
+    from dataclasses import fields
+
+    from pipeline.spec import SpeculativeSpec
+
+    spec = SpeculativeSpec.read(directory)
+    return {f.name: getattr(spec, f.name) for f in fields(spec)} | {"sampling": spec.sampling.to_dict()}
+
+
+def planned(kwargs: dict) -> dict:
+    """The keywords with the drafting ones gathered into the DraftPlan they belong to (which checks them)."""
+    from pipeline.decoding import DraftPlan
+
+    moved = {key: kwargs.pop(key) for key in ("drafting", "draft_temperature", "draft_vocab") if key in kwargs}
+    return kwargs | ({"plan": DraftPlan(**moved)} if moved else {})
+
+
+
 def speculative_joint_counts(target, draft, n_samples, seed=0, temperature=1.0, top_k=0, top_p=1.0, drafting=2,
                              **kwargs) -> np.ndarray:
     # max_new_tokens 4 with gamma 2: the first pass is a plain prefill (x1), the second drafts 2 tokens, so both
     # draft positions, the residual at each and the rejection-then-next-step path all produce x2, x3.
-    from pipeline.decoding import speculative_generate
+    from pipeline.decoding import DraftPlan, speculative_generate
     from pipeline.sampling import Sampling
 
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((DECODER_VOCAB, DECODER_VOCAB))
     sampling = Sampling(temperature, top_k, top_p)
     for _ in range(n_samples):
-        x = speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=4,
-                                 generator=generator, **kwargs).tokens
+        x = speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, plan=DraftPlan(drafting, **kwargs),
+                                 max_new_tokens=4, generator=generator).tokens
         counts[x[1], x[2]] += 1
     return counts
 

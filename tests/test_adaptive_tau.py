@@ -4,7 +4,7 @@ the target, the sibling score unbiased, greedy decoding untouched, bad settings 
 import pytest
 import torch
 
-from pipeline.decoding import DraftLength, autoregressive_generate, chain, speculative_generate
+from pipeline.decoding import DraftLength, DraftPlan, autoregressive_generate, chain, speculative_generate
 from pipeline.decoding.adaptive_tau import SCALE, AdaptiveTau, subset_columns
 from pipeline.decoding.guard import Guard, GuardSettings, GuardStats
 from pipeline.decoding.loop import Pair
@@ -48,9 +48,9 @@ def moves(target, draft, tau, sampling, drafting, extra, n=40) -> int:
     """τ moves over n decodes of the chi-square test's shape: the moves after its first drafted pass change how
     its last counted token is drafted."""
     generator = torch.Generator().manual_seed(7)
-    stats = [speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, drafting=drafting, max_new_tokens=4,
-                                  draft_temperature=tau, guard=wide_guard(drafting), generator=generator,
-                                  **extra).stats.guard for _ in range(n)]
+    stats = [speculative_generate(target, draft, JOINT_PROMPT, sampling=sampling, max_new_tokens=4, generator=generator,
+                                  plan=DraftPlan(drafting, draft_temperature=tau, guard=wide_guard(drafting),
+                                                 **extra)).stats.guard for _ in range(n)]
     return sum(s.tau_up + s.tau_down for s in stats)
 
 
@@ -84,8 +84,8 @@ def test_the_distribution_test_rejects_verifying_against_the_q_of_the_planned_ta
 def test_greedy_speculative_with_adaptive_tau_equals_autoregressive(target, close_draft, drafting):
     for prompt in random_prompts(4, seed=3):
         expected = autoregressive_generate(target, prompt, max_new_tokens=20).tokens.tolist()
-        out = speculative_generate(target, close_draft, prompt, drafting=drafting, max_new_tokens=20,
-                                   guard=adaptive_guard())
+        out = speculative_generate(target, close_draft, prompt, plan=DraftPlan(drafting, guard=adaptive_guard()),
+                                   max_new_tokens=20)
         assert out.tokens.tolist() == expected
         assert out.stats.guard.tau_passes == 0 and out.stats.guard.draft_temperature is None  # nothing to adapt
 
@@ -120,9 +120,9 @@ def test_the_chain_score_is_the_first_drafts_acceptance():
 def test_decoding_with_the_target_as_its_draft_brings_a_wrong_tau_back_toward_the_target_temperature(target):
     """The draft is the target: at τ = T (1.0) its first draft is always accepted, so from a planned τ of 2.44
     adaptive τ moves down."""
-    stats = [speculative_generate(target, target, prompt, sampling=Sampling(1.0), drafting=2, max_new_tokens=30,
-                                  draft_temperature=2.44, guard=adaptive_guard(tau_step=1.25, tau_steps=4),
-                                  generator=torch.Generator().manual_seed(2)).stats.guard
+    stats = [speculative_generate(target, target, prompt, sampling=Sampling(1.0),
+                                  plan=DraftPlan(2, draft_temperature=2.44, guard=adaptive_guard(tau_step=1.25, tau_steps=4)),
+                                  max_new_tokens=30, generator=torch.Generator().manual_seed(2)).stats.guard
              for prompt in random_prompts(4, seed=4)]
     assert all(s.tau_down > 0 and s.draft_temperature < 1.3 for s in stats)
     assert all(s.tau_sum / s.tau_passes < 2.0 for s in stats)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from pipeline import sampling as sampling_module
-from pipeline.decoding import autoregressive_generate, autoregressive_generate_batch, speculative_generate_batch
+from pipeline.decoding import DraftLength, DraftPlan, autoregressive_generate, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding import batch as batch_module
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from tests.conftest import DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, exact_joint
+from tests.conftest import planned, DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, exact_joint
 
 torch.set_num_threads(1)
 PROMPTS = [torch.tensor([3]), torch.tensor([5, 2, 9, 1, 1, 4, 6]), torch.tensor([1, 4, 7]),
@@ -30,7 +30,7 @@ def ragged_passes(stats) -> int:
 @pytest.mark.parametrize("draft_name", ["close", "far", "same"])
 @pytest.mark.parametrize("gamma", [2, 4])
 def test_greedy_batched_speculative_equals_per_row_plain(target, drafts, draft_name, gamma):
-    out = speculative_generate_batch(target, drafts[draft_name], PROMPTS, gamma=gamma, max_new_tokens=24)
+    out = speculative_generate_batch(target, drafts[draft_name], PROMPTS, plan=DraftPlan(gamma), max_new_tokens=24)
     assert [t.tolist() for t in out.tokens] == plain_rows(target, 24)
     for s in out.stats:
         assert s.drafted[0] == 0 and s.accepted[0] == 0  # the prefill pass, as at batch size 1
@@ -45,7 +45,7 @@ def test_greedy_equality_rejects_a_rollback_shared_by_the_rows(target, close_dra
     keep_last = batch_module.RaggedCache.keep_last
     monkeypatch.setattr(batch_module.RaggedCache, "keep_last",
                         lambda self, keep: keep_last(self, keep.any(0, keepdim=True).expand_as(keep)))
-    out = speculative_generate_batch(target, close_draft, PROMPTS, gamma=4, max_new_tokens=24)
+    out = speculative_generate_batch(target, close_draft, PROMPTS, plan=DraftPlan(4), max_new_tokens=24)
     assert [t.tolist() for t in out.tokens] != plain_rows(target, 24)
 
 
@@ -63,7 +63,8 @@ def test_rows_finish_independently_at_eos_and_max_new_tokens(target, close_draft
         stop = next((i for i, t in enumerate(row) if t in eos), None)
         expected.append(row if stop is None else row[:stop + 1])
     assert len({len(row) for row in expected}) > 1  # the rows do stop at different points
-    for out in (speculative_generate_batch(target, close_draft, PROMPTS, gamma=3, max_new_tokens=30, eos_token_id=eos),
+    for out in (speculative_generate_batch(target, close_draft, PROMPTS, plan=DraftPlan(3), max_new_tokens=30,
+                                           eos_token_id=eos),
                 autoregressive_generate_batch(target, PROMPTS, max_new_tokens=30, eos_token_id=eos)):
         assert [t.tolist() for t in out.tokens] == expected
         assert out.target_passes == max(s.target_passes for s in out.stats)
@@ -71,20 +72,21 @@ def test_rows_finish_independently_at_eos_and_max_new_tokens(target, close_draft
 
 def test_greedy_batched_with_a_draft_vocab_subset_equals_per_row_plain(target, close_draft):
     subset = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13])
-    out = speculative_generate_batch(target, close_draft, PROMPTS, gamma=3, draft_vocab=subset, max_new_tokens=20)
+    out = speculative_generate_batch(target, close_draft, PROMPTS, plan=DraftPlan(3, draft_vocab=subset),
+                                     max_new_tokens=20)
     assert [t.tolist() for t in out.tokens] == plain_rows(target, 20)
     assert sum(s.n_accepted for s in out.stats) > 0
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_max_new_tokens_is_exact_per_row(target, close_draft, n):
-    out = speculative_generate_batch(target, close_draft, PROMPTS, gamma=4, max_new_tokens=n)
+    out = speculative_generate_batch(target, close_draft, PROMPTS, plan=DraftPlan(4), max_new_tokens=n)
     assert [t.tolist() for t in out.tokens] == plain_rows(target, n)
 
 
 def test_a_batch_of_one_equals_batch_size_one_decoding(target, close_draft):
     for prompt in PROMPTS:
-        out = speculative_generate_batch(target, close_draft, [prompt], gamma=3, max_new_tokens=16)
+        out = speculative_generate_batch(target, close_draft, [prompt], plan=DraftPlan(3), max_new_tokens=16)
         assert out.tokens[0].tolist() == plain_rows(target, 16, [prompt])[0]
 
 
@@ -98,8 +100,8 @@ def batched_joint_counts(target, draft, temperature: float, n: int = N_SAMPLES, 
             out = autoregressive_generate_batch(target, PROMPTS, sampling=Sampling(temperature), max_new_tokens=4,
                                                 generator=generator)
         else:
-            out = speculative_generate_batch(target, draft, PROMPTS, sampling=Sampling(temperature), gamma=2,
-                                             max_new_tokens=4, generator=generator, **kwargs)
+            out = speculative_generate_batch(target, draft, PROMPTS, sampling=Sampling(temperature), plan=DraftPlan(2, **kwargs),
+                                             max_new_tokens=4, generator=generator)
         for row, tokens in zip(counts, out.tokens):
             row[tokens[1], tokens[2]] += 1
     return counts
@@ -132,13 +134,15 @@ def test_row_law_test_rejects_resampling_from_target_instead_of_residual(target,
 @pytest.mark.parametrize("kwargs,message", [
     (dict(prompts=[]), "non-empty list"),
     (dict(prompts=[torch.tensor([1]), torch.tensor([], dtype=torch.long)]), "empty"),
-    (dict(gamma=0), "gamma"),
+    (dict(drafting=0), "gamma"),
+    (dict(drafting=(2, 2)), "fixed γ"),
+    (dict(drafting=DraftLength("heuristic", 2)), "fixed γ"),
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])
 def test_bad_batch_input_is_one_clear_error(target, close_draft, kwargs, message):
     kwargs = {"prompts": PROMPTS, **kwargs}
     with pytest.raises(PipelineError, match=message) as info:
-        speculative_generate_batch(target, close_draft, kwargs.pop("prompts"), **kwargs)
+        speculative_generate_batch(target, close_draft, kwargs.pop("prompts"), **planned(kwargs))
     assert "\n" not in str(info.value)
 
 

@@ -2,7 +2,6 @@
 is off from the break-even batch on, speculative.json carries it, vLLM gets the same schedule, bad input is one line."""
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
+from tests.conftest import read_spec
 
 GAMMAS = (1, 2, 3, 4, 5, 6)
 MARGIN = 0.05
@@ -85,7 +85,7 @@ def test_the_batching_block_round_trips_through_speculative_json(tmp_path):
     spec = batching.with_batching(spec_with(), constructed_profile(), GAMMAS, MARGIN)
     spec.write(tmp_path)
     back = SpeculativeSpec.read(tmp_path)
-    assert back.batching == spec.batching == json.loads((tmp_path / "speculative.json").read_text())["batching"]
+    assert back.batching == spec.batching == read_spec(tmp_path)["batching"]
     table = back.batching["by_domain"]["default"]
     assert back.gamma_for_batch("default", 4) == table["4"]
     assert back.gamma_for_batch("default", 3) == table["4"]  # between two measured B: the larger one's setting

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_distill_stage as run_stage
+from tests.conftest import read_spec, run_distill_stage as run_stage
 
 
 # ---------------------------------------------------------------- resume
@@ -59,8 +59,8 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     capsys.readouterr()
     result, _ = run_stage(setup, tmp_path)
     assert "resuming from" in capsys.readouterr().out and "checkpoint-20" in str(checkpoints[0])
-    uninterrupted = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
-    resumed = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    uninterrupted = read_spec(distilled[2] / "draft")
+    resumed = read_spec(tmp_path / "draft")
     # The resumed run trains the same steps to the same weights as the uninterrupted one (CPU, fp32, seed 0, the
     # data order and RNG restored from checkpoint-20: bit-identical here), so it measures the same acceptance.
     assert resumed["training"]["steps"] == uninterrupted["training"]["steps"] == 40
@@ -93,7 +93,7 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
     calls = []
     monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
     run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.checkpoint.max_train_minutes=1")
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert not calls and spec["training"]["steps"] == 24 and spec["training"]["train_tokens"] == saved["train_tokens"]
     assert spec["learning_curve"][-1]["step"] == 24
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").state_dict()
@@ -175,5 +175,5 @@ def test_a_resume_from_the_last_step_trains_no_further_step(setup, tmp_path, mon
     calls = []
     monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
     run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12")
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert not calls and spec["training"]["steps"] == 40

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
-from tests.conftest import (REPO, WORD_SPECIALS as SPECIALS, WORD_VOCAB as VOCAB, distill_overrides as overrides,
+from tests.conftest import (read_spec, REPO, WORD_SPECIALS as SPECIALS, WORD_VOCAB as VOCAB, distill_overrides as overrides,
                             run_distill_stage as run_stage, tiny_llama)
 
 
@@ -32,9 +32,9 @@ def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distill
     slow_draft["draft"]["ms"] = measured["target"][str(min(map(int, measured["target"])))]["1"]["ms"] * 0.9
     write_profile(tmp_path / "slow_draft.json", slow_draft)
     run_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow_draft.json'}")
-    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "out" / "draft")
     assert spec["cost"]["c"] == pytest.approx(0.9, rel=0.01)
-    fast = json.loads((distilled[2] / "draft" / "speculative.json").read_text())["predicted_speedup"]
+    fast = read_spec(distilled[2] / "draft")["predicted_speedup"]
     assert all(spec["predicted_speedup"][d] < fast[d] for d in fast), (spec["predicted_speedup"], fast)
     assert json.loads((tmp_path / "out" / "draft" / "cost_profile.json").read_text()) == slow_draft
     other = json.loads(json.dumps(measured))
@@ -56,16 +56,16 @@ def test_bf16_autocast_training_learns_and_exports_in_the_serving_dtype(setup, t
     # the path a CPU with native bf16 (or a GPU) takes by default: bf16 target, autocast over fp32 master weights
     result, _ = run_stage(setup, tmp_path, "runtime.dtype=bfloat16", "distill.trainer.bf16=auto", "distill.trainer.max_steps=20")
     assert result["acceptance_after"] - result["acceptance_before"] > 0.1, result
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["dtype"] == "bfloat16"
     assert_cost_is_the_ratio_of_its_forward_times(spec["cost"])
 
 
 def test_a_learning_curve_point_trains_on_a_nested_share_and_reports_the_same_heldout(setup, distilled, tmp_path):
-    full = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    full = read_spec(distilled[2] / "draft")
     run_stage(setup, tmp_path, "distill.split.train_fraction=0.5", "distill.trainer.max_steps=4",
               "distill.heldout.eval_steps=4", "distill.checkpoint.save_steps=4")
-    half = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    half = read_spec(tmp_path / "draft")
     assert half["training"]["train_fraction"] == 0.5 and full["training"]["train_fraction"] == 1.0
     assert 0 < half["training"]["rows"] < full["training"]["rows"]
     assert 0 < half["training"]["data_tokens"] < full["training"]["data_tokens"]
@@ -87,7 +87,7 @@ def test_learning_curve_points_share_one_head_and_one_labelling_of_every_train_r
     for share in (0.5, 1.0):
         run_stage(setup, tmp_path / str(share), "model.draft.vocab_subset=40", f"distill.split.train_fraction={share}",
                   "distill.trainer.max_steps=2", "distill.heldout.eval_steps=2", "distill.checkpoint.save_steps=2")
-        specs[share] = json.loads((tmp_path / str(share) / "draft" / "speculative.json").read_text())
+        specs[share] = read_spec(tmp_path / str(share) / "draft")
     assert specs[0.5]["training"]["rows"] < specs[1.0]["training"]["rows"]
     assert labelled == [specs[1.0]["training"]["rows"]] * 2  # the half point labelled every row, not its half
     assert specs[0.5]["vocab_subset"] == specs[1.0]["vocab_subset"]  # the same FR-Spec head for every point
@@ -139,7 +139,7 @@ def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(
     monkeypatch.setattr(labels, "teacher_labels", lambda *a, **k: pytest.fail("a target pass ran over the rows"))
     run_stage(setup, tmp_path / "out", f"paths.collect={collect}", "model.draft.vocab_subset=40",
               "distill.trainer.max_steps=2", "distill.heldout.eval_steps=2", "distill.checkpoint.save_steps=2")
-    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "out" / "draft")
     assert spec["training"]["steps"] == 2 and len(spec["vocab_subset"]) == 40
 
 
@@ -162,7 +162,7 @@ def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
 
 def test_the_export_reports_on_the_reporting_part(distilled):
     _, _, out = distilled
-    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    spec = read_spec(out / "draft")
     parts = spec["heldout"]
     assert parts["disjoint"] and parts["calibration"]["rows"] > 0 and parts["reporting"]["rows"] > 0
     assert "reporting part" in (out / "draft" / "README.md").read_text()
@@ -175,7 +175,7 @@ def test_distill_leaves_the_collected_data_untouched(distilled, setup):
 
 def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     _, _, out = distilled
-    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    spec = read_spec(out / "draft")
     for key in ("version", "target", "sampling", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
         assert key in spec
     assert set(spec["draft_temperature"]) == set(spec["gamma"]) == {"chat", "code", "default"}
@@ -284,7 +284,7 @@ def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(d
 def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     result, tracker = run_stage(setup, tmp_path, "model.draft.vocab_subset=48", "distill.objective.teacher=online",
                                 "distill.objective.lmbda=0.5", "distill.trainer.max_epochs=1", "distill.objective.loss=fkl")
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert spec["training"]["steps"] == 5  # max_epochs=1 caps max_steps: ceil(18 train rows / batch 4)
     assert len(spec["vocab_subset"]) == 48 and 1 in spec["vocab_subset"] and 3 in spec["vocab_subset"]
     assert tracker.metrics["on_policy_batches"] > 0
@@ -389,7 +389,7 @@ def test_two_processes_with_accelerate(setup, tmp_path):
     # No skip on "Connection refused" / "DistNetworkError": a rank that crashes makes the others print those too,
     # so they are no proof the machine cannot rendezvous; a failed run fails.
     assert proc.returncode == 0, output[-3000:]
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert spec["training"]["steps"] == 10
     assert output.count("held-out acceptance before") == 1  # evaluation runs on the main process only
 
@@ -425,7 +425,7 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead
     result, _ = run_stage(setup, tmp_path, "distill.trainer.learning_rate=3.0", "distill.trainer.max_steps=10", "distill.trainer.warmup_steps=0",
                           "distill.trainer.max_grad_norm=1e9")
-    spec = json.loads((tmp_path / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "draft")
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
@@ -441,7 +441,7 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     drafts = f"+compare.drafts=[{run / 'draft'},{run / 'draft_init'},{copy}]"
     result = main(overrides(setup, tmp_path, drafts, f"+compare.json={tmp_path / 'compare.json'}"))
     overall = result["domains"]["overall"]
-    spec = json.loads((run / "draft" / "speculative.json").read_text())
+    spec = read_spec(run / "draft")
     assert overall["acceptance"][str(run / "draft")] == pytest.approx(spec["acceptance"]["after"]["overall"], abs=1e-3)
     same = overall["difference"][str(copy)]
     assert same[0] == 0 and same[1] == [0, 0]

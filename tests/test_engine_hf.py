@@ -13,6 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
 from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
+from tests.conftest import read_spec
 
 
 def test_hf_engine_measures_hf_assisted_against_hf_plain_with_the_same_greedy_tokens(tmp_path, models):
@@ -72,7 +73,7 @@ def test_distill_calibrates_hf_assisted_with_the_passes_hf_runs(setup, tmp_path)
     run_distill_stage(setup, tmp_path / "out", "distill.calibration.engines=[hf]", "distill.calibration.hf.prompts=2",
                       "distill.calibration.hf.max_new_tokens=8", "distill.calibration.hf.gammas=[1,2]")
     export = tmp_path / "out" / "draft"
-    entry = json.loads((export / "speculative.json").read_text())["engines"]["hf"]
+    entry = read_spec(export)["engines"]["hf"]
     assert set(entry["cost"]["verify_ratio"]) == {"1", "2"} and entry["cost"]["c"] == 0.0
     assert all(r > 0 for r in entry["cost"]["verify_ratio"].values()) and entry["cost"]["target_forward_ms"] > 0
     for domain, e in entry["by_domain"].items():

@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.errors import PipelineError
-from tests.conftest import REPO, run_distill_stage, tiny_llama
+from tests.conftest import read_spec, REPO, run_distill_stage, tiny_llama
 
 
 def test_weights_read_per_step_count_a_tied_head_once_and_skip_an_untied_input_embedding():
@@ -30,8 +29,8 @@ def gpu_calibrated(setup, tmp_path_factory):
     cheap, dear = out / "cheap", out / "dear"
     run_distill_stage(setup, cheap, "distill.calibration.engines=[vllm,sglang]", "distill.calibration.gpu.c=0.01")
     run_distill_stage(setup, dear, "distill.calibration.engines=[vllm]", "distill.calibration.gpu.c=1.5")
-    return (json.loads((cheap / "draft" / "speculative.json").read_text()), cheap / "draft",
-            json.loads((dear / "draft" / "speculative.json").read_text()))
+    return (read_spec(cheap / "draft"), cheap / "draft",
+            read_spec(dear / "draft"))
 
 
 def test_vllm_and_sglang_settings_follow_one_per_domain_table(gpu_calibrated):

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.decoding import PLAIN, DraftPlan
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
-from tests.conftest import REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
+from tests.conftest import read_spec, REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
 from tests.conftest import tiny_tokenizer as word_tokenizer
 
 VOCAB = 64
@@ -157,7 +158,7 @@ def test_sampling_eval_uses_calibrated_draft_temperature_and_checks_greedy_fidel
     assert_headlines_match_requests(metrics, out)
     # A user override beats the calibration.
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0.8",
-                              "eval.draft_temperature=0.5", "eval.gamma=2", "eval.baselines=false", "eval.gammas=[]",
+                              "eval.draft_temperature=0.5", "eval.drafting=2", "eval.baselines=false", "eval.gammas=[]",
                               "eval.fidelity_prompts_per_domain=0")
     spec = metrics["domains"]["code"]["speculative"]
     assert spec["draft_temperature"] == 0.5 and spec["gamma"] == 2 and "fidelity" not in metrics
@@ -183,7 +184,7 @@ def test_missing_default_draft_falls_back_to_derived_draft(tmp_path, models, cap
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.gamma=0", "eval.gamma"),
+    ("eval.drafting=0", "eval.drafting"),
     ("eval.temperature=-1", "eval.temperature"),
     ("eval.top_p=1.5", "eval.top_p"),
     ("eval.gammas=[2,0]", "eval.gammas"),
@@ -213,17 +214,17 @@ def test_eval_settings_are_the_yaml_keys_validated_and_normalised_once(tmp_path)
     assert [f.name for f in dataclasses.fields(EvalSettings)] == declared  # one field per key, in the YAML's order
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(EvalSettings))  # no default in code
     settings = eval_settings(tmp_path, "eval.compare_draft_lengths=true", "eval.baselines=true", "eval.domains=code",
-                             "eval.gammas=[1,2]", "eval.tree=[3,2,1]", "eval.trees=null")
+                             "eval.gammas=[1,2]", "eval.drafting=[3,2,1]", "eval.trees=null")
     assert settings.compare_draft_lengths == POLICIES and settings.baselines == HF_METHODS
-    assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.tree == (3, 2, 1)
+    assert settings.domains == ("code",) and settings.gammas == (1, 2) and settings.drafting == (3, 2, 1)
     assert settings.trees == () and settings.baselines_draft == "speculative" and settings.extra_drafts == {}
     assert settings.sampling.temperature == settings.temperature
     with pytest.raises(FrozenInstanceError):
-        settings.gamma = 3
-    assert replace(settings, gamma=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
-    with pytest.raises(PipelineError, match="eval.gamma=0 is not a draft length"):
-        replace(settings, gamma=0)
-    for override, message in (("+eval.gama=3", "unknown setting"), ("eval.max_draft=12.5", "integer >= 1"),
+        settings.drafting = 3
+    assert replace(settings, drafting=2).compare_draft_lengths == POLICIES  # replace validates again: idempotent
+    with pytest.raises(PipelineError, match="eval.drafting=0 is invalid"):
+        replace(settings, drafting=0)
+    for override, message in (("+eval.gama=3", "unknown setting"), ("eval.drafting={policy:confidence,max:12.5,threshold:0.4}", "integer >= 1"),
                               ("eval.compare_draft_lengths=fixed", "unknown policy"),
                               ("eval.baselines_draft=other", "not a draft eval loads"),
                               ("eval.control_band=[1.0,1.25]", "0 < low < 1 < high"),
@@ -249,7 +250,7 @@ def test_hydra_multirun_writes_one_eval_per_job(tmp_path, models):
     cmd = [sys.executable, "-m", "pipeline", "-m", "stage=eval", f"paths.artifacts={tmp_path / 'a'}",
            f"model.target.path={models['target']}", "tracking.enabled=false", "runtime.threads=1", "runtime.dtype=float32",
            f"eval.prompts_file={prompts}", "eval.draft=derive", "model.draft.derive.layers=[0]",
-           "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.gamma=1,2"]
+           "eval.max_new_tokens=8", "eval.temperature=0", "eval.baselines=false", "eval.gammas=[]", "eval.drafting=1,2"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     found = sorted((tmp_path / "a" / "hydra-multirun").glob("*/*/eval/metrics.json"))
@@ -313,8 +314,7 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32(tmp_path):
     draft = Draft(derive_draft(target, [0]), {})
     contexts = [{"domain": d, "prompt_id": f"{d}-{i}", "turn": 0, "ids": torch.tensor([[0, 5 + i, 9, 12]])}
                 for d in ("chat", "code") for i in range(2)]
-    plans = {"chat": {"gamma": 3, "draft_length": DraftLength("fixed", 3)},
-             "code": {"gamma": 2, "draft_length": DraftLength("fixed", 2)}}
+    plans = {"chat": DraftPlan(3), "code": DraftPlan(2)}
     s = eval_settings(tmp_path, "eval.fidelity_prompts_per_domain=1")  # max_new_tokens=12
     out = fp32_recheck(contexts, target, draft, plans, None, s, [{"prompt_id": "code-1"}, {"prompt_id": "chat-0"}])
     assert out["n_prompts"] == 2 and out["share"] == 1.0 and out["mismatches"] == []
@@ -328,21 +328,23 @@ def test_draft_length_comes_from_the_calibration_unless_overridden(tmp_path):
                            draft_length={"code": {"policy": "confidence", "max": 16, "threshold": 0.3},
                                          "default": {"policy": "fixed", "max": 3, "threshold": None}})
     draft = Draft(None, {}, spec)
-    settings = eval_settings(tmp_path, "eval.max_draft=12")  # calibrated, default_gamma 4, confidence 0.4
-    policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0))["draft_length"]
+    settings = eval_settings(tmp_path)  # calibrated
+    policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0)).drafting
     assert policy("code") == DraftLength("confidence", 16, 0.3)
     assert policy("chat") == DraftLength("fixed", 3)
-    assert policy("code", draft_length="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
-    assert policy("chat", draft_length="confidence") == DraftLength("confidence", 12, 0.4)
-    assert policy("code", draft_length="heuristic") == DraftLength("heuristic", 5)
-    assert policy("code", gamma=2) == DraftLength("fixed", 2)  # an explicit γ wins
-    assert policy("chat", gamma=2) == DraftLength("fixed", 2)  # also over a calibrated fixed γ (it returned 3)
+    assert policy("code", drafting="fixed") == DraftLength("fixed", 5)  # the calibrated fixed γ
+    assert policy("chat", drafting="confidence") == DraftLength("confidence", 16, 0.4)  # HF's threshold, cap 16
+    assert policy("chat", drafting={"policy": "confidence", "max": 12, "threshold": 0.5}) == \
+        DraftLength("confidence", 12, 0.5)
+    assert policy("code", drafting="heuristic") == DraftLength("heuristic", 5)
+    assert policy("code", drafting=2) == DraftLength("fixed", 2)  # an explicit γ wins
+    assert policy("chat", drafting=2) == DraftLength("fixed", 2)  # also over a calibrated fixed γ (it returned 3)
 
 
 @pytest.mark.parametrize("override,message", [
-    ("eval.draft_length=longest", "not a draft-length policy"),
-    ("eval.confidence_threshold=1.5", "must be in \\(0, 1\\)"),
-    ("eval.max_draft=0", "integer >= 1"),
+    ("eval.drafting=longest", "is not a drafting"),
+    ("eval.drafting={policy:confidence,max:16,threshold:1.5}", "must be in \\(0, 1\\)"),
+    ("eval.drafting={policy:confidence,max:0,threshold:0.4}", "integer >= 1"),
 ])
 def test_bad_draft_length_settings_are_refused(tmp_path, models, override, message):
     with pytest.raises(PipelineError, match=message):
@@ -378,7 +380,7 @@ def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, 
     import shutil
 
     draft = shutil.copytree(models["draft"], tmp_path / "old_draft")
-    old = json.loads((draft / "speculative.json").read_text()) | {"version": 1, "temperature": 0.8}
+    old = read_spec(draft) | {"version": 1, "temperature": 0.8}
     (draft / "speculative.json").write_text(json.dumps(old))
     with pytest.raises(PipelineError, match="format version 1") as info:
         run_stage(tmp_path, models, f"eval.draft={draft}", "eval.baselines=false", "eval.gammas=[]")
@@ -396,39 +398,39 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
 
     def plan(*args):
         result = draft_plan(*args)
-        return {"gamma": result["gamma"], "draft_temperature": result["draft_temperature"]}
+        return {"gamma": result.gamma, "draft_temperature": result.draft_temperature}
 
     assert plan(draft, "code", settings, Sampling(0.8, 20)) == {"gamma": 5, "draft_temperature": 1.3}
     assert plan(draft, "poetry", settings, Sampling(0.8, 20)) == {"gamma": 3, "draft_temperature": 1.1}
     # Another serving distribution: the calibrated γ still applies, the calibrated τ does not.
     assert plan(draft, "code", settings, Sampling(0.8, 0)) == {"gamma": 5, "draft_temperature": None}
     assert plan(draft, "code", settings, Sampling(0.0)) == {"gamma": 5, "draft_temperature": None}
-    overridden = replace(settings, gamma=2, draft_temperature=0.5)
+    overridden = replace(settings, drafting=2, draft_temperature=0.5)
     assert plan(draft, "code", overridden, Sampling(0.8, 20)) == {"gamma": 2, "draft_temperature": 0.5}
-    uncalibrated = replace(settings, use_calibration=False)
+    uncalibrated = replace(settings, drafting="uncalibrated")
     assert plan(draft, "code", uncalibrated, Sampling(0.8, 20)) == {"gamma": 4, "draft_temperature": None}
-    assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20))["gamma"] == 4
+    assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20)).gamma == 4
     # A token tree chosen for sampled serving runs at that sampling only.
     with_tree = Draft(None, {}, SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={},
                                                 tree={"code": [3, 1], "default": None}))
-    assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20))["tree"] == [3, 1]
-    assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20))["tree"] is None
-    assert draft_plan(with_tree, "code", settings, Sampling(0.0))["tree"] is None
+    assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20)).tree == (3, 1)
+    assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20)).tree is None
+    assert draft_plan(with_tree, "code", settings, Sampling(0.0)).tree is None
 
 
 def test_draft_length_policies_side_by_side(tmp_path, models):
     from eval.report import policy_rows
 
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
-                              "eval.compare_draft_lengths=true", "eval.gammas=[]", "eval.max_draft=6",
-                              "eval.confidence_threshold=0.5", "eval.min_requests_for_ci=2")  # intervals on 2-3 requests
+                              "eval.compare_draft_lengths=true", "eval.gammas=[]",
+                              "eval.min_requests_for_ci=2")  # intervals on 2-3 requests
     for domain in metrics["domains"].values():
         for policy in ("fixed", "confidence", "heuristic"):
             entry = domain[f"speculative_{policy}"]
             assert entry["draft_length"]["policy"] == policy and entry["greedy_match"] == 1.0  # lossless
             assert entry["n_drafted"] >= entry["n_accepted"] and entry["speedup_ci95"] is not None
     confidence = metrics["overall"]["speculative_confidence"]
-    assert confidence["drafted_per_pass"] <= 6
+    assert confidence["drafted_per_pass"] <= 16  # UNCALIBRATED_CONFIDENCE's cap
     header, rows = policy_rows(metrics)
     assert {row[1] for row in rows} == {"calibrated", "fixed", "confidence", "heuristic"}
     assert "## Draft-length policies" in (tmp_path / "artifacts" / "eval" / "report.md").read_text()
@@ -461,7 +463,7 @@ def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, mo
 
 def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
-                              "eval.tree=[2,2]", "eval.gammas=[]")
+                              "eval.drafting=[2,2]", "eval.gammas=[]")
     spec = metrics["overall"]["speculative"]
     assert spec["tree"] == [2, 2] and metrics["overall"]["greedy_match"] == 1.0
     assert 0 < spec["drafted_per_pass"] <= 6 and spec["tokens_per_verified_node"] > 0
@@ -472,7 +474,7 @@ def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
     assert spec["per_position_acceptance"][0] == pytest.approx(depth[0])
     assert "per_depth_acceptance" not in metrics["overall"]["autoregressive"]
     with pytest.raises(PipelineError, match="branching factor"):
-        run_stage(tmp_path, models, "eval.tree=[0,2]")
+        run_stage(tmp_path, models, "eval.drafting=[0,2]")
 
 
 def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(tmp_path, models):
@@ -497,14 +499,14 @@ def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(
     assert code["speculate"] is False and code["n_drafted"] == 0 and code["greedy_match"] == 1.0
     assert chat["speculate"] is True and chat["n_drafted"] > 0 and chat["greedy_match"] == 1.0
     forced, _, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
-                             "eval.temperature=0.0", "eval.gammas=[]", "eval.gamma=2")
+                             "eval.temperature=0.0", "eval.gammas=[]", "eval.drafting=2")
     assert forced["domains"]["code"]["speculative"]["n_drafted"] > 0
     # the public API: drafting=None is plain decoding
     from pipeline.models import load_model
 
     target = load_model(models["target"])
     ids = torch.tensor([[2, 4, 7, 8, 3, 2, 5]])
-    assert (speculative_generate(target, target, ids, drafting=None, max_new_tokens=6).stats.drafted == [])
+    assert (speculative_generate(target, target, ids, plan=PLAIN, max_new_tokens=6).stats.drafted == [])
 
 
 def test_a_budget_stops_before_a_prompt_that_would_overrun_after_one_per_domain(tmp_path, models):

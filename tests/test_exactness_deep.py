@@ -26,6 +26,7 @@ from pipeline import heads
 from pipeline import sampling as sampling_module
 from pipeline.decoding import (
     DraftLength,
+    DraftPlan,
     chain,
     loop,
     speculative_generate,
@@ -122,8 +123,8 @@ def deep_sample(target, draft, case: Case, n: int = N, seed: int = 0):
     counts = np.zeros((VOCAB, VOCAB))
     tokens = passes = whole = first = 0
     for _ in range(n):
-        out = speculative_generate(target, draft, PROMPT, sampling=case.sampling, drafting=case.drafting,
-                                   max_new_tokens=case.max_new_tokens, generator=generator, **case.kwargs)
+        out = speculative_generate(target, draft, PROMPT, sampling=case.sampling, plan=DraftPlan(case.drafting, **case.kwargs),
+                                   max_new_tokens=case.max_new_tokens, generator=generator)
         assert len(out.tokens) == case.max_new_tokens
         counts[out.tokens[PAIR], out.tokens[PAIR + 1]] += 1
         # Pass 0 is the plain prefill (x1, no drafts): the drafting passes are the rest.

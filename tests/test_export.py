@@ -3,13 +3,12 @@ llama.cpp) run the checkpoint's full head, so the FR-Spec subset the draft was t
 into the weights, and the full head agrees with the target as often as the subset head does."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from tests.conftest import run_distill_stage, tiny_llama
+from tests.conftest import read_spec, run_distill_stage, tiny_llama
 
 
 def test_a_baked_subset_head_scores_the_subset_as_trained_and_nothing_else(tmp_path):
@@ -60,7 +59,7 @@ def exported_agreements(setup, out):
 
     from distill.split import split_by_prompt
 
-    spec = json.loads((out / "draft" / "speculative.json").read_text())
+    spec = read_spec(out / "draft")
     vocab = torch.tensor(spec["vocab_subset"])
     data = load_from_disk(str(setup["collect"] / "dataset"))
     _, held = split_by_prompt(data["prompt_id"], data["domain"], 0.25, None, 0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pipeline.decoding import DecodeStats, DraftLength, autoregressive_generate, chain, speculative_generate
+from pipeline.decoding import DecodeStats, DraftLength, DraftPlan, autoregressive_generate, chain, speculative_generate
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import Policy
 from pipeline.decoding.guard import Guard, GuardedPolicy, GuardSettings, PassTimes, conditional_rates
@@ -40,8 +40,8 @@ def decisions(stats_list):
 def test_greedy_speculative_with_the_guard_equals_autoregressive(target, drafts, draft_name, drafting):
     for prompt in random_prompts(6, seed=3):
         expected = autoregressive_generate(target, prompt, max_new_tokens=24).tokens.tolist()
-        out = speculative_generate(target, drafts[draft_name], prompt, drafting=drafting, max_new_tokens=24,
-                                   guard=guard(probe_every=2))
+        out = speculative_generate(target, drafts[draft_name], prompt,
+                                   plan=DraftPlan(drafting, guard=guard(probe_every=2)), max_new_tokens=24)
         assert out.tokens.tolist() == expected
         # every pass is decided but the plain prefill (the first) and a last pass left no room to draft
         assert out.stats.guard.passes >= out.stats.target_passes - 2
@@ -73,8 +73,8 @@ def test_the_distribution_test_rejects_a_guard_that_also_eases_acceptance(target
 
 def test_the_guard_switches_off_on_a_far_draft_and_keeps_drafting_on_a_close_one(target, close_draft, far_draft):
     def run(draft):
-        return decisions([speculative_generate(target, draft, prompt, drafting=4, max_new_tokens=40,
-                                               guard=guard()).stats for prompt in random_prompts(6, seed=1)])
+        return decisions([speculative_generate(target, draft, prompt, plan=DraftPlan(4, guard=guard()),
+                                               max_new_tokens=40).stats for prompt in random_prompts(6, seed=1)])
     far, close = run(far_draft), run(close_draft)
     assert far.off > 0.6 * far.passes and far.probes > 0
     assert close.off < 0.25 * close.passes
@@ -172,8 +172,8 @@ def test_a_pass_of_no_drafts_is_a_plain_step(target, close_draft, temperature):
 def test_the_draft_cache_catches_up_after_passes_off(target, temperature, drafting):
     """The target as its own draft accepts every draft (p = q), and does so only if its cache, behind by every
     token committed while off, is fed exactly those tokens before drafting again."""
-    out = [speculative_generate(target, target, prompt, sampling=Sampling(temperature), drafting=drafting,
-                                max_new_tokens=30, guard=guard(NEVER_PAYS, probe_every=2),
+    out = [speculative_generate(target, target, prompt, sampling=Sampling(temperature),
+                                plan=DraftPlan(drafting, guard=guard(NEVER_PAYS, probe_every=2)), max_new_tokens=30,
                                 generator=torch.Generator().manual_seed(1)).stats for prompt in random_prompts(4, 5)]
     assert sum(s.guard.off for s in out) > 0 and sum(s.guard.probes for s in out) > 0
     for s in out:  # every draft accepted: a chain's every token, a tree's path to its full depth
@@ -214,7 +214,6 @@ def eval_settings(*overrides: str):
 
 
 def test_eval_guards_each_domain_from_the_draft_calibration():
-    from eval.stage import guard_for
     from pipeline.spec import SpeculativeSpec
 
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.7), draft={}, cost=COST,
@@ -240,9 +239,14 @@ def test_a_bad_eval_guard_is_one_line(override, message):
 def test_metrics_count_the_guard_decisions(target, far_draft):
     from eval.metrics import speculative_counters
 
-    stats = [speculative_generate(target, far_draft, prompt, drafting=4, max_new_tokens=30, guard=guard()).stats
+    stats = [speculative_generate(target, far_draft, prompt, plan=DraftPlan(4, guard=guard()), max_new_tokens=30).stats
              for prompt in random_prompts(3, seed=2)]
     counted = speculative_counters([{"stats": s} for s in stats], ar_step_s=0.01)["guard_decisions"]
     assert counted == decisions(stats).to_dict() | {"cost_factor": 1.0} and counted["off"] > 0
     assert "guard" not in speculative_counters([{"stats": DecodeStats(drafted=[1], accepted=[0], target_passes=1)}],
                                                ar_step_s=0.01)
+
+
+def guard_for(spec, domain, settings, tree=None):
+    """The guard spec.plan gives a domain's chain (or `tree`) under eval's guard settings."""
+    return spec.plan(domain, spec.sampling, drafting=tuple(tree) if tree else 4, guard=settings.guard_settings).guard

@@ -1,7 +1,7 @@
 """Eval's timing harness (eval/harness.py) on fake methods and a fake clock: a stall is caught by the rule fixed
 before the run and re-timed, or kept out of the headline with the unfiltered figure beside it; a slow request that
 is slow again is kept; a domain calibrated off reuses the plain run and reads "off"; per-domain intervals only where
-n supports them. One test on a tiny model: plain decoding through speculative_generate(drafting=None) is the plain
+n supports them. One test on a tiny model: plain decoding through speculative_generate(plan=PLAIN) is the plain
 run, token for token."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from eval import metrics as M
 from eval.harness import retime_stalls, time_request
 from eval.report import domain_rows, stall_lines, text_table
-from pipeline.decoding import DecodeStats
+from pipeline.decoding import DecodeStats, DraftPlan
 
 N_TOKENS = 20
 AR_STEP_S = 0.05  # fake seconds per token of plain decoding
@@ -55,7 +55,7 @@ def contexts(n: int, domain: str = "chat") -> list[dict]:
 
 
 def plans_for(domains, speculate: dict | None = None) -> dict:
-    return {"speculative": {d: {"gamma": 4, "speculate": (speculate or {}).get(d, True)}
+    return {"speculative": {d: DraftPlan(4 if (speculate or {}).get(d, True) else None)
                             for d in [*domains, "default"]}}
 
 
@@ -171,10 +171,10 @@ def test_a_domain_below_the_minimum_shows_its_point_estimate_without_an_interval
 
 
 def test_plain_decoding_through_the_speculative_entry_point_is_the_plain_run(tiny_llama_factory):
-    """What an off domain runs: speculative_generate(drafting=None) gives autoregressive_generate's tokens for the
+    """What an off domain runs: speculative_generate(plan=PLAIN) gives autoregressive_generate's tokens for the
     same seed when sampling, with the same passes and no draft forward (the same code path, so reusing the plain
     run's time is exact)."""
-    from pipeline.decoding import autoregressive_generate, speculative_generate
+    from pipeline.decoding import PLAIN, autoregressive_generate, speculative_generate
     from pipeline.sampling import Sampling
 
     target = tiny_llama_factory(vocab_size=64, hidden_size=32, layers=2, seed=0)
@@ -184,8 +184,8 @@ def test_plain_decoding_through_the_speculative_entry_point_is_the_plain_run(tin
     def run(fn, **kw):
         return fn(input_ids=ids, sampling=sampling, max_new_tokens=12, generator=torch.Generator().manual_seed(3), **kw)
     plain = run(lambda **kw: autoregressive_generate(target, **kw))
-    off = run(lambda **kw: speculative_generate(target, target, drafting=None, **kw))
+    off = run(lambda **kw: speculative_generate(target, target, plan=PLAIN, **kw))
     assert off.tokens.tolist() == plain.tokens.tolist()
     assert off.stats.target_passes == plain.stats.target_passes and off.stats.draft_times == []
-    forced = run(lambda **kw: speculative_generate(target, target, drafting=2, **kw))
+    forced = run(lambda **kw: speculative_generate(target, target, plan=DraftPlan(2), **kw))
     assert forced.stats.n_drafted > 0  # the wrong variant: a drafting is not the plain run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_headlines_match_requests
+from tests.conftest import read_spec, REPO, assert_headlines_match_requests
 
 pytestmark = [pytest.mark.smoke, pytest.mark.slow]
 
@@ -80,7 +80,7 @@ def test_every_artifact_is_written_with_its_schema(quick_run):
 
     for name in ("draft", "draft_init"):
         assert (artifacts / name / "config.json").exists()
-    spec = json.loads((artifacts / "draft/speculative.json").read_text())
+    spec = read_spec(artifacts / "draft")
     assert {"target", "draft_temperature", "gamma"} <= set(spec)
     assert (artifacts / "draft/README.md").read_text().strip()
 
@@ -180,7 +180,7 @@ def test_distill_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(quick
     out = _pipeline("experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache(),
                     f"paths.engines={REPO / 'artifacts/engines'}", "stage=distill", "distill.calibration.engines=[llamacpp]")
     assert out.returncode == 0, out.stderr[-3000:]
-    spec = json.loads((artifacts / "draft/speculative.json").read_text())
+    spec = read_spec(artifacts / "draft")
     llama = spec["engines"]["llamacpp"]
     assert (artifacts / "draft" / llama["draft_gguf"]).stat().st_size > 0 and llama["quant"] == "Q4_1"
     assert set(llama["by_domain"]) == set(spec["gamma"]) and llama["cost"]["c"] > 0

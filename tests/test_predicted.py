@@ -24,7 +24,7 @@ def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tm
                                     "code": {"speedup": 1.0, "speculate": False}}  # off: plain decoding's 1.0
     assert (out / "predicted_vs_measured.png").stat().st_size > 0
     forced, out, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
-                               "eval.temperature=0", "eval.gammas=[]", "eval.gamma=2")
+                               "eval.temperature=0", "eval.gammas=[]", "eval.drafting=2")
     assert "predicted" not in forced and not (out / "predicted_vs_measured.png").exists()
 
 
@@ -32,7 +32,6 @@ def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
     from hydra import compose, initialize_config_dir
 
     from eval.settings import EvalSettings
-    from eval.stage import guard_for
     from tests.conftest import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -47,3 +46,8 @@ def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
     # a chain, or a tree whose truncations were not simulated: the chain's per-position acceptance
     assert guard_for(spec, "code", settings).prior == (0.28, 0.08)
     assert guard_for(spec, "code", settings, [2, 2]).prior == (0.28, 0.08)
+
+
+def guard_for(spec, domain, settings, tree=None):
+    """The guard spec.plan gives a domain's chain (or `tree`) under eval's guard settings."""
+    return spec.plan(domain, spec.sampling, drafting=tuple(tree) if tree else 4, guard=settings.guard_settings).guard

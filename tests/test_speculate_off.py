@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import run_distill_stage
+from tests.conftest import read_spec, run_distill_stage
 
 
 def test_a_draft_as_slow_as_the_target_is_calibrated_off_in_every_domain(setup, distilled, tmp_path):
@@ -16,13 +16,13 @@ def test_a_draft_as_slow_as_the_target_is_calibrated_off_in_every_domain(setup, 
     slow["draft"]["ms"] = step * 1.5  # c = 1.5: a pass costs more than the 2 tokens it can yield at γ = 1
     write_profile(tmp_path / "slow.json", slow)
     run_distill_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow.json'}")
-    spec = json.loads((tmp_path / "out" / "draft" / "speculative.json").read_text())
+    spec = read_spec(tmp_path / "out" / "draft")
     assert spec["speculate"] and not any(spec["speculate"].values()), spec["speculate"]
     assert all(v < 1.0 for v in spec["predicted_speedup"].values())  # the if-on prediction, kept for the record
     card = (tmp_path / "out" / "draft" / "README.md").read_text()
     assert "off (plain decoding)" in card and "without assistant_model" in card
     # the fast device's calibration of the same data speculates where it is predicted to pay by the margin
-    fast = json.loads((distilled[2] / "draft" / "speculative.json").read_text())
+    fast = read_spec(distilled[2] / "draft")
     assert set(fast["speculate"]) == set(spec["speculate"])
     predicted = {("default" if d == "overall" else d): v for d, v in fast["predicted_speedup"].items()}
     assert all(on for d, on in fast["speculate"].items() if predicted[d] > 1.2)

@@ -6,14 +6,14 @@ import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline import sampling
-from pipeline.decoding import DecodeStats, DraftLength, autoregressive_generate, speculative_generate, uses_sliding_window
+from pipeline.decoding import DecodeStats, DraftLength, DraftPlan, autoregressive_generate, speculative_generate, uses_sliding_window
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import HeuristicPolicy, Policy
 from pipeline.decoding.loop import Pair, Profile, forward
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, expected_acceptance, logits_to_probs
-from tests.conftest import (DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, decoder_llama, exact_joint,
+from tests.conftest import (planned, DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, decoder_llama, exact_joint,
                             random_prompts, small_config, speculative_joint_counts)
 
 torch.set_num_threads(1)
@@ -25,7 +25,7 @@ def test_greedy_speculative_equals_autoregressive(target, drafts, draft_name, ga
     accepted = 0
     for prompt in random_prompts(8, seed=gamma):
         expected = autoregressive_generate(target, prompt, max_new_tokens=20).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, drafting=gamma, max_new_tokens=20)
+        out = speculative_generate(target, drafts[draft_name], prompt, plan=DraftPlan(gamma), max_new_tokens=20)
         assert out.tokens.tolist() == expected.tolist()
         accepted += out.stats.n_accepted
     assert accepted > 0 or draft_name == "far"
@@ -45,7 +45,7 @@ def test_greedy_with_draft_vocab_subset_equals_autoregressive(target, close_draf
     subset = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13])
     for prompt in random_prompts(4, seed=11):
         expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens
-        out = speculative_generate(target, close_draft, prompt, drafting=3, draft_vocab=subset, max_new_tokens=16)
+        out = speculative_generate(target, close_draft, prompt, plan=DraftPlan(3, draft_vocab=subset), max_new_tokens=16)
         assert out.tokens.tolist() == expected.tolist()
 
 
@@ -54,7 +54,8 @@ def test_greedy_target_with_a_sampling_draft_equals_autoregressive(target, far_d
     generator = torch.Generator().manual_seed(7)
     for prompt in random_prompts(4, seed=12):
         expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens
-        out = speculative_generate(target, far_draft, prompt, drafting=3, draft_temperature=1.0, generator=generator, max_new_tokens=16)
+        out = speculative_generate(target, far_draft, prompt, plan=DraftPlan(3, draft_temperature=1.0),
+                                   generator=generator, max_new_tokens=16)
         assert out.tokens.tolist() == expected.tolist()
 
 
@@ -69,7 +70,8 @@ def test_greedy_speculative_equals_autoregressive_with_every_policy(target, draf
     lengths = set()
     for prompt in random_prompts(6, seed=21):
         expected = autoregressive_generate(target, prompt, max_new_tokens=24).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, drafting=POLICIES[policy], max_new_tokens=24)
+        out = speculative_generate(target, drafts[draft_name], prompt, plan=DraftPlan(POLICIES[policy]),
+                                   max_new_tokens=24)
         assert out.tokens.tolist() == expected.tolist()
         lengths.update(out.stats.drafted[1:-1])  # the first pass is the plain prefill, the last is clamped
     assert len(lengths) > 1, f"{policy} drafted a constant length {lengths}: the policy never acted"
@@ -79,7 +81,8 @@ def test_confidence_policy_stops_at_the_first_unsure_token(target, close_draft):
     """Greedy: the draft keeps proposing while its probability of its own argmax is ≥ the threshold; the
     first token below it is still proposed, then the block ends."""
     prompt = random_prompts(1, seed=3)[0]
-    out = speculative_generate(target, close_draft, prompt, drafting=DraftLength("confidence", 16, 0.6), max_new_tokens=30)
+    out = speculative_generate(target, close_draft, prompt, plan=DraftPlan(DraftLength("confidence", 16, 0.6)),
+                               max_new_tokens=30)
     seq = torch.cat([prompt, out.tokens])
     assert out.stats.drafted[0] == 0  # the plain prefill pass: its one token precedes the first block
     position = len(prompt) + 1
@@ -203,7 +206,7 @@ def test_eos_inside_an_accepted_block_ends_generation_there(target):
     eos = reference[2]
     stop = reference.index(eos)  # first occurrence, inside the first block (tokens 1..6, after the prefill's)
     assert stop >= 1
-    out = speculative_generate(target, target, prompt, drafting=5, eos_token_id=eos, max_new_tokens=30)
+    out = speculative_generate(target, target, prompt, plan=DraftPlan(5), eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
     assert out.stats.accepted[1] >= stop  # the EOS was an accepted draft token, not the bonus token
     ar = autoregressive_generate(target, prompt, eos_token_id=eos, max_new_tokens=30)
@@ -215,16 +218,17 @@ def test_eos_as_a_list_stops_at_the_first_of_any(target, close_draft):
     reference = greedy_reference(target, prompt, 30)
     eos = [reference[9], reference[5]]
     stop = min(reference.index(e) for e in eos)
-    out = speculative_generate(target, close_draft, prompt, drafting=3, eos_token_id=eos, max_new_tokens=30)
+    out = speculative_generate(target, close_draft, prompt, plan=DraftPlan(3), eos_token_id=eos, max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
-    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=3, eos_token_id=eos, generator=torch.Generator().manual_seed(0), max_new_tokens=200).tokens.tolist()
+    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), plan=DraftPlan(3),
+                                   eos_token_id=eos, generator=torch.Generator().manual_seed(0), max_new_tokens=200).tokens.tolist()
     assert sampled[-1] in eos and not set(sampled[:-1]) & set(eos)
 
 
 @pytest.mark.parametrize("max_new_tokens,gamma", [(8, 5), (3, 10), (1, 4), (7, 3)])
 def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, gamma):
     prompt = torch.tensor([5, 6, 7])
-    out = speculative_generate(target, target, prompt, drafting=gamma, max_new_tokens=max_new_tokens)
+    out = speculative_generate(target, target, prompt, plan=DraftPlan(gamma), max_new_tokens=max_new_tokens)
     assert out.tokens.tolist() == greedy_reference(target, prompt, max_new_tokens)
     assert len(out.tokens) == max_new_tokens
     # The first pass is the plain prefill (no drafts, one token); then the identical draft accepts everything,
@@ -242,7 +246,8 @@ def test_max_new_tokens_is_exact_and_gamma_is_clamped(target, max_new_tokens, ga
 def test_stats_are_consistent(target, close_draft, eos_token_id):
     generator = torch.Generator().manual_seed(1)
     for prompt in random_prompts(5, seed=31):
-        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=4, eos_token_id=eos_token_id, generator=generator, max_new_tokens=40)
+        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), plan=DraftPlan(4),
+                                   eos_token_id=eos_token_id, generator=generator, max_new_tokens=40)
         s = out.stats
         assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted)) and s.n_accepted <= s.n_drafted
         # Each model's first forward (the one reading the prompt) is timed as prefill, not as a step.
@@ -258,7 +263,7 @@ def test_stats_are_consistent(target, close_draft, eos_token_id):
 
 def test_stats_carry_per_forward_times_on_cpu(target, close_draft):
     """Stopwatch marks resolve after the call into one time per forward (first ones as prefill), in seconds."""
-    out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=16)
+    out = speculative_generate(target, close_draft, torch.tensor([1, 2, 3]), plan=DraftPlan(3), max_new_tokens=16)
     s = out.stats
     assert len(s.target_times) == s.target_passes - 1 and len(s.draft_times) == s.n_drafted - 1
     # structure, not speed: every part is a positive duration and the parts fit inside the total
@@ -301,7 +306,7 @@ def test_bad_input_raises_one_line_pipeline_error(target, close_draft, case, kwa
     with pytest.raises(PipelineError) as info:
         if isinstance(kwargs.get("sampling"), dict):  # the Sampling type itself refuses a bad distribution
             kwargs["sampling"] = Sampling(**kwargs["sampling"])
-        speculative_generate(target, close_draft, **kwargs)
+        speculative_generate(target, close_draft, **planned(kwargs))
     assert "\n" not in str(info.value)
 
 
@@ -337,7 +342,7 @@ def test_full_attention_configs_with_a_sliding_window_field_are_accepted():
     model = Qwen2ForCausalLM(qwen).eval()
     prompt = torch.tensor([1, 2, 3])
     expected = autoregressive_generate(model, prompt, max_new_tokens=8).tokens
-    assert speculative_generate(model, model, prompt, drafting=3, max_new_tokens=8).tokens.tolist() == expected.tolist()
+    assert speculative_generate(model, model, prompt, plan=DraftPlan(3), max_new_tokens=8).tokens.tolist() == expected.tolist()
     assert not uses_sliding_window(small_config(LlamaConfig))
     assert uses_sliding_window(small_config(MistralConfig, sliding_window=8))
     assert not uses_sliding_window(small_config(MistralConfig, sliding_window=None))
@@ -370,5 +375,6 @@ def test_greedy_speculative_equals_autoregressive_on_real_model(real_target):
                                              add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         expected = autoregressive_generate(model, ids, eos_token_id=tokenizer.eos_token_id, max_new_tokens=24)
-        out = speculative_generate(model, draft, ids, drafting=4, eos_token_id=tokenizer.eos_token_id, max_new_tokens=24)
+        out = speculative_generate(model, draft, ids, plan=DraftPlan(4), eos_token_id=tokenizer.eos_token_id,
+                                   max_new_tokens=24)
         assert out.tokens.tolist() == expected.tokens.tolist()

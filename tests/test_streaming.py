@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.decoding import (DraftLength, autoregressive_generate, autoregressive_stream, chain,
+from pipeline.decoding import (DraftLength, DraftPlan, autoregressive_generate, autoregressive_stream, chain,
                                speculative_generate, speculative_stream)
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
@@ -23,7 +23,7 @@ def flat(chunks) -> list[int]:
 def stream_of(target, draft, prompt, drafting, **kwargs):
     if drafting is None:
         return autoregressive_stream(target, prompt, **kwargs)
-    return speculative_stream(target, draft, prompt, drafting=drafting, **kwargs)
+    return speculative_stream(target, draft, prompt, plan=DraftPlan(drafting), **kwargs)
 
 
 @pytest.mark.parametrize("name", [*DRAFTINGS, "plain"])
@@ -36,7 +36,7 @@ def test_stream_concatenated_equals_generate_for_the_same_seed(target, close_dra
         if drafting is None:
             out = autoregressive_generate(target, prompt, generator=torch.Generator().manual_seed(k), **kwargs)
         else:
-            out = speculative_generate(target, close_draft, prompt, drafting=drafting,
+            out = speculative_generate(target, close_draft, prompt, plan=DraftPlan(drafting),
                                        generator=torch.Generator().manual_seed(k), **kwargs)
         assert flat(chunks) == out.tokens.tolist()
         s = stream.stats
@@ -54,7 +54,7 @@ def test_stream_concatenated_equals_generate_for_the_same_seed(target, close_dra
 def test_greedy_speculative_stream_equals_greedy_plain(target, drafts, name, draft_name):
     for prompt in random_prompts(5, seed=43):
         plain = flat(autoregressive_stream(target, prompt, max_new_tokens=24))
-        assert flat(speculative_stream(target, drafts[draft_name], prompt, drafting=DRAFTINGS[name],
+        assert flat(speculative_stream(target, drafts[draft_name], prompt, plan=DraftPlan(DRAFTINGS[name]),
                                        max_new_tokens=24)) == plain
 
 
@@ -80,7 +80,7 @@ def test_first_chunk_is_one_token_from_a_target_pass_without_drafts(target, clos
                                     generator=torch.Generator().manual_seed(5)).tokens.tolist()
     counters = ForwardCounter(target), ForwardCounter(close_draft)
     try:
-        stream = speculative_stream(target, close_draft, prompt, sampling=sampling, drafting=DRAFTINGS[name],
+        stream = speculative_stream(target, close_draft, prompt, sampling=sampling, plan=DraftPlan(DRAFTINGS[name]),
                                     max_new_tokens=20, generator=torch.Generator().manual_seed(5))
         chunks = iter(stream)
         first = next(chunks)
@@ -100,7 +100,7 @@ def test_first_chunk_is_one_token_from_a_target_pass_without_drafts(target, clos
 def test_ttft_and_inter_token_latency_come_from_the_chunk_times(target, close_draft):
     """Structure, not speed: TTFT is the first commit; the mean inter-token latency
     spreads the later commits over the later tokens; per-token gaps split each chunk's gap over its tokens."""
-    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=25)
+    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), plan=DraftPlan(3), max_new_tokens=25)
     list(stream)
     s = stream.stats
     assert 0 < s.ttft == s.chunk_times[0] < s.chunk_times[1] and s.chunk_times[-1] <= s.total_time
@@ -114,7 +114,7 @@ def test_ttft_and_inter_token_latency_come_from_the_chunk_times(target, close_dr
 
 
 def test_closing_a_stream_early_stops_decoding_with_stats_of_what_was_committed(target, close_draft):
-    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), drafting=3, max_new_tokens=40)
+    stream = speculative_stream(target, close_draft, torch.tensor([1, 2, 3]), plan=DraftPlan(3), max_new_tokens=40)
     chunks = iter(stream)
     committed = next(chunks) + next(chunks)
     stream.close()
@@ -134,8 +134,8 @@ def test_bad_input_raises_when_the_stream_is_made(target, close_draft):
 def stream_joint_counts(target, draft, drafting, temperature: float, n: int = N_SAMPLES) -> np.ndarray:
     generator, counts = torch.Generator().manual_seed(0), np.zeros((VOCAB, VOCAB))
     for _ in range(n):
-        x = flat(speculative_stream(target, draft, JOINT_PROMPT, sampling=Sampling(temperature), drafting=drafting,
-                                    max_new_tokens=4, generator=generator))
+        x = flat(speculative_stream(target, draft, JOINT_PROMPT, sampling=Sampling(temperature),
+                                    plan=DraftPlan(drafting), max_new_tokens=4, generator=generator))
         counts[x[1], x[2]] += 1
     return counts
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.decoding import MAX_TREE_NODES, TreeStats, autoregressive_generate, parse_tree, speculative_generate
+from pipeline.decoding import MAX_TREE_NODES, DraftPlan, TreeStats, autoregressive_generate, parse_tree, speculative_generate
 from pipeline.decoding import tree_sampling
 from pipeline.decoding.loop import Pair, Profile, forward
 from pipeline.decoding.tree import TreePlan, tree_forward, tree_mask, tree_step
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, residual_distribution
-from tests.conftest import (DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts,
+from tests.conftest import (planned, DECODER_VOCAB as VOCAB, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts,
                             small_config, speculative_joint_counts)
 
 torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_greedy_tree_equals_autoregressive(target, drafts, tree, draft_name):
     accepted = 0
     for prompt in random_prompts(6, seed=3):
         expected = autoregressive_generate(target, prompt, max_new_tokens=20).tokens
-        out = speculative_generate(target, drafts[draft_name], prompt, drafting=tree, max_new_tokens=20)
+        out = speculative_generate(target, drafts[draft_name], prompt, plan=DraftPlan(tree), max_new_tokens=20)
         assert out.tokens.tolist() == expected.tolist()
         accepted += out.stats.n_accepted
     assert accepted > 0
@@ -131,16 +131,18 @@ def test_greedy_tree_with_a_vocab_subset_or_a_sampling_draft_equals_autoregressi
     generator = torch.Generator().manual_seed(7)
     for prompt in random_prompts(4, seed=11):
         expected = autoregressive_generate(target, prompt, max_new_tokens=16).tokens.tolist()
-        out = speculative_generate(target, close_draft, prompt, drafting=(3, 2), draft_vocab=subset, max_new_tokens=16)
+        out = speculative_generate(target, close_draft, prompt, plan=DraftPlan((3, 2), draft_vocab=subset),
+                                   max_new_tokens=16)
         assert out.tokens.tolist() == expected
-        out = speculative_generate(target, far_draft, prompt, drafting=PARENTS, draft_temperature=1.0, generator=generator, max_new_tokens=16)
+        out = speculative_generate(target, far_draft, prompt, plan=DraftPlan(PARENTS, draft_temperature=1.0),
+                                   generator=generator, max_new_tokens=16)
         assert out.tokens.tolist() == expected
 
 
 def test_a_one_child_tree_is_the_chain(target, close_draft):
     for prompt in random_prompts(4, seed=5):
-        chain = speculative_generate(target, close_draft, prompt, drafting=3, max_new_tokens=24)
-        tree = speculative_generate(target, close_draft, prompt, drafting=(1, 1, 1), max_new_tokens=24)
+        chain = speculative_generate(target, close_draft, prompt, plan=DraftPlan(3), max_new_tokens=24)
+        tree = speculative_generate(target, close_draft, prompt, plan=DraftPlan((1, 1, 1)), max_new_tokens=24)
         assert tree.tokens.tolist() == chain.tokens.tolist()
         assert tree.stats.accepted == chain.stats.accepted and tree.stats.drafted == chain.stats.drafted
 
@@ -150,7 +152,7 @@ def test_greedy_tree_on_qwen2_equals_autoregressive():
     model = Qwen2ForCausalLM(small_config(Qwen2Config, use_sliding_window=False, initializer_range=0.2)).eval()
     prompt = torch.tensor([1, 2, 3])
     expected = autoregressive_generate(model, prompt, max_new_tokens=12).tokens.tolist()
-    assert speculative_generate(model, model, prompt, drafting=(2, 2), max_new_tokens=12).tokens.tolist() == expected
+    assert speculative_generate(model, model, prompt, plan=DraftPlan((2, 2)), max_new_tokens=12).tokens.tolist() == expected
 
 
 # ---- tree attention and cache state ----
@@ -215,7 +217,7 @@ def test_caches_keep_exactly_the_accepted_path(target, close_draft, temperature)
 @pytest.mark.parametrize("max_new_tokens", [1, 3, 8])
 def test_max_new_tokens_is_exact_and_the_tree_is_truncated(target, max_new_tokens):
     prompt = torch.tensor([5, 6, 7])
-    out = speculative_generate(target, target, prompt, drafting=(2, 2, 1), max_new_tokens=max_new_tokens)
+    out = speculative_generate(target, target, prompt, plan=DraftPlan((2, 2, 1)), max_new_tokens=max_new_tokens)
     assert out.tokens.tolist() == autoregressive_generate(target, prompt, max_new_tokens=max_new_tokens).tokens.tolist()
     remaining, depths = max_new_tokens - 1, [0]  # the first pass is the plain prefill: depth 0, one token
     while remaining > 0:  # the identical draft accepts a full path every pass
@@ -230,16 +232,20 @@ def test_eos_inside_an_accepted_path_ends_generation_there(target, close_draft):
     reference = autoregressive_generate(target, prompt, max_new_tokens=30).tokens.tolist()
     eos = [reference[9], reference[5]]
     stop = min(reference.index(e) for e in eos)
-    out = speculative_generate(target, close_draft, prompt, drafting=(2, 2, 1), eos_token_id=eos, max_new_tokens=30)
+    out = speculative_generate(target, close_draft, prompt, plan=DraftPlan((2, 2, 1)), eos_token_id=eos,
+                               max_new_tokens=30)
     assert out.tokens.tolist() == reference[:stop + 1]
-    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=(2, 2), eos_token_id=eos, generator=torch.Generator().manual_seed(0), max_new_tokens=200).tokens.tolist()
+    sampled = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0),
+                                   plan=DraftPlan((2, 2)), eos_token_id=eos, generator=torch.Generator().manual_seed(0),
+                                   max_new_tokens=200).tokens.tolist()
     assert sampled[-1] in eos and not set(sampled[:-1]) & set(eos)
 
 
 def test_stats_are_consistent(target, close_draft):
     generator = torch.Generator().manual_seed(1)
     for prompt in random_prompts(4, seed=31):
-        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0), drafting=(3, 2, 1), generator=generator, max_new_tokens=40)
+        out = speculative_generate(target, close_draft, prompt, sampling=Sampling(temperature=1.0),
+                                   plan=DraftPlan((3, 2, 1)), generator=generator, max_new_tokens=40)
         s = out.stats
         assert isinstance(s, TreeStats) and s.n_generated == len(out.tokens) == sum(a + 1 for a in s.accepted)
         assert all(0 <= a <= d for a, d in zip(s.accepted, s.depths)) and s.drafted[:2] == [0, 3 + 6 + 6]
@@ -267,7 +273,7 @@ def test_stats_are_consistent(target, close_draft):
 ])
 def test_bad_tree_input_is_one_clear_error(target, close_draft, kwargs, message):
     with pytest.raises(PipelineError, match=message) as info:
-        speculative_generate(target, close_draft, torch.tensor([1, 2]), max_new_tokens=4, **kwargs)
+        speculative_generate(target, close_draft, torch.tensor([1, 2]), max_new_tokens=4, **planned(kwargs))
     assert "\n" not in str(info.value)
 
 
@@ -275,5 +281,5 @@ def test_attention_without_4d_masks_is_refused(target, close_draft):
     draft = copy.deepcopy(close_draft)
     draft.config._attn_implementation = "flash_attention_2"
     with pytest.raises(PipelineError, match="attn_implementation='sdpa'") as info:
-        speculative_generate(target, draft, torch.tensor([1, 2]), drafting=(2,), max_new_tokens=4)
+        speculative_generate(target, draft, torch.tensor([1, 2]), plan=DraftPlan((2,)), max_new_tokens=4)
     assert "\n" not in str(info.value)

@@ -2,20 +2,20 @@
 
 The public API, imported by the eval and distill stages and by users:
 
-    from pipeline.decoding import DraftLength, Sampling, speculative_generate
-    out = speculative_generate(target, draft, input_ids, sampling=Sampling(0.7), drafting=DraftLength("fixed", 4),
-                               max_new_tokens=128)
+    from pipeline.decoding import DraftPlan, Sampling, speculative_generate
+    out = speculative_generate(target, draft, input_ids, plan=DraftPlan(4), sampling=Sampling(0.7),
+                               max_new_tokens=128)  # or plan=spec.plan(domain, sampling): a calibration
     out.tokens, out.stats.acceptance_rate, out.stats.mean_accepted_length
     for chunk in speculative_stream(target, draft, input_ids, ...):  # the same tokens, as each pass commits them
         ...
 
-    out = speculative_generate_batch(target, draft, [ids_a, ids_b], gamma=4)  # rows of any lengths
+    out = speculative_generate_batch(target, draft, [ids_a, ids_b], plan=DraftPlan(4))  # rows of any lengths
 
 The first target pass is a plain prefill (time to first token = plain decoding's).
 
 Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
 `tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
-`draft_length` (draft-length policies),
+`draft_length` (draft-length policies), `plan` (DraftPlan: the one drafting decision every entry point takes),
 `guard` (the online guard: fewer drafts, or none, while they do not pay), `adaptive_tau` (its draft temperature
 moved per pass), `cost` (the one speedup model),
 `stream` (TokenStream), `generate` (the entry points), `batch` (batched decoding, B rows of any lengths).
@@ -23,16 +23,17 @@ moved per pass), `cost` (the one speedup model),
 from pipeline.decoding.batch import BatchOutput, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost
 from pipeline.decoding.draft_length import POLICIES, DraftLength
-from pipeline.decoding.generate import (GREEDY, as_drafting, autoregressive_generate, autoregressive_stream,
-                                        speculative_generate, speculative_stream)
+from pipeline.decoding.generate import (GREEDY, autoregressive_generate, autoregressive_stream, speculative_generate,
+                                        speculative_stream)
 from pipeline.decoding.guard import Guard, GuardSettings, GuardStats
+from pipeline.decoding.plan import PLAIN, DraftPlan, as_drafting
 from pipeline.decoding.loop import DecodeStats, GenerationOutput, uses_sliding_window
 from pipeline.decoding.stream import TokenStream
 from pipeline.decoding.tree import MAX_TREE_NODES, Tree, TreeStats, nodes, parse_tree, tree_key
 from pipeline.sampling import Sampling
 
-__all__ = ["BatchOutput", "DecodeStats", "DraftLength", "GREEDY", "GenerationOutput", "Guard", "GuardSettings",
-           "GuardStats", "MAX_TREE_NODES", "POLICIES", "Sampling", "TokenStream", "Tree", "TreeStats", "as_drafting",
+__all__ = ["BatchOutput", "DecodeStats", "DraftLength", "DraftPlan", "GREEDY", "GenerationOutput", "Guard", "GuardSettings",
+           "GuardStats", "MAX_TREE_NODES", "PLAIN", "POLICIES", "Sampling", "TokenStream", "Tree", "TreeStats", "as_drafting",
            "autoregressive_generate", "autoregressive_generate_batch", "autoregressive_stream", "nodes", "parse_tree",
            "pass_speedup", "predicted_speedup", "speculative_generate", "speculative_generate_batch",
            "speculative_stream", "tree_key", "uses_sliding_window", "verify_cost"]

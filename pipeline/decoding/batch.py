@@ -1,7 +1,7 @@
 """Batched decoding: B prompts of different lengths decoded together, speculatively (a chain of fixed γ) or
 plainly, each row sampling exactly the target's distribution, as at batch size 1.
 
-    out = speculative_generate_batch(target, draft, [ids_a, ids_b, ids_c], sampling=Sampling(0.7), gamma=4)
+    out = speculative_generate_batch(target, draft, [ids_a, ids_b, ids_c], sampling=Sampling(0.7), plan=DraftPlan(4))
     out.tokens[1], out.stats[1].accepted
 
 Ragged rows: every row accepts its own number of drafts per pass, so the rows' committed lengths drift apart.
@@ -25,7 +25,9 @@ import torch
 from transformers import DynamicCache
 
 from pipeline import sampling as sampling_math
-from pipeline.decoding.generate import GREEDY
+from pipeline.decoding.draft_length import DraftLength
+from pipeline.decoding.generate import GREEDY, check_plan
+from pipeline.decoding.plan import DraftPlan
 from pipeline.decoding.loop import DecodeStats, check_pair, check_request, draft_head_rows, eos_set, model_device
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, scatter_to_vocab
@@ -238,21 +240,27 @@ def decode_batch(run: BatchRun, gamma: int, max_new_tokens: int, eos_token_id) -
     return BatchOutput([torch.tensor(t, dtype=torch.long) for t in out], stats, passes, total)
 
 
-def speculative_generate_batch(target, draft, prompts, *, sampling: Sampling = GREEDY, gamma: int = 4,
-                               max_new_tokens: int = 128, draft_temperature: float | None = None,
-                               draft_vocab: torch.Tensor | None = None, eos_token_id=None,
+def speculative_generate_batch(target, draft, prompts, *, plan: DraftPlan = DraftPlan(), sampling: Sampling = GREEDY,
+                               max_new_tokens: int = 128, eos_token_id=None,
                                generator: torch.Generator | None = None) -> BatchOutput:
-    """Speculative decoding of a batch of prompts (a list of 1-D id tensors of any lengths), a chain of γ drafts
-    per pass for every row, each row exactly the target's distribution `sampling`. The keywords mean what they
-    mean for speculative_generate."""
+    """Speculative decoding of a batch of prompts (a list of 1-D id tensors of any lengths), a chain of the plan's
+    fixed γ drafts per pass for every row, each row exactly the target's distribution `sampling`. The keywords
+    mean what they mean for speculative_generate; a plan without drafting decodes the batch plainly."""
     check_request(sampling, max_new_tokens)
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-        raise PipelineError(f"gamma (draft tokens per pass) must be an integer >= 1, got {gamma!r}: use e.g. 4")
-    check_pair(target, draft, draft_temperature, draft_vocab)
+    check_plan(plan)
+    if not plan.speculates:
+        return autoregressive_generate_batch(target, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
+                                             eos_token_id=eos_token_id, generator=generator)
+    shape = plan.shape
+    if not isinstance(shape, DraftLength) or shape.policy != "fixed" or plan.guard is not None:
+        raise PipelineError(f"batched decoding drafts a fixed γ per pass, not {plan.describe()}"
+                            f"{' with a guard' if plan.guard else ''}: pass e.g. plan=DraftPlan(4)")
+    check_pair(target, draft, plan.draft_temperature, plan.draft_vocab)
     check_batch_models(target, draft)
-    q = sampling if draft_temperature is None else sampling.with_temperature(draft_temperature)
-    run = BatchRun(target, draft, prompts, sampling, q, generator, draft_vocab)
-    return decode_batch(run, gamma, max_new_tokens, eos_token_id)
+    tau = plan.draft_temperature
+    q = sampling if tau is None else sampling.with_temperature(tau)
+    run = BatchRun(target, draft, prompts, sampling, q, generator, plan.draft_vocab)
+    return decode_batch(run, shape.max, max_new_tokens, eos_token_id)
 
 
 def autoregressive_generate_batch(target, prompts, *, sampling: Sampling = GREEDY, max_new_tokens: int = 128,

@@ -106,3 +106,8 @@ class HeuristicPolicy(Policy):
             self.length = min(self.length + 2, HEURISTIC_CAP)
         elif drafted:
             self.length = max(1, self.length - 1)
+
+
+# The confidence policy where no calibration chose one: HF assisted generation's default threshold (0.4), so the
+# two decoders stop alike, and the largest cap distill calibrates (distill.calibration.draft_length.max_lengths).
+UNCALIBRATED_CONFIDENCE = DraftLength("confidence", 16, 0.4)

@@ -7,48 +7,33 @@ import torch
 
 from pipeline.decoding.adaptive_tau import adaptive_tau
 from pipeline.decoding.chain import chain_step
-from pipeline.decoding.draft_length import DraftLength, Policy
-from pipeline.decoding.guard import Guard, guarded
+from pipeline.decoding.draft_length import Policy
+from pipeline.decoding.guard import guarded
 from pipeline.decoding.loop import DecodeStats, GenerationOutput, Run, check_request, plain_step
 from pipeline.decoding.stream import TokenStream
-from pipeline.decoding.tree import Tree, TreePlan, TreeStats, check_tree, parse_tree, tree_step
+from pipeline.decoding.plan import DraftPlan
+from pipeline.decoding.tree import Tree, TreePlan, TreeStats, check_tree, tree_step
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
 GREEDY = Sampling(0.0)
 
 
-def as_drafting(drafting) -> DraftLength | Tree:
-    """A drafting spec from what a user may pass: a DraftLength policy, an int γ (fixed), a Tree, a tuple of
-    branching factors per depth, or a list of parent indices."""
-    if isinstance(drafting, (DraftLength, Tree)):
-        return drafting
-    if isinstance(drafting, int) and not isinstance(drafting, bool):
-        if drafting < 1:
-            raise PipelineError(f"gamma (draft tokens per pass) must be >= 1, got {drafting}: use e.g. drafting=4")
-        return DraftLength("fixed", drafting)
-    if isinstance(drafting, (tuple, list)):
-        return parse_tree(drafting)
-    raise PipelineError(f"drafting must be a DraftLength, an int γ, a Tree, a tuple of branching factors or a parent "
-                        f"list, got {type(drafting).__name__}: use e.g. drafting=4 or drafting=(3, 2, 1)")
-
-
 @torch.inference_mode()  # the set-up (heads, caches); the stream's own loop enters it per step
-def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
-                       drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
-                       max_new_tokens: int = 128, draft_temperature: float | None = None,
-                       draft_vocab: torch.Tensor | None = None, eos_token_id=None,
-                       generator: torch.Generator | None = None, guard: Guard | None = None) -> TokenStream:
+def speculative_stream(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(), sampling: Sampling = GREEDY,
+                       max_new_tokens: int = 128, eos_token_id=None,
+                       generator: torch.Generator | None = None) -> TokenStream:
     """speculative_generate as a stream (pipeline/decoding/stream.py): the token ids each target pass commits,
     the first one from a plain prefill pass. Same keywords, same tokens for the same seed; bad input raises
     here, before any decoding."""
     check_request(sampling, max_new_tokens)
-    if drafting is None:
+    check_plan(plan)
+    if not plan.speculates:
         return autoregressive_stream(target, input_ids, sampling=sampling, max_new_tokens=max_new_tokens,
                                      eos_token_id=eos_token_id, generator=generator)
-    drafting = as_drafting(drafting)
+    drafting, guard = plan.shape, plan.guard
     stats = TreeStats() if isinstance(drafting, Tree) else DecodeStats()
-    run = Run.start(target, draft, input_ids, sampling, draft_temperature, draft_vocab, generator, stats)
+    run = Run.start(target, draft, input_ids, sampling, plan.draft_temperature, plan.draft_vocab, generator, stats)
     if isinstance(drafting, Tree):
         check_tree(drafting, run.pair)
         plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
@@ -78,28 +63,27 @@ def speculative_stream(target, draft, input_ids, *, sampling: Sampling = GREEDY,
     return TokenStream(run.chunks(step, max_new_tokens, eos_token_id), stats)
 
 
-def speculative_generate(target, draft, input_ids, *, sampling: Sampling = GREEDY,
-                         drafting: DraftLength | Tree | int | tuple | list | None = DraftLength("fixed", 4),
-                         max_new_tokens: int = 128, draft_temperature: float | None = None,
-                         draft_vocab: torch.Tensor | None = None, eos_token_id=None,
-                         generator: torch.Generator | None = None, guard: Guard | None = None) -> GenerationOutput:
-    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `drafting` says:
-    a chain whose length a DraftLength policy decides, or a static token tree. The first target pass is a plain
-    prefill (one token, no drafts: the time to first token of plain decoding); speculation starts at the second.
+def speculative_generate(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(), sampling: Sampling = GREEDY,
+                         max_new_tokens: int = 128, eos_token_id=None,
+                         generator: torch.Generator | None = None) -> GenerationOutput:
+    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `plan` says
+    (pipeline/decoding/plan.py; `spec.plan(domain, sampling)` applies a calibration): a chain whose length a
+    DraftLength policy decides, or a static token tree, at the plan's draft temperature, vocabulary subset and
+    guard. The first target pass is a plain prefill (one token, no drafts: the time to first token of plain
+    decoding); speculation starts at the second. A plan without drafting (PLAIN, a domain calibrated "off")
+    decodes plainly (autoregressive_generate).
 
-    Keyword-only past the models and the prompt; each keyword is one independent serving knob.
-    draft_temperature (None = sampling's) changes only q. draft_vocab (FR-Spec, Zhao et al. 2025) is a 1-D
-    LongTensor of target ids the draft may propose; its head is restricted to those rows. generator, if given,
-    must live on the models' device (it drives draft sampling and acceptance). drafting=None decodes plainly
-    (autoregressive_generate): what a domain calibrated "off" gets from SpeculativeSpec.drafting_for.
-    guard (pipeline/decoding/guard.py) may draft fewer tokens, or none, while the drafts do not pay, and with
-    GuardSettings.adaptive_tau moves the draft temperature (pipeline/decoding/adaptive_tau.py); its decisions land
-    in `stats.guard`. The decode is speculative_stream's, collected.
+    generator, if given, must live on the models' device (it drives draft sampling and acceptance). The guard's
+    decisions land in `stats.guard`. The decode is speculative_stream's, collected.
     """
-    return speculative_stream(target, draft, input_ids, sampling=sampling, drafting=drafting,
-                              max_new_tokens=max_new_tokens, draft_temperature=draft_temperature,
-                              draft_vocab=draft_vocab, eos_token_id=eos_token_id, generator=generator,
-                              guard=guard).collect()
+    return speculative_stream(target, draft, input_ids, plan=plan, sampling=sampling, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, generator=generator).collect()
+
+
+def check_plan(plan) -> None:
+    if not isinstance(plan, DraftPlan):
+        raise PipelineError(f"plan must be a pipeline.decoding.DraftPlan, got {type(plan).__name__}: pass e.g. "
+                            "plan=DraftPlan(4) or plan=spec.plan(domain, sampling)")
 
 
 @torch.inference_mode()
