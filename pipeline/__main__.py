@@ -27,9 +27,10 @@ STAGES = {  # stage name -> module with `run(cfg, tracker) -> dict`
     "prepare": "data.prepare",
     "collect": "data.collect",
     "distill": "distill.stage",
+    "calibrate": "distill.calibrate_stage",
     "eval": "eval.stage",
 }
-ORDER = ["prepare", "collect", "distill", "eval"]
+ORDER = ["prepare", "collect", "distill", "calibrate", "eval"]
 
 
 def run_stage(name: str, cfg: DictConfig, nested: bool = False) -> dict:
