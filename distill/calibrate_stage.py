@@ -67,9 +67,10 @@ class DraftSource:
 # ---------------------------------------------------------------- the stage
 def run(cfg: DictConfig, tracker) -> dict:
     t_start, laps = time.time(), Laps()
+    given = cfg.distill.calibration.get("draft")
+    record = check_draft_dir(Path(given)) if given else read_record(cfg.paths.trained)  # before loading anything
     inputs = load_target_inputs(cfg, tracker)
-    given = inputs.settings.calibration.draft
-    main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs)
+    main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs, record)
     heldouts = build_heldouts(inputs, split.heldout_idx)
     laps.lap("heldout")
     init_job = with_draft(inputs, init.weights) if init else None
@@ -95,11 +96,10 @@ def run(cfg: DictConfig, tracker) -> dict:
 
 
 # ---------------------------------------------------------------- which drafts
-def trained_drafts(inputs: Inputs) -> tuple[DraftSource, DraftSource, Split]:
-    """${paths.trained}'s draft and draft_init, to ${paths.draft} and ${paths.draft_init}, on the rows distill held
-    out."""
+def trained_drafts(inputs: Inputs, record: dict) -> tuple[DraftSource, DraftSource, Split]:
+    """${paths.trained}'s draft and draft_init (its training.json `record`), to ${paths.draft} and
+    ${paths.draft_init}, on the rows distill held out."""
     paths = inputs.cfg.paths
-    record = read_record(paths.trained)
     if record["rows"] != len(inputs.collected):
         raise PipelineError(f"{paths.trained} was trained on a collect of {record['rows']} rows, {paths.collect} has "
                             f"{len(inputs.collected)}: rerun stage=distill on this collect")
@@ -117,9 +117,6 @@ def trained_drafts(inputs: Inputs) -> tuple[DraftSource, DraftSource, Split]:
 def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split]:
     """distill.calibration.draft=<dir> (a published draft, another run's export) to ${paths.draft}, alone, on the
     held-out rows distill.split chooses; its FR-Spec head and provenance from its speculative.json if it has one."""
-    if not (weights / "config.json").is_file():
-        raise PipelineError(f"distill.calibration.draft={weights} is not a model directory (no config.json): point it "
-                            "at a draft's weights or export")
     own = SpeculativeSpec.read(weights)
     split_settings = inputs.settings.split
     _, heldout_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
@@ -131,6 +128,12 @@ def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split
                          own.selected if own else "init", own.draft if own else {"init": "pretrained", "path": str(weights)},
                          own.training if own else {}, own.learning_curve if own else [], None)
     return source, None, Split(None, heldout_idx, name, vocab)
+
+
+def check_draft_dir(weights: Path) -> None:
+    if not (weights / "config.json").is_file():
+        raise PipelineError(f"distill.calibration.draft={weights} is not a model directory (no config.json): point it "
+                            "at a draft's weights or export")
 
 
 def with_draft(inputs: Inputs, weights: Path) -> Inputs:
