@@ -47,10 +47,11 @@ def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | No
 
 
 def exported_weights(draft, vocab_subset: list[int] | None, head_fill: torch.Tensor | None = None):
-    """The model exactly as it is written to disk: a copy with the FR-Spec subset baked into its full head
-    (rows outside it `head_fill`, distill.calibrate.out_of_subset_fill; None: zero)."""
+    """The model exactly as it is written to disk: a copy (callers move it to the serving dtype; the draft they
+    pass stays as it is) with the FR-Spec subset baked into its full head (rows outside it `head_fill`,
+    distill.calibrate.out_of_subset_fill; None: zero)."""
     if not vocab_subset:
-        return draft
+        return copy.deepcopy(draft)
     return bake_subset(copy.deepcopy(draft), torch.tensor(vocab_subset, dtype=torch.long), head_fill)
 
 

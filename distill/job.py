@@ -1,8 +1,9 @@
-"""The values the distill stage's steps hand each other, each frozen once built: what the stage read
+"""The values the distill and calibrate stages' steps hand each other, each frozen once built: what a stage read
 (`Inputs`), how the collected rows were split (`Split`), the held-out parts with the target's serving
 distribution (`HeldOuts`), and the serving settings chosen on the calibration part (`Calibration`).
-A step that changes one returns a new value (dataclasses.replace); the stage body (distill/stage.py) shows
-which step produces what. The draft model is the one mutable member: training updates its weights in place.
+A step that changes one returns a new value (dataclasses.replace); the stage bodies (distill/stage.py,
+distill/calibrate_stage.py) show which step produces what. The draft model is the one mutable member: training
+updates its weights in place; calibrate loads each draft it calibrates from disk into its own `Inputs`.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class Inputs:
     target: torch.nn.Module
     tokenizer: object
     target_ident: dict
-    draft: torch.nn.Module
+    draft: torch.nn.Module | None  # None until a stage loads its draft (distill/heldouts.py load_target_inputs)
     draft_tokenizer: object
-    draft_info: dict
+    draft_info: dict | None
     stops: list[int]
 
     @property
@@ -54,7 +55,7 @@ class Inputs:
 class Split:
     """The train rows (with their teacher-label columns once labelled), held-out row indices, the FR-Spec
     subset and the checkpoint fingerprint."""
-    train: object  # datasets.Dataset
+    train: object  # datasets.Dataset (None in the calibrate stage: it reads no train rows)
     heldout_idx: list[int]
     fingerprint: str
     vocab: torch.Tensor | None = None

@@ -3,11 +3,10 @@ config of `python -m <tool> <hydra overrides>`, and a collect's held-out parts e
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
+from distill.heldouts import build_heldouts, load_target_inputs
 from distill.job import HeldOuts, Inputs
 from distill.split import split_by_prompt
-from distill.stage import build_heldouts, load_inputs
 
 
 def tool_config(overrides: list[str]):
@@ -20,10 +19,10 @@ def tool_config(overrides: list[str]):
 
 
 def collect_heldouts(cfg) -> tuple[Inputs, HeldOuts]:
-    """The stage's inputs and the calibration and reporting parts of paths.collect's held-out prompts (the same
-    prompts, split and target distribution the distill stage used)."""
-    inputs = load_inputs(cfg, tracker=None)
+    """The stages' inputs (no draft: each tool loads its own) and the calibration and reporting parts of
+    paths.collect's held-out prompts (the same prompts, split and target distribution the stages use)."""
+    inputs = load_target_inputs(cfg, tracker=None)
     split = inputs.settings.split
     _, held_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
                                   float(split.heldout_fraction), split.heldout_max_prompts_per_domain, int(cfg.seed))
-    return inputs, build_heldouts(inputs, SimpleNamespace(heldout_idx=held_idx))
+    return inputs, build_heldouts(inputs, held_idx)

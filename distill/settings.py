@@ -164,8 +164,10 @@ ENGINES = ("hf", "llamacpp", "vllm", "sglang")  # engines distill can calibrate 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """`distill.calibration`: keep_best and the serving settings the draft ships with (distill/serving.py)."""
+    """`distill.calibration`: keep_best (distill) and the serving settings the calibrate stage gives a draft
+    (distill/calibrate_stage.py, distill/serving.py)."""
     keep_best: bool                    # export the initial draft when training lowered held-out acceptance
+    draft: str | None                  # calibrate this draft directory alone; null = ${paths.trained}'s two
     speculate_margin: float            # a domain speculates only when predicted above 1 + this; else plain decoding
     calibrate_init: bool               # calibrate ${paths.draft_init} too
     tau_ratios: tuple[float, ...]      # τ / T grid, then refined

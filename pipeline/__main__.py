@@ -29,6 +29,7 @@ STAGES = {
     "prepare": ("data.prepare", "data.prepare"),
     "collect": ("data.collect", "data.collect"),
     "distill": ("distill.stage", "distill.settings"),
+    "calibrate": ("distill.calibrate_stage", "distill.settings"),
     "eval": ("eval.stage", "eval.settings"),
 }
 ORDER = list(STAGES)

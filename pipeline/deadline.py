@@ -2,7 +2,8 @@
 
 Each stage has one loop whose length is a budget: collect's shards (collect.max_minutes), distill's training steps
 (distill.checkpoint.max_train_minutes), eval's requests (eval.max_minutes). Everything else a stage does is a fixed
-amount of model work (distill's label pass, cost profile and calibration; eval's γ sweep and fidelity check), so on a
+amount of model work (distill's label pass and held-out passes; calibrate, all of it: held-out passes, cost profile
+and the calibrations; eval's γ sweep and fidelity check), so on a
 slower machine it takes proportionally longer. Before each stage the planner takes the time left, holds back the
 fixed work of the stages still to run, with a margin for its estimate's error — priced in target decoding steps (`deadline.fixed_steps`) times the
 step this machine measured (the dtype probe's 1-token forward, pipeline/dtype.py) — and splits the rest among the
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
 
-STAGES = ("collect", "distill", "eval")
+STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
                "eval": "eval.max_minutes"}
 FLOOR_MINUTES = 0.1  # a budget is never zero: each loop's first round still runs (would_overrun)
@@ -52,9 +53,9 @@ def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s
     budgeted loops of this and the later stages in proportion to their shares. Returns the budget with its parts.
     """
     ahead = STAGES[STAGES.index(stage):]
-    fixed_s = step_s * sum(settings.fixed_steps[s] for s in ahead) * (1 + settings.margin)
+    fixed_s = step_s * sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
     flexible_s = left_s - fixed_s
-    share = settings.shares[stage] / sum(settings.shares[s] for s in ahead)
+    share = settings.shares[stage] / sum(settings.shares.get(s, 0.0) for s in ahead)
     return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s,
             "budget_s": max(60 * FLOOR_MINUTES, share * flexible_s)}
 

@@ -311,10 +311,20 @@ def compose_distill(setup, out: Path, *extra: str):
 
 
 def run_distill_stage(setup, out: Path, *extra: str):
-    """Runs the distill stage in this process; returns (its result, the RecordingTracker it logged to)."""
+    """Runs the distill stage, then the calibrate stage on its output, in this process (what `stage=all` runs
+    between collect and eval); returns (distill's result with calibrate's, the RecordingTracker both logged to)."""
     from distill.stage import run
 
     tracker = RecordingTracker()
+    result = run(compose_distill(setup, out, *extra), tracker)
+    return {**result, **run_calibrate_stage(setup, out, *extra, tracker=tracker)[0]}, tracker
+
+
+def run_calibrate_stage(setup, out: Path, *extra: str, tracker=None):
+    """Runs the calibrate stage alone on `out`'s trained draft (or distill.calibration.draft=<dir>)."""
+    from distill.calibrate_stage import run
+
+    tracker = tracker or RecordingTracker()
     return run(compose_distill(setup, out, *extra), tracker), tracker
 
 

@@ -62,8 +62,9 @@ def test_bad_settings_are_one_clear_error(bad):
 
 # ----------------------------------------------------------------------------- a simulated run
 
-NEEDS_S = {"collect": 190, "distill": 123, "eval": 117}   # the loops' full length on the default run's machine
-ITEM_S = {"collect": 8, "distill": 0.5, "eval": 6}       # one shard, training step, prompt there
+NEEDS_S = {"collect": 190, "distill": 123, "calibrate": 0, "eval": 117}  # the loops' full length on the default
+ITEM_S = {"collect": 8, "distill": 0.5, "calibrate": 0, "eval": 6}  # run's machine; one shard, training step, prompt there
+                                                                    # (calibrate has no loop: fixed work only)
 STEP_S = 0.0195                                          # its target step
 
 

@@ -1,6 +1,6 @@
 """End to end on the real embedded model with the quick budget: `stage=all`, its resume after a
 crash, MLflow runs, and `dvc repro` in a fresh clone (first run executes, second is a no-op,
-a swept distill param reruns distill and eval only)."""
+a swept distill param reruns distill, calibrate and eval; a calibration param calibrate and eval only)."""
 from __future__ import annotations
 
 import json
@@ -78,8 +78,9 @@ def test_every_artifact_is_written_with_its_schema(quick_run):
     assert set(ds["finish_reason"]) <= {"eos", "length"}
     assert json.loads((artifacts / "collect/manifest.json").read_text())["sampling"]
 
-    for name in ("draft", "draft_init"):
-        assert (artifacts / name / "config.json").exists()
+    for name in ("draft", "draft_init"):  # distill's weights, and calibrate's exports of them
+        assert (artifacts / "trained" / name / "config.json").exists() and (artifacts / name / "config.json").exists()
+    assert json.loads((artifacts / "trained/training.json").read_text())["heldout_idx"]
     spec = read_spec(artifacts / "draft")
     assert {"target", "draft_temperature", "gamma"} <= set(spec)
     assert (artifacts / "draft/README.md").read_text().strip()
@@ -123,9 +124,9 @@ def test_mlflow_holds_one_nested_run_per_stage(quick_run):
     by_name = {}
     for r in runs:
         by_name.setdefault(r.info.run_name, []).append(r)
-    assert {"all", "prepare", "collect", "distill", "eval"} <= set(by_name)
+    assert {"all", "prepare", "collect", "distill", "calibrate", "eval"} <= set(by_name)
     parent = by_name["all"][-1].info.run_id
-    for stage in ("prepare", "collect", "distill", "eval"):
+    for stage in ("prepare", "collect", "distill", "calibrate", "eval"):
         child = [r for r in by_name[stage] if r.data.tags.get("mlflow.parentRunId") == parent]
         assert child, f"{stage} is not nested under the stage=all run"
         assert child[0].data.metrics, f"{stage} logged no metrics"
@@ -151,16 +152,20 @@ def test_dvc_repro_follows_the_params_file_of_a_preset(tmp_path, real_target_pat
 
     first = run("repro")
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    assert _ran(first.stdout) == ["prepare", "collect", "distill", "eval"]
+    assert _ran(first.stdout) == ["prepare", "collect", "distill", "calibrate", "eval"]
     assert (clone / "artifacts/eval/metrics.json").exists()
     second = run("repro")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "Running stage" not in second.stdout, "second dvc repro reran: " + ", ".join(_ran(second.stdout))
     assert "up to date" in run("status", timeout=300).stdout.lower()
-    # the quick preset's own distill budget, swept as an experiment: distill and eval rerun, nothing else
+    # the quick preset's own distill budget, swept as an experiment: distill, calibrate and eval rerun, nothing else
     exp = run("exp", "run", "-S", "distill.trainer.max_steps=4")
     assert exp.returncode == 0, (exp.stdout + exp.stderr)[-3000:]
-    assert _ran(exp.stdout) == ["distill", "eval"], exp.stdout[-2000:]
+    assert _ran(exp.stdout) == ["distill", "calibrate", "eval"], exp.stdout[-2000:]
+    # a calibration setting: calibrate and eval rerun, training does not
+    exp = run("exp", "run", "-S", "distill.calibration.speculate_margin=0.1")
+    assert exp.returncode == 0, (exp.stdout + exp.stderr)[-3000:]
+    assert _ran(exp.stdout) == ["calibrate", "eval"], exp.stdout[-2000:]
     # a collect param of the preset: only collect reads it (its outputs then flow downstream)
     params = clone / "params.yaml"
     params.write_text(params.read_text().replace("max_new_tokens: 32", "max_new_tokens: 30", 1))
@@ -172,13 +177,13 @@ def _ran(dvc_stdout: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", dvc_stdout)
 
 
-def test_distill_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(quick_run):
+def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(quick_run):
     """distill.calibration.engines=[llamacpp] on the quick run's data: llama-bench prices the engine's passes,
     every domain gets a llama-server setting or "off", and the export ships the draft as GGUF."""
     artifacts, _, resumed = quick_run
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = _pipeline("experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache(),
-                    f"paths.engines={REPO / 'artifacts/engines'}", "stage=distill", "distill.calibration.engines=[llamacpp]")
+                    f"paths.engines={REPO / 'artifacts/engines'}", "stage=calibrate", "distill.calibration.engines=[llamacpp]")
     assert out.returncode == 0, out.stderr[-3000:]
     spec = read_spec(artifacts / "draft")
     llama = spec["engines"]["llamacpp"]

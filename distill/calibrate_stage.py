@@ -1,0 +1,237 @@
+"""Calibrate stage: `python -m pipeline stage=calibrate`. It turns a draft's weights, the held-out rows and a cost
+profile into the draft's serving recipe, and writes the exports eval and users read.
+
+    inputs      = load_target_inputs(cfg)                 settings, collected rows, target
+    drafts      = drafts_to_calibrate(inputs)             ${paths.trained}'s draft and draft_init, or any draft
+                                                          directory (distill.calibration.draft)
+    heldouts    = build_heldouts(inputs, ...)             the rows distill held out (training.json), same parts
+    before      = the initial draft's held-out acceptance (a given draft's own)
+    profile     = cost_profile(...)                       this device's pass costs (or a given profile)
+    calibration = calibrate(...)                          τ, γ, draft-length policy and tree per domain
+    spec        = build_spec(...)                         speculative.json: every number on the reporting part
+    spec, files = calibrate_engines(...)                  + the engines asked for (llama.cpp) and draft.gguf
+    spec        = calibrate_batching(...)                 + γ per batch size (distill.calibration.batch_sizes)
+    save_calibrated(...)                                  ${paths.draft} + model card + the per-domain table
+    and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
+
+Each draft is loaded here from disk in fp32 (the dtype distill trained and keep_best judged it in), and exported
+as a copy in the serving dtype: no step changes a model another step uses. A calibration setting therefore reruns
+this stage and eval, never training.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from distill import calibrate as cal
+from distill.batching import calibrate_batching
+from distill.engines import calibrate_engines
+from distill.export import exported_weights, format_table, model_card, save_draft
+from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance
+from distill.job import Calibration, HeldOuts, Inputs, Split
+from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
+from distill.split import split_by_prompt
+from distill.stage import read_record
+from pipeline.cost_profile import FILENAME
+from pipeline.errors import PipelineError
+from pipeline.models import check_compatible, load_model, load_tokenizer
+from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.timing import Laps
+
+
+def log(msg: str) -> None:
+    print(f"[calibrate] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    """A draft to calibrate: where its weights are, where its export goes, and what its speculative.json says
+    about how it was made (from distill's training.json, or from the given draft's own speculative.json)."""
+    weights: Path
+    out: Path
+    label: str                  # the model card's title suffix
+    distilled: bool
+    selected: str               # "distilled" | "init": which weights these are
+    info: dict                  # speculative.json `draft`
+    training: dict              # speculative.json `training`
+    curve: list
+    after_training: dict | None  # reporting-part acceptance of the trained weights (None: the draft's own)
+
+
+# ---------------------------------------------------------------- the stage
+def run(cfg: DictConfig, tracker) -> dict:
+    t_start, laps = time.time(), Laps()
+    given = cfg.distill.calibration.get("draft")
+    record = check_draft_dir(Path(given)) if given else read_record(cfg.paths.trained)  # before loading anything
+    inputs = load_target_inputs(cfg, tracker)
+    main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs, record)
+    heldouts = build_heldouts(inputs, split.heldout_idx)
+    laps.lap("heldout")
+    init_job = with_draft(inputs, init.weights) if init else None
+    main_job = with_draft(inputs, main.weights)
+    before = serving_acceptance(init_job or main_job, heldouts.reporting, split.vocab)
+    profile = cost_profile(main_job, split.vocab)
+    laps.lap("cost_profile")
+    spec, calibration = calibrate_draft(main_job, split, heldouts, before, profile, main)
+    spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log)
+    spec = calibrate_batching(main_job, split, spec, log)
+    save_calibrated(main_job, spec, profile, calibration.head_fill, main, engine_files)
+    report(inputs, spec, main.out)
+    laps.lap("draft")
+    if init is not None:
+        export_init(init_job, split, heldouts, before, profile, init,
+                    calibration if main.selected == "init" else None)
+        laps.lap("draft_init")
+    log(f"exported {main.out}" + (f" and {init.out}" if init else "") + f" in {time.time() - t_start:.0f}s: "
+        f"{laps.summary()}")
+    tracker.log_metrics({f"calibrate_seconds/{name}": seconds for name, seconds in laps.parts.items()})
+    return {"acceptance_before": spec.acceptance["before"][cal.OVERALL],
+            "acceptance_after": spec.acceptance["after"][cal.OVERALL], "c": spec.cost["c"], "draft": str(main.out)}
+
+
+# ---------------------------------------------------------------- which drafts
+def trained_drafts(inputs: Inputs, record: dict) -> tuple[DraftSource, DraftSource, Split]:
+    """${paths.trained}'s draft and draft_init (its training.json `record`), to ${paths.draft} and
+    ${paths.draft_init}, on the rows distill held out."""
+    paths = inputs.cfg.paths
+    if record["rows"] != len(inputs.collected):
+        raise PipelineError(f"{paths.trained} was trained on a collect of {record['rows']} rows, {paths.collect} has "
+                            f"{len(inputs.collected)}: rerun stage=distill on this collect")
+    vocab = None if record["vocab_subset"] is None else torch.tensor(record["vocab_subset"], dtype=torch.long)
+    split = Split(None, list(record["heldout_idx"]), record["fingerprint"], vocab)
+    trained = Path(paths.trained)
+    main = DraftSource(trained / "draft", Path(paths.draft), "distilled", True, record["selected"], record["draft"],
+                       record["training"], record["learning_curve"], record["after_training"])
+    none = {**record["training"], "steps": 0, "train_tokens": 0, "minutes": 0.0}
+    init = DraftSource(trained / "draft_init", Path(paths.draft_init), "undistilled, calibrated", False, "init",
+                       record["draft"], none, [], None)
+    return main, init, split
+
+
+def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split]:
+    """distill.calibration.draft=<dir> (a published draft, another run's export) to ${paths.draft}, alone, on the
+    held-out rows distill.split chooses; its FR-Spec head and provenance from its speculative.json if it has one."""
+    own = SpeculativeSpec.read(weights)
+    split_settings = inputs.settings.split
+    _, heldout_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
+                                     float(split_settings.heldout_fraction),
+                                     split_settings.heldout_max_prompts_per_domain, int(inputs.cfg.seed))
+    vocab = torch.tensor(own.vocab_subset, dtype=torch.long) if own and own.vocab_subset else None
+    name = hashlib.sha256(str(weights.resolve()).encode()).hexdigest()[:16]  # names its engine files
+    source = DraftSource(weights, Path(inputs.cfg.paths.draft), "calibrated", bool(own and own.distilled),
+                         own.selected if own else "init", own.draft if own else {"init": "pretrained", "path": str(weights)},
+                         own.training if own else {}, own.learning_curve if own else [], None)
+    return source, None, Split(None, heldout_idx, name, vocab)
+
+
+def check_draft_dir(weights: Path) -> None:
+    if not (weights / "config.json").is_file():
+        raise PipelineError(f"distill.calibration.draft={weights} is not a model directory (no config.json): point it "
+                            "at a draft's weights or export")
+
+
+def with_draft(inputs: Inputs, weights: Path) -> Inputs:
+    """`inputs` with the draft at `weights`, loaded in fp32 on the target's device, its tokenizer checked."""
+    device = next(inputs.target.parameters()).device
+    draft, tokenizer = load_model(weights, device, torch.float32), load_tokenizer(weights)
+    check_compatible(inputs.tokenizer, tokenizer, inputs.target, draft)
+    return replace(inputs, draft=draft, draft_tokenizer=tokenizer, draft_info={})
+
+
+# ---------------------------------------------------------------- one draft's recipe
+def calibrate_draft(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, profile: dict, source: DraftSource,
+                    calibration: Calibration | None = None) -> tuple[SpeculativeSpec, Calibration]:
+    """The draft's calibration on the calibration part (or `calibration`, already chosen for the same weights)
+    and its speculative.json, every number on the reporting part."""
+    calibration = calibration or calibrate(job, split, heldouts.calibration, profile)
+    after = serving_acceptance(job, heldouts.reporting, split.vocab)
+    return build_spec(job, split, heldouts, before, after, source, calibration), calibration
+
+
+def build_spec(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, after: dict, source: DraftSource,
+               calibration: Calibration) -> SpeculativeSpec:
+    """speculative.json: the calibration, and every reported number measured on the reporting part."""
+    gamma, reporting = int(job.settings.heldout.gamma), heldouts.reporting
+    calibrated = cal.acceptance_at(job.draft, reporting, calibration.temperature, split.vocab)
+    trees = tree_candidates(job, split, reporting, calibration)
+    # what engines that run the exported checkpoint's full head get (export.py writes the subset into it)
+    full_head = cal.acceptance_at(exported_weights(job.draft, split.vocab_list, calibration.head_fill), reporting,
+                                  calibration.temperature)
+    return SpeculativeSpec(
+        job.target_ident, job.sampling, {**source.info, "parameters": sum(p.numel() for p in job.draft.parameters())},
+        split.vocab_list, distilled=source.distilled, gamma=_with_default(calibration.gamma),
+        draft_length=_with_default({k: v.to_dict() for k, v in calibration.draft_length.items()}),
+        tree=_with_default(calibration.tree), tree_candidates=_with_default(trees) if trees else {},
+        speculate=_with_default(calibration.speculate),
+        draft_temperature=_with_default(calibration.temperature), selected=source.selected,
+        acceptance={"before": acceptances(before), "after": acceptances(after),
+                    "after_training": source.after_training or acceptances(after),
+                    "after_calibrated": _per_domain(calibrated, reporting), "full_head": _per_domain(full_head, reporting)},
+        mean_accepted_length={"gamma": gamma, **{name: {k: v["mean_accepted_length"] for k, v in summary.items()}
+                                                 for name, summary in (("before", before), ("after", after))}},
+        per_position_acceptance={k: v["per_position_acceptance"] for k, v in after.items()},
+        predicted_speedup=predict_speedup(job, split, reporting, calibrated, calibration, trees),
+        cost=calibration.cost, training=source.training, learning_curve=source.curve, heldout=heldouts.sizes)
+
+
+def export_init(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, profile: dict, source: DraftSource,
+                calibration: Calibration | None) -> None:
+    """${paths.draft_init} with its own serving calibration (τ, γ, policy, tree for the same cost profile):
+    comparing the distilled draft against an uncalibrated one would credit distillation with what calibration
+    alone buys. distill.calibration.calibrate_init=false: the weights with their held-out acceptance alone."""
+    if not job.settings.calibration.calibrate_init:
+        spec = SpeculativeSpec(job.target_ident, job.sampling, source.info, split.vocab_list, distilled=False,
+                               selected="init", acceptance={"before": acceptances(before)}, heldout=heldouts.sizes)
+        save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, spec, None,
+                   job.target.generation_config,
+                   head_fill=cal.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab))
+        return
+    spec, calibration = calibrate_draft(job, split, heldouts, before, profile, source, calibration)
+    save_calibrated(job, spec, profile, calibration.head_fill, source)
+    log(f"exported {source.out} with its own calibration (predicted speedup "
+        f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
+
+
+# ---------------------------------------------------------------- export
+def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill: torch.Tensor | None,
+                    source: DraftSource, files: dict[str, Path] | None = None) -> None:
+    """A copy of the draft in the serving dtype with its calibration, model card and cost profile."""
+    generation_config = copy.deepcopy(job.target.generation_config)
+    hf_setting = ((spec.engines.get("hf") or {}).get("generation_config") or {}).get(DEFAULT)
+    # HF assisted generation reads these from the assistant: HF's own calibration where there is one (a default
+    # calibrated "off" keeps our decoder's; the card says to serve without the draft there)
+    for key, value in (hf_setting or spec.draft_length_for(DEFAULT).hf_generation_config()).items():
+        setattr(generation_config, key, value)
+    save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, spec,
+               model_card(spec, f"{job.cfg.model.draft.name} ({source.label})"), generation_config,
+               extra={FILENAME: profile}, head_fill=head_fill, files=files)
+
+
+def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
+    """The per-domain table, and the calibration's numbers to MLflow."""
+    print(format_table(spec))
+    acceptance = spec.acceptance
+    inputs.tracker.log_metrics({
+        **{f"calibrated_acceptance/{k}": v for k, v in acceptance["after_calibrated"].items()},
+        **{f"full_head_acceptance/{k}": v for k, v in acceptance["full_head"].items()},
+        **{f"draft_temperature/{k}": v for k, v in spec.draft_temperature.items()},
+        **{f"best_gamma/{k}": v for k, v in spec.gamma.items()},
+        **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()}, "c": spec.cost["c"]})
+    inputs.tracker.log_artifact(str(out / "speculative.json"))
+    inputs.tracker.log_artifact(str(out / "README.md"))
+
+
+def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:
+    return {domain: float(alpha[mask].mean()) if mask.any() else 0.0 for domain, mask in cal.domain_index(heldout).items()}
+
+
+def _with_default(per_domain: dict) -> dict:
+    out = {k: v for k, v in per_domain.items() if k != cal.OVERALL}
+    out[DEFAULT] = per_domain[cal.OVERALL]
+    return out

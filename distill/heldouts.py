@@ -1,0 +1,110 @@
+"""What the distill and calibrate stages both read: the collected rows, the target, the serving sampling, and
+the held-out parts with the target's serving distribution.
+
+Both stages build the held-out parts from the same row indices (distill records them in training.json, calibrate
+reads them there), the same target and the same settings, so the rows distill chose keep_best on are the rows
+calibrate chooses τ and γ on, and the numbers it reports come from the same reporting part.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from distill import calibrate as cal
+from distill.job import HeldOuts, Inputs
+from distill.settings import DistillSettings, ServingSettings
+from distill.split import split_heldout
+from pipeline.chat import stop_token_ids
+from pipeline.errors import PipelineError
+from pipeline.models import load_role, model_identity
+from pipeline.sampling import Sampling
+
+
+def log(msg: str) -> None:
+    print(f"[distill] {msg}", flush=True)
+
+
+def load_collected(collect_dir: str | Path):
+    """The collect stage's dataset and manifest, or a one-line error naming the fix."""
+    from datasets import load_from_disk
+
+    collect_dir = Path(collect_dir)
+    if not (collect_dir / "dataset").exists():
+        raise PipelineError(f"no collected data at {collect_dir}/dataset: run `python -m pipeline stage=collect` "
+                            "first (or point paths.collect at a collect output)")
+    try:
+        dataset = load_from_disk(str(collect_dir / "dataset"))
+    except Exception as e:
+        raise PipelineError(f"cannot read {collect_dir}/dataset ({type(e).__name__}): rerun stage=collect") from None
+    missing = {"prompt_id", "domain", "prompt_ids", "completion_ids"} - set(dataset.column_names)
+    if missing:
+        raise PipelineError(f"collected dataset lacks columns {sorted(missing)}: rerun stage=collect")
+    if len(dataset) == 0:
+        raise PipelineError(f"collected dataset at {collect_dir} is empty: collect some prompts first")
+    manifest_file = collect_dir / "manifest.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    return dataset, manifest
+
+
+def serving_sampling(serving: ServingSettings, manifest: dict) -> Sampling:
+    """The serving settings the draft is tuned for: distill.serving.* where set, else the collect manifest's."""
+    chosen = dict(manifest.get("sampling") or {})
+    chosen.update({k: v for k, v in vars(serving).items() if v is not None})
+    return Sampling.from_dict(chosen)
+
+
+def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
+    """Checked settings, the collected rows and the target; no draft yet (each stage loads its own)."""
+    from accelerate import PartialState
+
+    settings = DistillSettings.from_config(cfg.distill)
+    state = PartialState()
+    dataset, manifest = load_collected(cfg.paths.collect)
+    target, tokenizer, target_path = load_role(cfg, "target")
+    if state.num_processes > 1 and state.device.type == "cuda":
+        target = target.to(state.device)
+    target.requires_grad_(False)
+    largest_id = max(max((max(ids) for ids in dataset[column] if ids), default=0)
+                     for column in ("prompt_ids", "completion_ids"))
+    if largest_id >= target.config.vocab_size:
+        raise PipelineError(f"collected token id {largest_id} is outside the target's {target.config.vocab_size:,}-token "
+                            "vocabulary: the data was collected with another tokenizer; rerun stage=collect")
+    return Inputs(cfg, settings, tracker, state, dataset, manifest, serving_sampling(settings.serving, manifest),
+                  target, tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, None,
+                  None, None, stop_token_ids(tokenizer, target))
+
+
+def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
+    """The target's serving distribution on the calibration and reporting parts of the held-out rows."""
+    held = inputs.collected.select(heldout_idx)
+    held = held.remove_columns([c for c in ("final_hidden",) if c in held.column_names])  # row dicts stay small
+    calibration_idx, reporting_idx, disjoint = split_heldout(held["prompt_id"], held["domain"],
+                                                             float(inputs.settings.split.calibration_share),
+                                                             int(inputs.cfg.seed))
+    if not disjoint:
+        log("note: a domain has a single held-out prompt, used both to calibrate and to report (collect more "
+            "prompts per domain for an unbiased report)")
+    heldout = inputs.settings.heldout
+
+    def part(indices):
+        return cal.build_heldout(inputs.target, [held[i] for i in indices], [held["domain"][i] for i in indices],
+                                 inputs.sampling, inputs.truncation, int(heldout.support), int(heldout.batch_size),
+                                 inputs.tokenizer.pad_token_id)
+
+    calibration, reporting = part(calibration_idx), part(reporting_idx)
+    sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}
+                                      for name, h in (("calibration", calibration), ("reporting", reporting))}}
+    return HeldOuts(calibration, reporting, sizes)
+
+
+def serving_acceptance(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:
+    """Per-domain summary of α with the draft sampling at the serving temperature."""
+    alpha = cal.acceptance(inputs.draft, heldout, [inputs.sampling.temperature], vocab)[0]
+    return cal.summarize(alpha, heldout, int(inputs.settings.heldout.gamma))
+
+
+def acceptances(summary: dict) -> dict[str, float]:
+    return {k: v["acceptance"] for k, v in summary.items()}

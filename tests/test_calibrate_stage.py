@@ -1,0 +1,99 @@
+"""The calibrate stage (distill/calibrate_stage.py) apart from training: alone on a finished distill output it
+reproduces the run's serving recipe, a calibration setting changes the recipe without touching the trained weights
+(and under DVC reruns calibrate and eval, never distill), and it calibrates any draft directory."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.errors import PipelineError
+from tests.conftest import REPO, read_spec, run_calibrate_stage
+
+RECIPE = ("vocab_subset", "distilled", "selected", "gamma", "draft_length", "tree", "speculate", "draft_temperature",
+          "acceptance", "mean_accepted_length", "predicted_speedup", "cost", "training", "learning_curve", "heldout")
+
+
+def spec_of(directory: Path) -> dict:
+    return read_spec(directory)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_calibrate_alone_reproduces_the_runs_recipe_and_a_changed_setting_leaves_training_untouched(
+        setup, distilled, tmp_path):
+    run = distilled[2]
+    trained, profile = run / "trained", run / "draft" / "cost_profile.json"  # the run's own measured costs
+    before = digest(trained)
+    same = tmp_path / "same"
+    run_calibrate_stage(setup, same, f"paths.trained={trained}", f"distill.calibration.cost.profile={profile}")
+    for name in ("draft", "draft_init"):
+        ours, theirs = spec_of(same / name), spec_of(run / name)
+        assert {k: ours[k] for k in RECIPE} == {k: theirs[k] for k in RECIPE}, name
+    # the deliberately changed setting: τ may only be the serving temperature; the recipe differs, the weights do not
+    changed = tmp_path / "changed"
+    run_calibrate_stage(setup, changed, f"paths.trained={trained}", f"distill.calibration.cost.profile={profile}",
+                        "distill.calibration.tau_ratios=[1.0]", "distill.calibration.tau_refine=0")
+    serving = spec_of(run / "draft")["sampling"]["temperature"]
+    assert set(spec_of(changed / "draft")["draft_temperature"].values()) == {serving}
+    assert set(spec_of(run / "draft")["draft_temperature"].values()) != {serving}
+    assert digest(trained) == before
+    assert not (same / "distill_ckpt").exists() and not (changed / "distill_ckpt").exists()  # nothing trained
+
+
+def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
+    run = distilled[2]
+    plain = tmp_path / "plain"  # weights alone (distill's draft_init): no speculative.json to read provenance from
+    run_calibrate_stage(setup, plain, f"distill.calibration.draft={run / 'trained' / 'draft_init'}")
+    spec = spec_of(plain / "draft")
+    assert spec["distilled"] is False and spec["draft"]["init"] == "pretrained" and spec["gamma"]
+    assert spec["acceptance"]["before"] == spec["acceptance"]["after"]  # its own numbers: nothing to compare with
+    assert not (plain / "draft_init").exists()  # a given draft is calibrated alone
+    published = tmp_path / "published"  # an export: its FR-Spec head and provenance travel with it
+    run_calibrate_stage(setup, published, f"distill.calibration.draft={run / 'draft'}")
+    spec, own = spec_of(published / "draft"), spec_of(run / "draft")
+    assert spec["distilled"] is True and spec["training"] == own["training"] and spec["vocab_subset"] == own["vocab_subset"]
+    with pytest.raises(PipelineError, match="not a model directory"):
+        run_calibrate_stage(setup, tmp_path / "bad", f"distill.calibration.draft={tmp_path}")
+
+
+def test_calibrate_without_a_trained_draft_names_the_stage_to_run(setup, tmp_path):
+    with pytest.raises(PipelineError, match="stage=distill"):
+        run_calibrate_stage(setup, tmp_path)
+
+
+# ---------------------------------------------------------------- DVC: which stage a setting reruns
+def stage_params() -> dict[str, list[str]]:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    return {name: [p for p in stage.get("params", []) if isinstance(p, str)] for name, stage in stages.items()}
+
+
+def leaf_keys(tree, prefix: str) -> list[str]:
+    if not isinstance(tree, dict):
+        return [prefix]
+    return [key for name, value in tree.items() for key in leaf_keys(value, f"{prefix}.{name}")]
+
+
+def reads(params: list[str], key: str) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in params)
+
+
+def calibration_keys_rerunning(params: dict[str, list[str]], stage: str) -> list[str]:
+    distill = yaml.safe_load((REPO / "params.yaml").read_text())["distill"]
+    keys = [k for k in leaf_keys(distill["calibration"], "distill.calibration") if k != "distill.calibration.keep_best"]
+    return [k for k in keys if reads(params[stage], k)]
+
+
+def test_a_calibration_setting_reruns_calibrate_and_not_distill_under_dvc():
+    params = stage_params()
+    assert calibration_keys_rerunning(params, "distill") == []
+    assert len(calibration_keys_rerunning(params, "calibrate")) > 20  # every one of them
+    assert reads(params["distill"], "distill.trainer.max_steps") and reads(params["distill"], "distill.objective.loss")
+    # the deliberately wrong dvc.yaml (before the split): distill read the whole group, so every knob retrained
+    assert calibration_keys_rerunning({**params, "distill": ["distill"]}, "distill")
