@@ -4,7 +4,6 @@ reproduces the run's serving recipe, a calibration setting changes the recipe wi
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
