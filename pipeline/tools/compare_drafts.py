@@ -2,28 +2,27 @@
 distribution (greedy serving: argmax agreement), and each draft's difference from the first with a paired
 bootstrap CI over held-out rows.
 
-    python -m distill.compare_drafts paths.collect=<collect> '+compare.drafts=[<export A>,<export B>]' \
-        (+compare.part=reporting|calibration +compare.temperature=calibrated +compare.json=<file>)
+    python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]' \
+        (tool.part=reporting|calibration tool.temperature=calibrated tool.json=<file>)
 
 The question it answers: do drafts trained on different rows of equal size — e.g. rows a serving engine
 generated (collect.backend=server, another engine's numerics) against the HF backend's — differ beyond noise?
 Each draft's own run judged it on its own held-out rows; here every draft meets the same rows and the same
 target distribution, so the difference has the noise of the drafts, not of two samples of completions. Each draft
 runs with its own FR-Spec head (speculative.json `vocab_subset`) at the serving temperature (or, with
-compare.temperature=calibrated, at its own calibrated τ per domain).
+tool.temperature=calibrated, at its own calibrated τ per domain).
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from distill import calibrate as cal
-from distill.offline import collect_heldouts, tool_config
-from pipeline.errors import PipelineError, one_line_errors
+from pipeline.tools.offline import collect_heldouts
+from pipeline.errors import PipelineError
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
 
@@ -104,16 +103,17 @@ def render(table: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(overrides: list[str]) -> dict:
-    cfg = tool_config(overrides)
-    options = dict(cfg.get("compare") or {})
-    drafts = [str(d) for d in options.get("drafts") or []]
-    part = str(options.get("part", "reporting"))
+def run(cfg) -> dict:
+    options = cfg.tool
+    drafts = [str(d) for d in options.drafts or []]
+    part = str(options.part)
     if len(drafts) < 2 or len(set(drafts)) < len(drafts):
-        raise PipelineError("name two or more different draft exports: '+compare.drafts=[<export A>,<export B>]'")
+        raise PipelineError("name two or more different draft exports: 'tool.drafts=[<export A>,<export B>]'")
     if part not in ("reporting", "calibration"):
-        raise PipelineError(f"+compare.part={part!r}: use reporting or calibration")
-    calibrated = str(options.get("temperature", "serving")) == "calibrated"
+        raise PipelineError(f"tool.part={part!r}: use reporting or calibration")
+    if options.temperature not in ("serving", "calibrated"):
+        raise PipelineError(f"tool.temperature={options.temperature!r}: use serving or calibrated")
+    calibrated = options.temperature == "calibrated"
     inputs, heldouts = collect_heldouts(cfg)
     heldout = getattr(heldouts, part)
     dtype = next(inputs.target.parameters()).dtype
@@ -125,11 +125,6 @@ def main(overrides: list[str]) -> dict:
     print(render(table, drafts))
     result = {"collect": str(cfg.paths.collect), "part": part, "sampling": inputs.sampling.to_dict(),
               "draft_temperature": "calibrated" if calibrated else "serving", "drafts": drafts, "domains": table}
-    if options.get("json"):
-        Path(options["json"]).write_text(json.dumps(result, indent=2))
+    if options.json:
+        Path(options.json).write_text(json.dumps(result, indent=2))
     return result
-
-
-if __name__ == "__main__":
-    with one_line_errors("compare_drafts"):
-        main(sys.argv[1:])
