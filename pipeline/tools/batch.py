@@ -35,7 +35,7 @@ from pipeline.chat import encode_chat
 from pipeline.decoding import GREEDY, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.errors import PipelineError
 from pipeline.spec import SpeculativeSpec
-from pipeline.tools.common import first_turns, load_pair, measure as measure_rotated, model_dir
+from pipeline.tools.common import check_given_dirs, first_turns, load_pair, measure as measure_rotated, model_dir
 
 
 def draft_vocab(draft_dir: Path) -> torch.Tensor | None:
@@ -209,6 +209,7 @@ def plan(args, draft_dir: Path) -> SpeculativeSpec | None:
 
 def run(cfg) -> dict:
     args = options(cfg)
+    check_given_dirs(cfg)
     spec = plan(args, model_dir(cfg, "draft"))  # a bad plan fails before any model loads
     turns = first_turns(args.prompts, args.n_prompts)
     pair = load_pair(cfg)

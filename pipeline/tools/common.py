@@ -35,6 +35,13 @@ def model_dir(cfg, role: str) -> Path:
     return Path(chosen)
 
 
+def check_given_dirs(cfg) -> None:
+    """tool.target and tool.draft, where given, are model directories: checked before anything loads or converts."""
+    for role in ("target", "draft"):
+        if cfg.tool.get(role) is not None:
+            model_dir(cfg, role)
+
+
 def load_pair(cfg) -> SimpleNamespace:
     """Target, draft and tokenizer on runtime.device in runtime.dtype, and the clock that times them."""
     from pipeline.chat import stop_token_ids

@@ -28,7 +28,7 @@ from pipeline.errors import PipelineError
 from pipeline.prompts import load_prompts
 from pipeline.sampling import derive_seed
 from pipeline.spec import SpeculativeSpec
-from pipeline.tools.common import load_pair, measure, model_dir
+from pipeline.tools.common import check_given_dirs, load_pair, measure, model_dir
 
 METHODS = ("fixed", "adaptive")
 
@@ -104,6 +104,7 @@ def run(cfg) -> dict:
     if args.per_domain < 1 or args.max_new_tokens < 1 or args.shape not in ("tree", "chain"):
         raise PipelineError(f"tool.per_domain={args.per_domain} and tool.max_new_tokens={args.max_new_tokens} must be "
                             f"integers >= 1 and tool.shape={args.shape} tree or chain")
+    check_given_dirs(cfg)
     draft_dir = model_dir(cfg, "draft")
     spec = SpeculativeSpec.read(draft_dir)
     if spec is None or not spec.draft_temperature or spec.sampling.greedy:
