@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
+from eval.metrics import _acceptance_stat, bootstrap_ci
 from distill.policy import simulate
 from pipeline.tools.offline import collect_heldouts
 from pipeline.decoding import speculative_generate
@@ -52,12 +53,10 @@ def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -
     return out
 
 
-def ratio_ci(pairs: list[tuple[int, int]], seed: int = 0, n_boot: int = 2000) -> tuple[float, list[float]]:
-    counts = np.array(pairs, dtype=float)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
-    boot = counts[picks, 0].sum(1) / np.maximum(counts[picks, 1].sum(1), 1)
-    return counts[:, 0].sum() / max(counts[:, 1].sum(), 1), [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+def ratio_ci(pairs: list[tuple[int, int]]) -> tuple[float, list[float] | None]:
+    """accepted / drafted pooled over requests, with eval's paired bootstrap interval (None below 2 requests)."""
+    accepted, drafted = np.array(pairs, dtype=float).T
+    return float(_acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), _acceptance_stat)
 
 
 def run(cfg) -> dict:
@@ -97,7 +96,7 @@ def render(result: dict) -> str:
         lines.append(f"\nγ = {gamma}: acceptance (accepted / drafted)\n{'domain':<15}{'plan, every start':>19}"
                      f"{'plan, visited starts':>22}{'decoder [95% CI]':>26}")
         for domain, row in table.items():
-            lo, hi = row["decoder_ci95"]
+            lo, hi = row["decoder_ci95"] or (float("nan"), float("nan"))
             lines.append(f"{domain:<15}{row['every_start']:>19.3f}{row['visited_starts']:>22.3f}"
                          f"{row['decoder']:>12.3f} [{lo:.3f}, {hi:.3f}]")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
+from eval.metrics import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
@@ -49,16 +50,14 @@ def row_sums(alpha: torch.Tensor, heldout: cal.HeldOut, mask: torch.Tensor) -> t
     return (np.array([values[rows == r].sum() for r in present]), np.array([(rows == r).sum() for r in present]))
 
 
-def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray, seed: int = 0,
-                      n_boot: int = 4000) -> tuple[float, list[float]]:
-    """(other − base) of the position-weighted means, with a 95% percentile bootstrap over rows (both drafts
-    resampled with the same rows)."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
-    n = counts[picks].sum(1)
-    boot = (other[picks].sum(1) - base[picks].sum(1)) / n
-    return float((other.sum() - base.sum()) / counts.sum()), [float(np.quantile(boot, 0.025)),
-                                                                float(np.quantile(boot, 0.975))]
+def _difference(base, other, counts, axis=-1):
+    """(other − base) of the position-weighted means over rows."""
+    return (np.sum(other, axis=axis) - np.sum(base, axis=axis)) / np.sum(counts, axis=axis)
+
+
+def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray) -> tuple[float, list[float] | None]:
+    """The difference with eval's paired bootstrap interval over rows (both drafts resampled with the same rows)."""
+    return float(_difference(base, other, counts)), bootstrap_ci((base, other, counts), _difference)
 
 
 def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
@@ -97,7 +96,8 @@ def render(table: dict, names: list[str]) -> str:
         line = f"{domain:<15}{entry['rows']:>6}{entry['positions']:>11}"
         line += "".join(f"{entry['acceptance'][n]:>20.3f}" for n in names)
         for n in names[1:]:
-            delta, (lo, hi) = entry["difference"][n]
+            delta, ci = entry["difference"][n]
+            lo, hi = ci or (float("nan"), float("nan"))
             line += f"{f'{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]':>32}"
         lines.append(line)
     return "\n".join(lines)
