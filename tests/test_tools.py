@@ -19,7 +19,9 @@ def test_every_subcommand_has_one_settings_file_and_composes():
         cfg = compose(subcommand, [])
         assert cfg.tool and cfg.tracking.enabled is False, subcommand
     with pytest.raises(PipelineError, match="bad configuration"):
-        compose("arms", ["tool.undeclared=1"])  # a key no settings file declares is refused, no `+` way round it
+        compose("arms", ["tool.undeclared=1"])  # a key no settings file declares is refused, by Hydra
+    with pytest.raises(PipelineError, match="tool.undeclared is not a setting of arms: .* declares drafts, out"):
+        compose("arms", ["+tool.undeclared=1"])  # and with a `+`, by the tool
 
 
 def test_an_unknown_subcommand_is_one_line_naming_the_known_ones():

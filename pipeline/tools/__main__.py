@@ -32,12 +32,20 @@ def compose(subcommand: str, overrides: list[str]):
     """conf/config.yaml with the subcommand's settings under `tool` (MLflow off: a tool makes no run)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
+    from omegaconf import OmegaConf
+
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return hydra_compose("config", overrides=["tracking.enabled=false", f"+tools={subcommand}", *overrides])
+            cfg = hydra_compose("config", overrides=["tracking.enabled=false", f"+tools={subcommand}", *overrides])
     except Exception as e:  # Hydra's override / composition errors: one line, as python -m pipeline gives them
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise PipelineError(f"bad configuration: {first.strip()}") from None
+    declared = set(OmegaConf.load(CONF / "tools" / f"{subcommand}.yaml"))
+    undeclared = sorted(set(cfg.tool) - declared)
+    if undeclared:  # `+tool.<key>=...` gets past Hydra's own check
+        raise PipelineError(f"tool.{undeclared[0]} is not a setting of {subcommand}: conf/tools/{subcommand}.yaml "
+                            f"declares {', '.join(sorted(declared))}")
+    return cfg
 
 
 def run(argv: list[str]):
