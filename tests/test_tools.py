@@ -4,6 +4,7 @@ method). Smoke runs on the distill tests' tiny target and draft."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,3 +104,17 @@ def test_sources_regenerates_the_faq_prompts(tmp_path):
     prompts = run(["sources", f"tool.faq_dir={faq}", f"tool.out={out}"])
     assert [p["turns"] for p in prompts] == [["Why is Python slow?"], ["Details"]]
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [p["id"] for p in prompts]
+
+
+def commands_in(text: str) -> tuple[set[str], set[str]]:
+    """(modules run with `python -m`, subcommands of `python -m pipeline.tools`) that a text names."""
+    return (set(re.findall(r"python -m ([A-Za-z_][\w.]*)", text)),
+            set(re.findall(r"python -m pipeline\.tools ([a-z-]+)", text)))
+
+
+def test_the_docs_name_only_the_two_commands_and_real_subcommands():
+    text = "".join((REPO / name).read_text() for name in ("README.md", "docs/architecture.md", "data/SOURCES.md"))
+    modules, subcommands = commands_in(text)
+    assert modules == {"pipeline", "pipeline.tools", "pytest"} and subcommands and subcommands <= set(SUBCOMMANDS)
+    retired = commands_in("run `python -m eval.bench --target t` or `python -m pipeline.tools ttft`")
+    assert retired == ({"eval.bench", "pipeline.tools"}, {"ttft"})  # what the check would refuse
