@@ -61,6 +61,7 @@ CASES = [
     ("collect-throughput", ["no_such_key=1"], "bad configuration"),
     ("collect-throughput", ["collect.batch_size=0"], "batch_size"),
     ("collect-throughput", ["tool.server=true", "tool.server_parallel=0"], "tool.server_parallel=0"),
+    ("collect-throughput", ["collect.batch_size=1"], "batching is compared with batch 1"),
 ]
 
 

@@ -29,6 +29,7 @@ import torch
 
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.errors import PipelineError
+from pipeline.timing import synced_clock
 from pipeline.tools.common import measure
 
 def bench_prompts(cfg, n: int, domains: list[str], prompts_file: str | None = None) -> list[dict]:
@@ -60,6 +61,8 @@ def run(cfg) -> dict:
     if tool.prompts_file and not Path(tool.prompts_file).is_file():
         raise PipelineError(f"tool.prompts_file={tool.prompts_file} is not a file: pass a prompt JSONL")
     settings = collect_settings(cfg, tool.max_new_tokens)
+    if settings.batch_size == 1 and not tool.server:
+        raise PipelineError("collect.batch_size=1: batching is compared with batch 1, set a larger collect.batch_size")
     prompts = bench_prompts(cfg, tool.prompts, list(tool.domains), tool.prompts_file)
     if not prompts:
         raise PipelineError("no prompts to measure on: pass tool.prompts_file=<jsonl> or run "
@@ -104,12 +107,12 @@ def backend_method(backend, tokenizer):
     return fn
 
 
-def compare(methods: dict, prompts: list[dict], size: int, n: int) -> tuple[dict, list[dict]]:
+def compare(methods: dict, prompts: list[dict], size: int, n: int, device) -> tuple[dict, list[dict]]:
     """Target tokens/s of the two methods on the same chunks of `size` prompts and the ratio second / first with its
     paired bootstrap interval over the chunks; the rows of the second's runs."""
     chunks = [{"ids": prompts[i:i + size], "domain": "all", "seed": c}
               for c, i in enumerate(range(0, len(prompts), size))]
-    records = measure(methods, chunks, n, time_clock(), warmup_tokens=1)
+    records = measure(methods, chunks, n, synced_clock(device), warmup_tokens=1)
     (first, tok_a, sec_a), (second, tok_b, sec_b) = (
         (name, np.array([len(r["tokens"]) for r in recs], float), np.array([r["time_s"] for r in recs]))
         for name, recs in records.items())
@@ -128,12 +131,6 @@ def compare(methods: dict, prompts: list[dict], size: int, n: int) -> tuple[dict
     return result, [row for r in records[second] for row in r["stats"]]
 
 
-def time_clock():
-    from pipeline.timing import synced_clock
-
-    return synced_clock("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def measure_batching(target, settings, prompts: list[dict]) -> tuple[dict, list[dict]]:
     """Tokens/s at batch 1 and at collect.batch_size on the same chunks of collect.batch_size prompts."""
     from data.collect_hf import HFBackend
@@ -141,9 +138,7 @@ def measure_batching(target, settings, prompts: list[dict]) -> tuple[dict, list[
     methods = {f"batch {size}": backend_method(HFBackend(target.model, target.tokenizer.pad_token_id, target.stop_ids,
                                                          replace(settings, batch_size=size)), target.tokenizer)
                for size in (1, settings.batch_size)}
-    if len(methods) == 1:
-        raise PipelineError("collect.batch_size=1: batching is compared with batch 1, set a larger collect.batch_size")
-    return compare(methods, prompts, settings.batch_size, settings.max_new_tokens)
+    return compare(methods, prompts, settings.batch_size, settings.max_new_tokens, target.device)
 
 
 def measure_server_vs_hf(cfg, target, settings, prompts: list[dict], parallel: int) -> dict:
@@ -175,7 +170,7 @@ def measure_server_vs_hf(cfg, target, settings, prompts: list[dict], parallel: i
         print(f"[collect-throughput] HF batch {settings.batch_size} vs llama-server {gguf.name} ({parallel} slot(s)), "
               f"{threads} threads each")
         methods = {"hf": backend_method(hf, target.tokenizer), "server": backend_method(server_backend, target.tokenizer)}
-        return compare(methods, prompts, settings.batch_size, settings.max_new_tokens)[0]
+        return compare(methods, prompts, settings.batch_size, settings.max_new_tokens, target.device)[0]
 
 
 def report_disk(rows: list[dict], topk: int) -> None:
