@@ -25,6 +25,14 @@ def test_every_subcommand_has_one_settings_file_and_composes():
         compose("arms", ["+tool.undeclared=1"])  # and with a `+`, by the tool
 
 
+def test_help_lists_every_subcommand_with_what_it_does(capsys):
+    from pipeline.tools.__main__ import main
+
+    assert main(["--help"]) == 0
+    listed = dict(line.split(None, 1) for line in capsys.readouterr().out.split("subcommands:\n")[1].splitlines())
+    assert sorted(listed) == sorted(SUBCOMMANDS) and all(len(what) > 20 for what in listed.values())
+
+
 def test_an_unknown_subcommand_is_one_line_naming_the_known_ones():
     with pytest.raises(PipelineError, match="is not one of learning-curve, arms") as e:
         run(["bench"])

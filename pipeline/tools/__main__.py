@@ -62,9 +62,22 @@ def run(argv: list[str]):
     return importlib.import_module(SUBCOMMANDS[argv[0]]).run(cfg)
 
 
+def usage() -> str:
+    """The module docstring and each subcommand's first settings comment (what it does)."""
+    lines = [__doc__.strip(), "", "subcommands:"]
+    for name in SUBCOMMANDS:
+        first = (CONF / "tools" / f"{name}.yaml").read_text().splitlines()[1]
+        lines.append(f"  {name:<20}{first.removeprefix('# python -m pipeline.tools ' + name + ':').strip()}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        run(argv)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
