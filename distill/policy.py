@@ -116,7 +116,7 @@ def visit_weights(at_least: list[torch.Tensor]) -> torch.Tensor:
     A pass from t that accepts k drafts starts the next at t + k + 1, so a stretch the draft gets wrong is covered
     one token per pass and visited at every position, an easy one every few: the decoder's acceptance counts are
     averages over these visits, not over positions (default export, 46 held-out rows, γ = 3: every start 0.162,
-    visited starts 0.145, the decoder 0.146 [0.133, 0.161]; python -m distill.acceptance_gap).
+    visited starts 0.145, the decoder 0.146 [0.133, 0.161]; python -m pipeline.tools acceptance-gap).
     at_least[k] [rows, T]: P(at least k + 1 drafts accepted) from each start."""
     rows, width = at_least[0].shape
     ge = torch.stack([torch.ones_like(at_least[0]), *at_least, torch.zeros_like(at_least[0])])

@@ -41,8 +41,8 @@ CANARY_BAND = (0.87, 1.15)  # the 1-token step's drift within a profile beyond w
 SHAPE_KEYS = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")
 REPO = Path(__file__).resolve().parent.parent
-REMEASURE = ("measure one with `python -m eval.cost_profile --target <dir> --draft <dir>` "
-             "(or --target-config/--draft-config)")
+REMEASURE = ("measure one with `python -m pipeline.tools cost-profile tool.target=<dir> tool.draft=<dir>` "
+             "(or tool.target_config/tool.draft_config)")
 
 
 class _Timed:

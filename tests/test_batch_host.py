@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from distill import batching
-from eval import bench_batch
+from pipeline.tools import batch as bench_batch
 from pipeline import batch_profile
 from pipeline.batch_profile import CHAINS, batch_cost, host_block, measure_batch_profile, validate
 from pipeline.decoding import cost as cost_module

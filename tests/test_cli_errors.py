@@ -1,4 +1,4 @@
-"""Every command-line tool refuses bad input the same way: exit code 2, one line on stderr, no traceback, and
+"""Every subcommand of `python -m pipeline.tools` refuses bad input the same way: exit code 2, one line on stderr, no traceback, and
 nothing written (or half-written) under its output path."""
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 from tests.conftest import REPO
 
 
-def run_tool(module: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+def run_tool(subcommand: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m pipeline.tools <subcommand> <args>` in a fresh process."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pipeline.tools", subcommand, *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def config_only_model(path: Path) -> Path:
@@ -31,36 +32,45 @@ def empty_export(path: Path) -> Path:
     return path
 
 
-# (module, arguments (formatted with {tmp}, {model}, {out}), a phrase the one line must hold)
+# (subcommand, Hydra overrides (formatted with {tmp}, {model}, {out}), a phrase the one line must hold)
 CASES = [
-    ("eval.bench", [], "--target"),
-    ("eval.bench", ["--target", "{tmp}/nowhere", "--json", "{out}"], "not an HF model directory"),
-    ("eval.bench", ["--target", "{model}", "--prompts", "{tmp}/none.jsonl", "--json", "{out}"], "no prompt file"),
-    ("eval.bench", ["--target", "{model}", "--n-prompts", "0", "--json", "{out}"], "--n-prompts 0"),
-    ("eval.bench", ["--target", "{model}", "--gamma", "x"], "invalid int value"),
-    ("eval.bench", ["--target", "{model}", "--device", "tpu", "--json", "{out}"], "--device tpu"),
-    ("eval.cost_profile", [], "required"),
-    ("eval.cost_profile", ["--target-config", "{tmp}/nowhere", "--draft-config", "{tmp}/nowhere", "--out", "{out}"],
+    ("nope", [], "is not one of"),
+    ("arms", ["tool.nope=1"], "bad configuration"),
+    ("arms", ["tool.drafts=[oops"], "bad configuration"),
+    ("cost-profile", [], "give one of tool.target"),
+    ("cost-profile", ["tool.target_config={tmp}/nowhere", "tool.draft_config={tmp}/nowhere", "tool.out={out}"],
      "nowhere"),
-    ("eval.learning_curve", ["--out", "{out}"], "drafts"),
-    ("eval.learning_curve", ["{tmp}/nowhere", "--out", "{out}"], "no speculative.json"),
-    ("eval.learning_curve", ["{tmp}/export", "--out", "{out}", "--bogus"], "unrecognized arguments"),
-    ("eval.arms", ["{tmp}/nowhere"], "--out"),
-    ("eval.arms", ["{tmp}/export", "--out", "{out}"], "no speculative.json"),
-    ("data.bench_collect", ["--prompts", "0"], "--prompts 0"),
-    ("data.bench_collect", ["--prompts-file", "{tmp}/none.jsonl"], "is not a file"),
-    ("data.bench_collect", ["collect.batch_size=[oops"], "bad configuration"),
-    ("data.bench_collect", ["no_such_key=1"], "bad configuration"),
-    ("data.bench_collect", ["collect.batch_size=0"], "batch_size"),
+    ("cost-profile", ["tool.target={tmp}/nowhere", "tool.draft_config={tmp}/nowhere", "tool.out={out}"],
+     "not a model directory"),
+    ("learning-curve", ["tool.out={out}"], "tool.drafts"),
+    ("learning-curve", ["tool.drafts=[{tmp}/nowhere]", "tool.out={out}"], "no speculative.json"),
+    ("learning-curve", ["tool.drafts=[{tmp}/export]", "tool.out={out}", "--bogus"], "bad configuration"),
+    ("arms", ["tool.drafts=[{tmp}/nowhere]"], "tool.out"),
+    ("arms", ["tool.drafts=[{tmp}/export]", "tool.out={out}"], "no speculative.json"),
+    ("batch", ["tool.target={tmp}/nowhere", "tool.draft={model}"], "not an HF model directory"),
+    ("batch", ["tool.target={model}", "tool.draft={model}", "tool.prompts={tmp}/none.jsonl"], "is not a file"),
+    ("batch", ["tool.n_prompts=0"], "tool.n_prompts=0"),
+    ("batch", ["tool.batch_sizes=[16]"], "tool.batch_sizes=[16]"),
+    ("tau", ["tool.shape=bush"], "tool.shape=bush"),
+    ("tau", ["tool.draft={model}"], "no sampled calibration"),
+    ("batching", ["tool.draft={model}", "tool.target={model}"], "no speculative.json"),
+    ("sources", ["tool.faq_dir={tmp}"], "holds no *.rst.txt"),
+    ("collect-throughput", ["tool.prompts=0"], "tool.prompts=0"),
+    ("collect-throughput", ["tool.prompts_file={tmp}/none.jsonl"], "is not a file"),
+    ("collect-throughput", ["collect.batch_size=[oops"], "bad configuration"),
+    ("collect-throughput", ["no_such_key=1"], "bad configuration"),
+    ("collect-throughput", ["collect.batch_size=0"], "batch_size"),
+    ("collect-throughput", ["tool.server=true", "tool.server_parallel=0"], "tool.server_parallel=0"),
+    ("collect-throughput", ["collect.batch_size=1"], "batching is compared with batch 1"),
 ]
 
 
-@pytest.mark.parametrize("module, args, needle", CASES, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(CASES)])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, module, args, needle):
+@pytest.mark.parametrize("subcommand, args, needle", CASES, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(CASES)])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, subcommand, args, needle):
     model, out = config_only_model(tmp_path / "model"), tmp_path / "out" / "result"
     empty_export(tmp_path / "export")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    done = run_tool(module, *[a.format(tmp=tmp_path, model=model, out=out) for a in args], cwd=tmp_path)
+    done = run_tool(subcommand, *[a.format(tmp=tmp_path, model=model, out=out) for a in args], cwd=tmp_path)
     err = done.stderr.strip()
     assert done.returncode == 2, (done.returncode, err[-2000:])
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-2000:]
@@ -69,10 +79,10 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, module, ar
     assert not out.parent.exists()
 
 
-@pytest.mark.parametrize("module", ["eval.learning_curve", "eval.arms"])
-def test_an_out_path_that_is_a_file_is_refused(tmp_path, module):
+@pytest.mark.parametrize("subcommand", ["learning-curve", "arms"])
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, subcommand):
     out = tmp_path / "report.md"
     out.write_text("mine")
-    done = run_tool(module, tmp_path / "nowhere", "--out", out, cwd=tmp_path)
+    done = run_tool(subcommand, f"tool.drafts=[{tmp_path / 'nowhere'}]", f"tool.out={out}", cwd=tmp_path)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "is a file" in done.stderr and out.read_text() == "mine"

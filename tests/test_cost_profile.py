@@ -1,4 +1,4 @@
-"""The cost profile (pipeline/cost_profile.py) and its CLI (eval/cost_profile.py) on tiny random models.
+"""The cost profile (pipeline/cost_profile.py) and its tool (`python -m pipeline.tools cost-profile`) on tiny random models.
 Wall-clock values are only checked for positivity and the monotone fit, never for size."""
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_mismatched_shapes_raise_one_line(profile, pair, tmp_path, role):
         cp.read_profile(path, **models)
     message = str(e.value)
     assert "\n" not in message and "hidden_size 32" in message and f"the {role} has 64" in message
-    assert "python -m eval.cost_profile" in message
+    assert "python -m pipeline.tools cost-profile" in message
 
 
 def test_other_head_rows_or_version_or_garbage_are_refused(profile, pair, tmp_path):
@@ -165,16 +165,17 @@ def test_random_model_from_config_file_dir_and_preset(tmp_path):
 
 def _cli(*args, cwd):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "eval.cost_profile", *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "pipeline.tools", "cost-profile", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 def test_cli_measures_config_shapes_and_writes_a_valid_profile(tmp_path):
     target_dir, draft_dir = _config_dir(tmp_path, "target", 2), _config_dir(tmp_path, "draft", 1)
     out = tmp_path / "out" / cp.FILENAME
-    done = _cli("--target-config", target_dir, "--draft-config", draft_dir / "config.json", "--vocab-subset", 8,
-                "--dtype", "fp32", "--device", "cpu", "--threads", 1, "--contexts", 8, 16, "--tokens-fed", 1, 2, 4,
-                "--repeats", 2, "--warmup", 0, "--out", out, cwd=tmp_path)
+    done = _cli(f"tool.target_config={target_dir}", f"tool.draft_config={draft_dir / 'config.json'}",
+                "tool.vocab_subset=8", "runtime.dtype=float32", "runtime.device=cpu", "runtime.threads=1",
+                "tool.contexts=[8,16]", "tool.tokens_fed=[1,2,4]", "tool.repeats=2", "tool.warmup=0", f"tool.out={out}",
+                cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "c = " in done.stdout and "verify ratio" in done.stdout
     profile = cp.read_profile(out, cp.model_config(target_dir), cp.model_config(draft_dir), vocab_rows=8)
@@ -182,7 +183,7 @@ def test_cli_measures_config_shapes_and_writes_a_valid_profile(tmp_path):
 
 
 def test_cli_bad_path_exits_2_with_one_line(tmp_path):
-    done = _cli("--target-config", tmp_path / "nowhere", "--draft-config", tmp_path / "nowhere", cwd=tmp_path)
+    done = _cli(f"tool.target_config={tmp_path / 'nowhere'}", f"tool.draft_config={tmp_path / 'nowhere'}", cwd=tmp_path)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert "nowhere" in done.stderr

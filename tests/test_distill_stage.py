@@ -432,14 +432,17 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
 
 
 def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, distilled, tmp_path, capsys):
-    """distill.compare_drafts: a draft against itself differs by exactly 0; the undistilled draft trails the
-    distilled one beyond the paired CI on the same rows; fewer than two drafts is one line."""
-    from distill.compare_drafts import main
+    """`pipeline.tools compare-drafts`: a draft against itself differs by exactly 0; the undistilled draft trails
+    the distilled one beyond the paired CI on the same rows; fewer than two drafts is one line."""
+    from pipeline.tools.__main__ import run as tools
+
+    def main(extra: list[str]):
+        return tools(["compare-drafts", *extra])
 
     run = distilled[2]
     copy = shutil.copytree(run / "draft", tmp_path / "copy")
-    drafts = f"+compare.drafts=[{run / 'draft'},{run / 'draft_init'},{copy}]"
-    result = main(overrides(setup, tmp_path, drafts, f"+compare.json={tmp_path / 'compare.json'}"))
+    drafts = f"tool.drafts=[{run / 'draft'},{run / 'draft_init'},{copy}]"
+    result = main(overrides(setup, tmp_path, drafts, f"tool.json={tmp_path / 'compare.json'}"))
     overall = result["domains"]["overall"]
     spec = read_spec(run / "draft")
     assert overall["acceptance"][str(run / "draft")] == pytest.approx(spec["acceptance"]["after"]["overall"], abs=1e-3)
@@ -450,4 +453,23 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     assert json.loads((tmp_path / "compare.json").read_text())["drafts"][1] == str(run / "draft_init")
     assert "Δ" in capsys.readouterr().out
     with pytest.raises(PipelineError, match="two or more different"):
-        main(overrides(setup, tmp_path, f"+compare.drafts=[{run / 'draft'}]"))
+        main(overrides(setup, tmp_path, f"tool.drafts=[{run / 'draft'}]"))
+
+
+def test_acceptance_gap_puts_the_plan_beside_the_decoder_on_the_reporting_rows(setup, distilled, tmp_path):
+    """`pipeline.tools acceptance-gap`: per γ and domain, both predictions and the decoder's acceptance (a rate with
+    its CI around it) on every reporting row; a γ of 0 is one line before anything loads."""
+    from pipeline.tools.__main__ import run as tools
+
+    run = distilled[2]
+    extra = (f"paths.draft={run / 'draft'}", "tool.gammas=[1]", "tool.repeats=1", f"tool.json={tmp_path / 'gap.json'}")
+    result = tools(["acceptance-gap", *overrides(setup, tmp_path, *extra)])
+    overall = result["by_gamma"]["1"]["overall"]
+    assert overall["requests"] == result["rows"] > 0
+    for key in ("every_start", "visited_starts", "decoder"):
+        assert 0 <= overall[key] <= 1, overall
+    lo, hi = overall["decoder_ci95"]
+    assert lo <= overall["decoder"] <= hi
+    assert json.loads((tmp_path / "gap.json").read_text())["by_gamma"]["1"]["overall"] == overall
+    with pytest.raises(PipelineError, match="tool.gammas"):
+        tools(["acceptance-gap", *overrides(setup, tmp_path, f"paths.draft={run / 'draft'}", "tool.gammas=[0]")])

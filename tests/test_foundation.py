@@ -50,6 +50,32 @@ def test_real_experiment_is_the_verified_qwen_pair_with_a_cheaper_draft_head():
     assert 0 < cfg.model.draft.vocab_subset < 151_936 and cfg.eval.baselines and cfg.eval.temperature == 0
 
 
+COMPARISONS = {  # preset -> what its eval run adds beside the evaluated draft (checked on the typed settings)
+    "compare-hf": lambda s: s.baselines == ("hf_generate", "hf_assisted", "hf_assisted_fixed",
+                                            "hf_assisted_calibrated") and s.temperature == 0,
+    "compare-guard": lambda s: s.guard["enabled"] and s.guard["compare"],
+    "compare-drafts": lambda s: s.extra_drafts == {"pretrained": "pretrained"},
+    "compare-drafting": lambda s: s.compare_draft_lengths == ("fixed", "confidence", "heuristic")
+    and len(s.gammas) > 1 and len(s.trees) > 1,
+}
+
+
+def test_every_comparison_preset_is_a_comparison():
+    """A conf/experiment/compare-*.yaml without an entry here is a comparison nobody checked."""
+    assert sorted(p.stem for p in (REPO / "conf/experiment").glob("compare-*.yaml")) == sorted(COMPARISONS)
+
+
+@pytest.mark.parametrize("preset", sorted(COMPARISONS))
+def test_comparison_preset_is_an_eval_run_beside_the_default_one(preset):
+    from eval.settings import EvalSettings
+
+    cfg = _compose(f"experiment={preset}")
+    settings = EvalSettings.from_config(cfg.eval)
+    assert cfg.stage == "eval" and COMPARISONS[preset](settings)
+    assert cfg.paths.eval != _compose().paths.eval  # the default run's report is not overwritten
+    assert not COMPARISONS[preset](EvalSettings.from_config(_compose().eval))  # the default run compares nothing
+
+
 def test_default_preset_is_the_embedded_model():
     cfg = _compose()
     assert cfg.model.name == "smollm2-135m" and cfg.stage == "all"

@@ -6,9 +6,23 @@ import json
 import pytest
 
 from distill.split import nested_subset
-from eval.learning_curve import doubling_gains, main
+from pipeline.tools.learning_curve import doubling_gains
+from pipeline.tools.__main__ import main as tools_main
 from pipeline.sampling import Sampling
 from pipeline.spec import SpeculativeSpec
+
+
+def tool(subcommand: str, drafts: list, out) -> int:
+    """`python -m pipeline.tools <subcommand> tool.drafts=[...] tool.out=<out>`, in process: its exit code."""
+    return tools_main([subcommand, f"tool.drafts=[{','.join(repr(str(d)) for d in drafts)}]", f"tool.out='{out}'"])
+
+
+def main(argv: list) -> int:  # the learning curve's old argument shape, kept so the tests read as before
+    return tool("learning-curve", argv[:-2], argv[-1])
+
+
+def arms_main(argv: list) -> int:
+    return tool("arms", argv[:-2], argv[-1])
 
 
 def test_nested_subsets_keep_every_domain_and_grow_by_inclusion():
@@ -75,8 +89,6 @@ def _arm(path, temperature: float, training: dict, after: dict):
 
 
 def test_arms_table_groups_by_temperature_and_sorts_by_acceptance(tmp_path, capsys):
-    from eval.arms import main as arms_main
-
     dirs = [_arm(tmp_path / "t07" / "fkl", 0.7, {"loss": "fkl", "lmbda": 0.0},
                  {"chat": 0.3, "code": 0.2, "overall": 0.25}),
             _arm(tmp_path / "t07" / "onpolicy", 0.7, {"loss": "jsd", "lmbda": 0.5, "adaspec_keep": None},
@@ -96,8 +108,6 @@ def test_arms_table_groups_by_temperature_and_sorts_by_acceptance(tmp_path, caps
 
 
 def test_arms_of_different_data_are_refused(tmp_path, capsys):
-    from eval.arms import main as arms_main
-
     a = _arm(tmp_path / "a", 0.7, {"loss": "fkl"}, {"chat": 0.3, "overall": 0.3})
     b = _arm(tmp_path / "b", 0.7, {"loss": "fkl", "data_tokens": 9000}, {"chat": 0.3, "overall": 0.3})
     assert arms_main([a, b, "--out", str(tmp_path / "out")]) == 2
@@ -107,7 +117,7 @@ def test_arms_of_different_data_are_refused(tmp_path, capsys):
 
 
 def test_tokens_needed_solves_the_log_line_through_the_last_runs():
-    from eval.learning_curve import tokens_needed
+    from pipeline.tools.learning_curve import tokens_needed
 
     points = [{"data_tokens": n, "acceptance": {"chat": a, "flat": 0.2}}
               for n, a in ((1000, 0.05), (2000, 0.2), (4000, 0.25), (8000, 0.3))]  # the first run is left out of the fit
@@ -121,7 +131,7 @@ def test_tokens_needed_solves_the_log_line_through_the_last_runs():
 
 
 def test_a_failure_while_writing_leaves_nothing_half_written(tmp_path, monkeypatch):
-    import eval.learning_curve as lc
+    import pipeline.tools.learning_curve as lc
 
     curve = [{"step": 10, "train_tokens": 500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}}]
     dirs = [_export(tmp_path / f"share-{n}", n, {"chat": a, "overall": a}, curve) for n, a in ((1000, 0.2), (2000, 0.3))]

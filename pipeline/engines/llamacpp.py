@@ -180,7 +180,7 @@ def free_port() -> int:
 class Server:
     """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
     arguments are the server's own: models, draft flags, threads, context, log file, start timeout and parallel
-    slots (-np; one unless a caller batches requests, e.g. data/bench_collect.py)."""
+    slots (-np; one unless a caller batches requests, e.g. `python -m pipeline.tools collect-throughput`)."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,

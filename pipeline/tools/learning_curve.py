@@ -1,6 +1,6 @@
 """Learning curves from draft exports: how held-out acceptance grows with target tokens and training minutes.
 
-    python -m eval.learning_curve <draft dir> [<draft dir> ...] --out <dir>
+    python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir>
 
 Two kinds of points, both from each export's speculative.json:
   runs     one point per export: the completion tokens it trained on (`training.data_tokens`), its training
@@ -14,10 +14,8 @@ learning_curve.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -183,17 +181,9 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
     return "\n".join(lines) + "\n"
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with bad arguments as one line on stderr and exit code 2 (no usage block)."""
-
-    def error(self, message):
-        sys.stderr.write(f"error: {message}: see {self.prog} --help\n")
-        sys.exit(2)
-
-
 def check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise PipelineError(f"--out {out} is a file, not a directory: pass a directory to write the report into")
+        raise PipelineError(f"tool.out={out} is a file, not a directory: pass a directory to write the report into")
 
 
 def write_files(out: Path, writers: dict) -> None:
@@ -209,18 +199,20 @@ def write_files(out: Path, writers: dict) -> None:
             (Path(staging) / name).replace(out / name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m eval.learning_curve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs)")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    try:
-        check_out(out)
-        exports = load_exports(args.drafts)
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def drafts_and_out(tool) -> tuple[list[str], Path]:
+    """tool.drafts and tool.out, checked (the out directory is written only after every export has loaded)."""
+    drafts = [str(d) for d in tool.drafts or []]
+    if not drafts:
+        raise PipelineError("tool.drafts is empty: name draft export directories, 'tool.drafts=[<dir>,<dir>]'")
+    if not tool.out:
+        raise PipelineError("tool.out is not set: name the directory to write the report into, tool.out=<dir>")
+    check_out(Path(tool.out))
+    return drafts, Path(tool.out)
+
+
+def run(cfg) -> dict:
+    drafts, out = drafts_and_out(cfg.tool)
+    exports = load_exports(drafts)
     points = sorted((run_point(spec, src) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
     exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
     curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec)) for src, spec in exports
@@ -228,13 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     gains = doubling_gains(points)
     needed = tokens_needed(points)
     md = markdown(points, gains, curves, needed)
-    data = json.dumps({"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves)}, indent=1)
+    result = {"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves)}
     write_files(out, {"learning_curve.png": lambda path: plot(points, curves, path),
                       "learning_curve.md": lambda path: path.write_text(md),
-                      "learning_curve.json": lambda path: path.write_text(data)})
-    print((out / "learning_curve.md").read_text())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                      "learning_curve.json": lambda path: path.write_text(json.dumps(result, indent=1))})
+    print(md)
+    return result

@@ -1,6 +1,6 @@
 """Compare distillation objectives ("arms") trained on one collect with one budget: which buys most acceptance.
 
-    python -m eval.arms <draft dir> [<draft dir> ...] --out <dir>
+    python -m pipeline.tools arms 'tool.drafts=[<draft dir>,...]' tool.out=<dir>
 
 Each argument is a distill export (paths.draft) of the same collect and draft; its directory name names the arm.
 Per arm, from speculative.json: the objective (loss, on-policy share λ, AdaSPEC share, teacher), the steps and
@@ -12,10 +12,9 @@ for, with the gain over the undistilled draft. Exports calibrated for different 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from eval.learning_curve import OVERALL, OneLineParser, _f, check_out, load_exports, write_files
+from pipeline.tools.learning_curve import OVERALL, _f, drafts_and_out, load_exports, write_files
 from pipeline.errors import PipelineError
 from pipeline.spec import SpeculativeSpec
 
@@ -82,24 +81,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m eval.arms", description=__doc__.split("\n\n")[0])
-    parser.add_argument("drafts", nargs="+", help="draft export directories (paths.draft of distill runs), one per arm")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    try:
-        check_out(out)
-        rows = [arm_row(Path(src).name, spec) for src, spec in load_exports(args.drafts)]
-        check_comparable(rows)
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def run(cfg) -> list[dict]:
+    drafts, out = drafts_and_out(cfg.tool)
+    rows = [arm_row(Path(src).name, spec) for src, spec in load_exports(drafts)]
+    check_comparable(rows)
     md, data = markdown(rows), json.dumps(rows, indent=1)
     write_files(out, {"arms.md": lambda path: path.write_text(md), "arms.json": lambda path: path.write_text(data)})
-    print((out / "arms.md").read_text())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(md)
+    return rows

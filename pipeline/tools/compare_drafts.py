@@ -2,28 +2,28 @@
 distribution (greedy serving: argmax agreement), and each draft's difference from the first with a paired
 bootstrap CI over held-out rows.
 
-    python -m distill.compare_drafts paths.collect=<collect> '+compare.drafts=[<export A>,<export B>]' \
-        (+compare.part=reporting|calibration +compare.temperature=calibrated +compare.json=<file>)
+    python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]' \
+        (tool.part=reporting|calibration tool.temperature=calibrated tool.json=<file>)
 
 The question it answers: do drafts trained on different rows of equal size — e.g. rows a serving engine
 generated (collect.backend=server, another engine's numerics) against the HF backend's — differ beyond noise?
 Each draft's own run judged it on its own held-out rows; here every draft meets the same rows and the same
 target distribution, so the difference has the noise of the drafts, not of two samples of completions. Each draft
 runs with its own FR-Spec head (speculative.json `vocab_subset`) at the serving temperature (or, with
-compare.temperature=calibrated, at its own calibrated τ per domain).
+tool.temperature=calibrated, at its own calibrated τ per domain).
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from distill import calibrate as cal
-from distill.offline import collect_heldouts, tool_config
-from pipeline.errors import PipelineError, one_line_errors
+from eval.metrics import bootstrap_ci
+from pipeline.tools.offline import collect_heldouts
+from pipeline.errors import PipelineError
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
 
@@ -50,16 +50,14 @@ def row_sums(alpha: torch.Tensor, heldout: cal.HeldOut, mask: torch.Tensor) -> t
     return (np.array([values[rows == r].sum() for r in present]), np.array([(rows == r).sum() for r in present]))
 
 
-def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray, seed: int = 0,
-                      n_boot: int = 4000) -> tuple[float, list[float]]:
-    """(other − base) of the position-weighted means, with a 95% percentile bootstrap over rows (both drafts
-    resampled with the same rows)."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
-    n = counts[picks].sum(1)
-    boot = (other[picks].sum(1) - base[picks].sum(1)) / n
-    return float((other.sum() - base.sum()) / counts.sum()), [float(np.quantile(boot, 0.025)),
-                                                                float(np.quantile(boot, 0.975))]
+def _difference(base, other, counts, axis=-1):
+    """(other − base) of the position-weighted means over rows."""
+    return (np.sum(other, axis=axis) - np.sum(base, axis=axis)) / np.sum(counts, axis=axis)
+
+
+def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray) -> tuple[float, list[float] | None]:
+    """The difference with eval's paired bootstrap interval over rows (both drafts resampled with the same rows)."""
+    return float(_difference(base, other, counts)), bootstrap_ci((base, other, counts), _difference)
 
 
 def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
@@ -98,22 +96,24 @@ def render(table: dict, names: list[str]) -> str:
         line = f"{domain:<15}{entry['rows']:>6}{entry['positions']:>11}"
         line += "".join(f"{entry['acceptance'][n]:>20.3f}" for n in names)
         for n in names[1:]:
-            delta, (lo, hi) = entry["difference"][n]
+            delta, ci = entry["difference"][n]
+            lo, hi = ci or (float("nan"), float("nan"))
             line += f"{f'{delta:+.3f} [{lo:+.3f}, {hi:+.3f}]':>32}"
         lines.append(line)
     return "\n".join(lines)
 
 
-def main(overrides: list[str]) -> dict:
-    cfg = tool_config(overrides)
-    options = dict(cfg.get("compare") or {})
-    drafts = [str(d) for d in options.get("drafts") or []]
-    part = str(options.get("part", "reporting"))
+def run(cfg) -> dict:
+    options = cfg.tool
+    drafts = [str(d) for d in options.drafts or []]
+    part = str(options.part)
     if len(drafts) < 2 or len(set(drafts)) < len(drafts):
-        raise PipelineError("name two or more different draft exports: '+compare.drafts=[<export A>,<export B>]'")
+        raise PipelineError("name two or more different draft exports: 'tool.drafts=[<export A>,<export B>]'")
     if part not in ("reporting", "calibration"):
-        raise PipelineError(f"+compare.part={part!r}: use reporting or calibration")
-    calibrated = str(options.get("temperature", "serving")) == "calibrated"
+        raise PipelineError(f"tool.part={part!r}: use reporting or calibration")
+    if options.temperature not in ("serving", "calibrated"):
+        raise PipelineError(f"tool.temperature={options.temperature!r}: use serving or calibrated")
+    calibrated = options.temperature == "calibrated"
     inputs, heldouts = collect_heldouts(cfg)
     heldout = getattr(heldouts, part)
     dtype = next(inputs.target.parameters()).dtype
@@ -125,11 +125,6 @@ def main(overrides: list[str]) -> dict:
     print(render(table, drafts))
     result = {"collect": str(cfg.paths.collect), "part": part, "sampling": inputs.sampling.to_dict(),
               "draft_temperature": "calibrated" if calibrated else "serving", "drafts": drafts, "domains": table}
-    if options.get("json"):
-        Path(options["json"]).write_text(json.dumps(result, indent=2))
+    if options.json:
+        Path(options.json).write_text(json.dumps(result, indent=2))
     return result
-
-
-if __name__ == "__main__":
-    with one_line_errors("compare_drafts"):
-        main(sys.argv[1:])

@@ -1,8 +1,8 @@
 """Where the plan and the decoder disagree: held-out acceptance as calibration predicts it beside the decoder's own
 acceptance on the same held-out prompts, same draft, same serving distribution, side by side in one run.
 
-    python -m distill.acceptance_gap [hydra overrides, e.g. paths.draft=... distill.split.calibration_share=0.5]
-        (+acceptance_gap.gammas=[1,2] +acceptance_gap.repeats=2 +acceptance_gap.json=<file>)
+    python -m pipeline.tools acceptance-gap [hydra overrides, e.g. paths.draft=... distill.split.calibration_share=0.5]
+        (tool.gammas=[1,2] tool.repeats=2 tool.json=<file>)
 
 Per domain of the reporting part (the rows distill reports on): the plan's acceptance A/D averaged over every
 block start (how calibration averaged until the renewal fix) and over the starts the decoder visits
@@ -13,17 +13,17 @@ bootstrap CI over prompts. Both predictions come from one teacher-forced pass ov
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from distill import calibrate as cal
+from eval.metrics import _acceptance_stat, bootstrap_ci
 from distill.policy import simulate
-from distill.offline import collect_heldouts, tool_config
+from pipeline.tools.offline import collect_heldouts
 from pipeline.decoding import DraftPlan, speculative_generate
-from pipeline.errors import PipelineError, one_line_errors
+from pipeline.errors import PipelineError
 from pipeline.models import load_model
 from pipeline.sampling import derive_seed
 from pipeline.spec import SpeculativeSpec
@@ -53,18 +53,17 @@ def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -
     return out
 
 
-def ratio_ci(pairs: list[tuple[int, int]], seed: int = 0, n_boot: int = 2000) -> tuple[float, list[float]]:
-    counts = np.array(pairs, dtype=float)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(counts), (n_boot, len(counts)))
-    boot = counts[picks, 0].sum(1) / np.maximum(counts[picks, 1].sum(1), 1)
-    return counts[:, 0].sum() / max(counts[:, 1].sum(), 1), [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+def ratio_ci(pairs: list[tuple[int, int]]) -> tuple[float, list[float] | None]:
+    """accepted / drafted pooled over requests, with eval's paired bootstrap interval (None below 2 requests)."""
+    accepted, drafted = np.array(pairs, dtype=float).T
+    return float(_acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), _acceptance_stat)
 
 
-def main(overrides: list[str]) -> dict:
-    cfg = tool_config(overrides)
-    options = dict(cfg.get("acceptance_gap") or {})
-    gammas, repeats = list(options.get("gammas", [1, 2])), int(options.get("repeats", 2))
+def run(cfg) -> dict:
+    options = cfg.tool
+    gammas, repeats = list(options.gammas), int(options.repeats)
+    if not gammas or min(gammas) < 1 or repeats < 1:
+        raise PipelineError(f"tool.gammas={gammas} and tool.repeats={repeats} must be integers >= 1")
     if not (Path(cfg.paths.draft) / "speculative.json").is_file():
         raise PipelineError(f"no draft export at {cfg.paths.draft}: run stage=distill first or set paths.draft=<dir>")
     inputs, heldouts = collect_heldouts(cfg)
@@ -86,8 +85,8 @@ def main(overrides: list[str]) -> dict:
                              "requests": len(runs[domain])}
         result["by_gamma"][str(gamma)] = table
     print(render(result))
-    if options.get("json"):
-        Path(options["json"]).write_text(json.dumps(result, indent=2))
+    if options.json:
+        Path(options.json).write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -97,12 +96,8 @@ def render(result: dict) -> str:
         lines.append(f"\nγ = {gamma}: acceptance (accepted / drafted)\n{'domain':<15}{'plan, every start':>19}"
                      f"{'plan, visited starts':>22}{'decoder [95% CI]':>26}")
         for domain, row in table.items():
-            lo, hi = row["decoder_ci95"]
+            lo, hi = row["decoder_ci95"] or (float("nan"), float("nan"))
             lines.append(f"{domain:<15}{row['every_start']:>19.3f}{row['visited_starts']:>22.3f}"
                          f"{row['decoder']:>12.3f} [{lo:.3f}, {hi:.3f}]")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    with one_line_errors("acceptance_gap"):
-        main(sys.argv[1:])

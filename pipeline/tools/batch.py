@@ -1,22 +1,22 @@
 """Batched speculative decoding against batched plain decoding at several batch sizes, side by side in one run.
 
-    python -m eval.bench_batch --target artifacts/models/<target> --draft artifacts/draft [--batch-sizes 1 2 4 8]
-    python -m eval.bench_batch --target ... --draft artifacts/draft --calibrated [--domain default]
+    python -m pipeline.tools batch [tool.batch_sizes=[1,2,4,8] tool.draft=<export> tool.target=<model dir>]
+    python -m pipeline.tools batch tool.calibrated=true [tool.domain=default]
 
 On the first user turns of a prompt JSONL (chat template applied; prompts of different lengths). For each batch
-size B the prompts are cut into batches of B rows and each batch is decoded by both methods back to back, order
-alternating, over --repeats rounds, after a warm-up. Prints per B the tokens/s of each method, the speedup
+size B the prompts are cut into batches of B rows and each batch is decoded by both methods back to back in eval's
+rotating order (pipeline/tools/common.py `measure`), over tool.repeats rounds, after a warm-up. Prints per B the tokens/s of each method, the speedup
 (speculative tokens/s over plain, pooled over the batches) with its paired bootstrap 95% CI over the batches, the
 acceptance and, greedy, whether the rows' outputs were identical (they must be: greedy batched speculation is
 lossless per row). Asserts nothing about wall-clock. The break-even batch is where speculation stops paying as B
 grows (pipeline/batch_profile.py `break_even`); the smallest B whose CI lies below 1 is printed beside it.
 
-Default: greedy, a fixed --gamma, and the prediction from a batch profile timed here (pipeline/batch_profile.py: at
+Default: greedy, a fixed tool.gamma, and the prediction from a batch profile timed here (pipeline/batch_profile.py: at
 each B the forwards of 1 and γ + 1 new tokens per row, a draft step and the batched loop's host work per pass)
 through `batch_cost`, priced by the one cost model with the accepted drafts per pass measured at the smallest B;
 `no host` beside it is the same γ priced by its forwards alone.
 
---calibrated: the export's per-batch-size calibration (speculative.json `batching`, distill/batching.py) for one
+tool.calibrated=true: the export's per-batch-size calibration (speculative.json `batching`, distill/batching.py) for one
 domain, at the export's serving sampling and draft temperature. At each B speculation runs with the best γ there
 (`gamma_if_on`), so the measured break-even is seen even where the calibration says "off"; the calibrated policy
 is that measurement where it drafts and batched plain decoding (the same computation as the baseline: 1×) where
@@ -24,19 +24,18 @@ it is off. The prediction is the calibration's own (`predicted_speedup`, from th
 `no host`: its `predicted_speedup_no_host`, absent from a calibration made before host work was timed).
 """
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from eval.bench import DEFAULT_PROMPTS, first_turns
 from eval.metrics import _speedup_stat, bootstrap_ci
 from pipeline.batch_profile import batch_cost, break_even, forwards_only, measure_batch_profile
-from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.chat import encode_chat
 from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
-from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
-from pipeline.models import load_model, load_tokenizer
+from pipeline.errors import PipelineError
 from pipeline.spec import SpeculativeSpec
-from pipeline.timing import synced_clock
+from pipeline.tools.common import check_given_dirs, first_turns, load_pair, measure as measure_rotated, model_dir
 
 
 def draft_vocab(draft_dir: Path) -> torch.Tensor | None:
@@ -49,44 +48,41 @@ def batches_of(prompts: list, size: int) -> list[list]:
     return [prompts[i:i + size] for i in range(0, len(prompts) - size + 1, size)]
 
 
-def methods_at(target, draft, gamma: int, args) -> dict:
-    """The two decoders of one batch size; both draw from a generator seeded per batch, so a sampled batch is
-    decoded from the same seed by each."""
-    common = {"sampling": args.sampling, "max_new_tokens": args.max_new_tokens, "eos_token_id": args.stop}
-    return {
-        "plain": lambda rows, gen: autoregressive_generate_batch(target, rows, generator=gen, **common),
-        "speculative": lambda rows, gen: speculative_generate_batch(
-            target, draft, rows, plan=DraftPlan(gamma, args.draft_temperature, args.vocab), generator=gen,
-            **common),
-    }
+def methods_at(pair, gamma: int, args) -> dict:
+    """The two decoders of one batch size as eval's harness calls them, fn(rows, domain, n, seed) -> (tokens, stats);
+    both draw from a generator of the batch's seed, so a sampled batch is decoded from the same seed by each."""
+    common = {"sampling": args.sampling, "eos_token_id": pair.stop}
+
+    def plain(rows, _domain, n, seed):
+        out = autoregressive_generate_batch(pair.target, rows, max_new_tokens=n,
+                                            generator=torch.Generator().manual_seed(seed), **common)
+        return [t.tolist() for t in out.tokens], out.stats
+
+    def speculative(rows, _domain, n, seed):
+        out = speculative_generate_batch(pair.target, pair.draft, rows,
+                                         plan=DraftPlan(gamma, args.draft_temperature, args.vocab), max_new_tokens=n,
+                                         generator=torch.Generator().manual_seed(seed), **common)
+        return [t.tolist() for t in out.tokens], out.stats
+
+    return {"plain": plain, "speculative": speculative}
 
 
-def measure(target, draft, prompts: list, args, clock) -> dict:
+def measure(pair, prompts: list, args) -> dict:
     """{B: {plain, speculative: [(tokens, seconds) per timed batch], accepted, drafted, identical}}."""
     out = {}
     for size in args.batch_sizes:
-        runs = {"plain": [], "speculative": []}
-        accepted = drafted = passes = 0
-        identical = True
-        methods = methods_at(target, draft, args.gamma_at[size], args)
-        for repeat in range(args.repeats):
-            for k, rows in enumerate(batches_of(prompts, size)):
-                outputs = {}
-                for name in (list(methods) if (repeat + k) % 2 == 0 else list(reversed(methods))):
-                    generator = torch.Generator().manual_seed(1000 * repeat + k)
-                    start = clock()
-                    result = methods[name](rows, generator)
-                    seconds = clock() - start
-                    runs[name].append((sum(len(t) for t in result.tokens), seconds))
-                    outputs[name] = [t.tolist() for t in result.tokens]
-                    if name == "speculative":
-                        accepted += sum(s.n_accepted for s in result.stats)
-                        drafted += sum(s.n_drafted for s in result.stats)
-                        passes += sum(d > 0 for s in result.stats for d in s.drafted)
-                identical &= outputs["plain"] == outputs["speculative"]
-        out[size] = {**runs, "acceptance": accepted / drafted if drafted else 0.0,
+        requests = [{"ids": rows, "domain": "default", "seed": 1000 * repeat + k}
+                    for repeat in range(args.repeats) for k, rows in enumerate(batches_of(prompts, size))]
+        records = measure_rotated(methods_at(pair, args.gamma_at[size], args), requests, args.max_new_tokens,
+                                  pair.clock)
+        stats = [s for r in records["speculative"] for s in r["stats"]]
+        accepted, drafted = sum(s.n_accepted for s in stats), sum(s.n_drafted for s in stats)
+        identical = all(a["tokens"] == b["tokens"] for a, b in zip(records["plain"], records["speculative"]))
+        out[size] = {**{name: [(sum(map(len, r["tokens"])), r["time_s"]) for r in recs]
+                        for name, recs in records.items()},
+                     "acceptance": accepted / drafted if drafted else 0.0,
                      "identical": identical if args.sampling.greedy else None,
-                     "accepted": accepted, "drafting_passes": passes}
+                     "accepted": accepted, "drafting_passes": sum(d > 0 for s in stats for d in s.drafted)}
     return out
 
 
@@ -178,30 +174,32 @@ def report(summary: dict, args) -> str:
     return "\n".join(lines)
 
 
-def check_args(args) -> None:
-    for name in ("target", "draft"):
-        if not (Path(getattr(args, name)) / "config.json").is_file():
-            raise PipelineError(f"--{name} {getattr(args, name)} is not an HF model directory (no config.json): "
-                                "pass a directory the pipeline exported or converted")
-    require_positive(args, "n_prompts", "max_new_tokens", "gamma", "repeats")
+def options(cfg) -> SimpleNamespace:
+    args = SimpleNamespace(**cfg.tool)
+    for key in ("n_prompts", "max_new_tokens", "gamma", "repeats"):
+        if getattr(args, key) < 1:
+            raise PipelineError(f"tool.{key}={getattr(args, key)} is not an integer >= 1")
+    args.batch_sizes = list(args.batch_sizes or [])
     if not args.batch_sizes or min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.n_prompts:
-        raise PipelineError(f"--batch-sizes {args.batch_sizes} must be integers in [1, --n-prompts {args.n_prompts}]")
+        raise PipelineError(f"tool.batch_sizes={args.batch_sizes} must be integers in [1, tool.n_prompts "
+                            f"{args.n_prompts}]")
+    return args
 
 
-def plan(args) -> SpeculativeSpec | None:
+def plan(args, draft_dir: Path) -> SpeculativeSpec | None:
     """Sets what each B runs (args.gamma_at, sampling, draft temperature, vocab); the export's spec, if any."""
-    spec = SpeculativeSpec.read(args.draft)
-    args.vocab = draft_vocab(Path(args.draft)) if args.vocab_subset else None
+    spec = SpeculativeSpec.read(draft_dir)
+    args.vocab = draft_vocab(draft_dir) if args.vocab_subset else None
     if not args.calibrated:
         args.sampling, args.draft_temperature = GREEDY, None
         args.gamma_at = {size: args.gamma for size in args.batch_sizes}
         return spec
     if spec is None or not spec.batching:
-        raise PipelineError(f"{args.draft} has no per-batch-size calibration (speculative.json `batching`): run "
-                            f"`python -m distill.batching --draft {args.draft} --target {args.target}` first")
+        raise PipelineError(f"{draft_dir} has no per-batch-size calibration (speculative.json `batching`): run "
+                            f"`python -m pipeline.tools batching tool.draft={draft_dir}` first")
     missing = sorted(set(args.batch_sizes) - set(spec.batching["batch_sizes"]))
     if missing:
-        raise PipelineError(f"--batch-sizes {missing} are not calibrated (speculative.json batching has "
+        raise PipelineError(f"tool.batch_sizes {missing} are not calibrated (speculative.json batching has "
                             f"{spec.batching['batch_sizes']}): pass calibrated batch sizes or recalibrate")
     name = args.domain if args.domain in spec.batching["by_domain"] else "default"
     args.sampling, args.draft_temperature = spec.sampling, spec.for_domain("draft_temperature", args.domain)
@@ -209,48 +207,22 @@ def plan(args) -> SpeculativeSpec | None:
     return spec
 
 
-def main(argv=None):
-    parser = OneLineParser(prog="python -m eval.bench_batch", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="HF model directory of the target")
-    parser.add_argument("--draft", required=True, help="HF model directory of the draft")
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
-                        help="prompt JSONL (our schema or Spec-Bench's)")
-    parser.add_argument("--n-prompts", type=int, default=8)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--gamma", type=int, default=2, help="the fixed γ (not with --calibrated)")
-    parser.add_argument("--calibrated", action="store_true",
-                        help="run the export's per-batch-size calibration (speculative.json batching)")
-    parser.add_argument("--domain", default="default", help="the calibrated domain whose policy runs (--calibrated)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    parser.add_argument("--no-vocab-subset", dest="vocab_subset", action="store_false",
-                        help="draft over the full vocabulary instead of the draft's FR-Spec subset")
-    args = parser.parse_args(argv)
-    with one_line_errors("bench_batch"):
-        check_args(args)
-        spec = plan(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        dtype = getattr(torch, args.dtype)
-        target, draft = load_model(args.target, dtype=dtype), load_model(args.draft, dtype=dtype)
-        tokenizer = load_tokenizer(args.target)
-        args.stop = stop_token_ids(tokenizer, target)
-        prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0]
-                   for text in first_turns(args.prompts, args.n_prompts)]
-        speculative_generate_batch(target, draft, prompts[:2], plan=DraftPlan(2), max_new_tokens=4)  # warm-up
-        autoregressive_generate_batch(target, prompts[:2], max_new_tokens=4)
-        measured = measure(target, draft, prompts, args, synced_clock("cpu"))
-        summary = summarize(measured)
-        if args.calibrated:
-            summary["predicted"] = predict_calibrated(spec, args.domain, args.batch_sizes)
-            name = args.domain if args.domain in spec.batching["break_even"] else "default"
-            summary["calibrated_break_even"] = spec.batching["break_even"][name]
-        else:
-            summary["predicted"] = predict(target, draft, measured, args, synced_clock("cpu"))
+def run(cfg) -> dict:
+    args = options(cfg)
+    check_given_dirs(cfg)
+    spec = plan(args, model_dir(cfg, "draft"))  # a bad plan fails before any model loads
+    turns = first_turns(args.prompts, args.n_prompts)
+    pair = load_pair(cfg)
+    args.dtype = str(pair.dtype).removeprefix("torch.")
+    prompts = [encode_chat(pair.tokenizer, [{"role": "user", "content": turn["text"]}])[0].to(pair.device)
+               for turn in turns]
+    measured = measure(pair, prompts, args)
+    summary = summarize(measured)
+    if args.calibrated:
+        summary["predicted"] = predict_calibrated(spec, args.domain, args.batch_sizes)
+        name = args.domain if args.domain in spec.batching["break_even"] else "default"
+        summary["calibrated_break_even"] = spec.batching["break_even"][name]
+    else:
+        summary["predicted"] = predict(pair.target, pair.draft, measured, args, pair.clock)
     print(report(summary, args))
-
-
-if __name__ == "__main__":
-    main()
+    return summary

@@ -1,21 +1,10 @@
-"""What the distill tools beside the stage share (distill.acceptance_gap, distill.compare_drafts): the composed
-config of `python -m <tool> <hydra overrides>`, and a collect's held-out parts exactly as the stage builds them."""
+"""What the tools that judge drafts on held-out rows share (compare-drafts, acceptance-gap): a collect's held-out
+parts exactly as the distill stage builds them."""
 from __future__ import annotations
-
-from pathlib import Path
 
 from distill.heldouts import build_heldouts, load_target_inputs
 from distill.job import HeldOuts, Inputs
 from distill.split import split_by_prompt
-
-
-def tool_config(overrides: list[str]):
-    """conf/config.yaml with `overrides` (MLflow off: a tool reads runs, it does not make one)."""
-    from hydra import compose, initialize_config_dir
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose("config", overrides=["tracking.enabled=false", *overrides])
 
 
 def collect_heldouts(cfg) -> tuple[Inputs, HeldOuts]:

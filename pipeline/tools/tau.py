@@ -1,12 +1,12 @@
 """Adaptive draft temperature against the calibrated fixed τ, per domain, on the same requests.
 
-    python -m eval.tau_bench --target artifacts/models/<target> --draft artifacts/draft [--per-domain 4] [--shape chain]
+    python -m pipeline.tools tau [tool.draft=<export> tool.per_domain=4 tool.shape=chain]
 
 At the draft's calibrated serving temperature (speculative.json `sampling`, T = 0.7 for the default export), every
 held-out domain decodes its first user turns twice, interleaved per request (the order alternates): under the online
-guard at its default settings with the calibrated τ of the domain fixed, and the same with `adaptive_tau` on. Both
-use the domain's calibrated plan (`--shape tree`: its token tree where it has one, else its draft-length policy;
-`--shape chain`: its draft-length policy), its guard prior and the FR-Spec subset, and one seed per request shared by
+guard at its default settings with the calibrated τ of the domain fixed, and the same with `adaptive_tau` on, in eval's
+rotating order (pipeline/tools/common.py `measure`). Both use the domain's calibrated plan (`tool.shape=tree`: its
+token tree where it has one, else its draft-length policy; `tool.shape=chain`: its draft-length policy), its guard prior and the FR-Spec subset, and one seed per request shared by
 the two, so they draw alike until τ first moves. Prints per domain and overall the speedup ratio adaptive / fixed
 (tokens per second) and the ratio of tokens per target pass (free of the clock), each with its paired 95% bootstrap
 interval over requests, the acceptance of each, and adaptive τ's mean temperature and moves. Asserts nothing.
@@ -20,22 +20,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval.bench import DEFAULT_PROMPTS, load_pair
 from eval.metrics import bootstrap_ci
-from pipeline.spec import tree_prior
-from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.chat import encode_chat
 from pipeline.decoding import DraftPlan, Guard, GuardSettings, GuardStats, speculative_generate
-from pipeline.errors import OneLineParser, PipelineError, one_line_errors, require_positive
+from pipeline.errors import PipelineError
 from pipeline.prompts import load_prompts
 from pipeline.sampling import derive_seed
-from pipeline.spec import SpeculativeSpec
-from pipeline.timing import synced_clock
+from pipeline.spec import SpeculativeSpec, tree_prior
+from pipeline.tools.common import check_given_dirs, load_pair, measure, model_dir
 
 METHODS = ("fixed", "adaptive")
 
 
 def domain_turns(path: Path, per_domain: int) -> dict[str, list[str]]:
     """{domain: the first user turn of its first `per_domain` prompts}, domains in file order."""
+    if not Path(path).is_file():
+        raise PipelineError(f"tool.prompts={path} is not a file: run `python -m pipeline stage=prepare` or pass a "
+                            "prompt JSONL")
     turns: dict[str, list[str]] = {}
     for row in load_prompts(path):
         kept = turns.setdefault(row.get("domain", "default"), [])
@@ -57,23 +58,26 @@ def domain_plan(spec: SpeculativeSpec, domain: str, shape: str) -> dict:
             "guards": {"fixed": fixed, "adaptive": replace(fixed, settings=replace(fixed.settings, adaptive_tau=True))}}
 
 
-def decode_domain(target, draft, tokenizer, prompts: list[str], plan: dict, sampling, vocab, domain: str) -> dict:
+def decode_domain(pair, prompts: list[str], plan: dict, sampling, vocab, domain: str) -> dict:
     """{method: per-request rows (tokens, seconds, target passes, accepted, drafted)} and adaptive τ's decisions."""
-    clock, stop = synced_clock(torch.device("cpu")), stop_token_ids(tokenizer, target)
-    rows, decisions = {m: [] for m in METHODS}, GuardStats()
-    for i, turn in enumerate(prompts):
-        ids = encode_chat(tokenizer, [{"role": "user", "content": turn}])
-        for method in METHODS if i % 2 == 0 else reversed(METHODS):
-            generator = torch.Generator().manual_seed(derive_seed("tau_bench", domain, i))
-            start = clock()
-            out = speculative_generate(target, draft, ids, sampling=sampling,
-                                       plan=DraftPlan(plan["drafting"], plan["draft_temperature"], vocab, plan["guards"][method]),
-                                       max_new_tokens=plan["max_new_tokens"], eos_token_id=stop, generator=generator)
-            s = out.stats
-            rows[method].append((len(out.tokens), clock() - start, s.target_passes, s.n_accepted, s.n_drafted))
-            if method == "adaptive":
-                decisions = decisions.add(s.guard)
-    return {"rows": {m: np.array(r, dtype=float) for m, r in rows.items()}, "decisions": decisions}
+    def method(guard):
+        def fn(ids, _domain, n, seed):
+            out = speculative_generate(pair.target, pair.draft, ids, sampling=sampling,
+                                       plan=DraftPlan(plan["drafting"], plan["draft_temperature"], vocab, guard),
+                                       max_new_tokens=n, eos_token_id=pair.stop,
+                                       generator=torch.Generator().manual_seed(seed))
+            return out.tokens.tolist(), out.stats
+        return fn
+
+    requests = [{"ids": encode_chat(pair.tokenizer, [{"role": "user", "content": turn}]).to(pair.device),
+                 "domain": domain, "seed": derive_seed("tau_bench", domain, i)} for i, turn in enumerate(prompts)]
+    records = measure({m: method(plan["guards"][m]) for m in METHODS}, requests, plan["max_new_tokens"], pair.clock)
+    rows = {m: np.array([(len(r["tokens"]), r["time_s"], r["stats"].target_passes, r["stats"].n_accepted,
+                          r["stats"].n_drafted) for r in records[m]], dtype=float) for m in METHODS}
+    decisions = GuardStats()
+    for r in records["adaptive"]:
+        decisions = decisions.add(r["stats"].guard)
+    return {"rows": rows, "decisions": decisions}
 
 
 def rate_ratio(a_num, a_den, f_num, f_den, axis=-1):
@@ -94,35 +98,34 @@ def summary(rows: dict, decisions: GuardStats) -> dict:
     return out | {"mean_tau": d.get("mean_draft_temperature"), "tau_up": d["tau_up"], "tau_down": d["tau_down"]}
 
 
-def run(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = SpeculativeSpec.read(args.draft)
+def run(cfg) -> dict:
+    args = cfg.tool
+    if args.per_domain < 1 or args.max_new_tokens < 1 or args.shape not in ("tree", "chain"):
+        raise PipelineError(f"tool.per_domain={args.per_domain} and tool.max_new_tokens={args.max_new_tokens} must be "
+                            f"integers >= 1 and tool.shape={args.shape} tree or chain")
+    check_given_dirs(cfg)
+    draft_dir = model_dir(cfg, "draft")
+    spec = SpeculativeSpec.read(draft_dir)
     if spec is None or not spec.draft_temperature or spec.sampling.greedy:
-        raise PipelineError(f"{args.draft} has no sampled calibration (speculative.json with a draft τ): "
+        raise PipelineError(f"{draft_dir} has no sampled calibration (speculative.json with a draft τ): "
                             "nothing to adapt")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    target, draft, tokenizer = load_pair(args, torch.device("cpu"), dtype)
-    vocab = torch.tensor(spec.vocab_subset, dtype=torch.long) if spec.vocab_subset else None
     turns = domain_turns(args.prompts, args.per_domain)
     plans = {domain: domain_plan(spec, domain, args.shape) | {"max_new_tokens": args.max_new_tokens}
              for domain in turns}
-    hello = encode_chat(tokenizer, [{"role": "user", "content": "Hello, who are you?"}])
-    for warm in plans.values():  # allocator, kernels, lazy imports and every plan's shapes out of the timed runs
-        for guard in warm["guards"].values():
-            speculative_generate(target, draft, hello, sampling=spec.sampling,
-                                 plan=DraftPlan(warm["drafting"], warm["draft_temperature"], vocab, guard),
-                                 max_new_tokens=16)
+    pair = load_pair(cfg)
+    vocab = torch.tensor(spec.vocab_subset, dtype=torch.long) if spec.vocab_subset else None
     results, pooled, total = {}, {m: [] for m in METHODS}, GuardStats()
     for domain, prompts in turns.items():
-        done = decode_domain(target, draft, tokenizer, prompts, plans[domain], spec.sampling, vocab, domain)
+        done = decode_domain(pair, prompts, plans[domain], spec.sampling, vocab, domain)
         results[domain] = summary(done["rows"], done["decisions"]) | {"tau": plans[domain]["draft_temperature"]}
         for m in METHODS:
             pooled[m].append(done["rows"][m])
         total = total.add(done["decisions"])
-        print(f"[tau_bench] {domain}: {format_row(domain, results[domain])}", file=sys.stderr, flush=True)
+        print(f"[tau] {domain}: {format_row(domain, results[domain])}", file=sys.stderr, flush=True)
     results["overall"] = summary({m: np.concatenate(pooled[m]) for m in METHODS}, total) | {"tau": None}
-    return {"sampling": spec.sampling.to_dict(), "shape": args.shape, "domains": results}
+    result = {"sampling": spec.sampling.to_dict(), "shape": args.shape, "domains": results}
+    print(report(result))
+    return result
 
 
 def _ci(value: float, ci) -> str:
@@ -143,26 +146,3 @@ def report(result: dict) -> str:
              "| acceptance adaptive | tokens per pass adaptive / fixed [95% CI] | speedup adaptive / fixed [95% CI] |",
              "|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [format_row(d, r) for d, r in result["domains"].items()])
-
-
-def main(argv=None):
-    parser = OneLineParser(prog="python -m eval.tau_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="HF model directory of the target")
-    parser.add_argument("--draft", required=True, help="the exported draft's directory (with speculative.json)")
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--per-domain", type=int, default=4, help="requests per domain")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--shape", choices=["tree", "chain"], default="tree",
-                        help="tree: each domain's calibrated token tree where it has one; chain: its draft-length "
-                             "policy")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    args = parser.parse_args(argv)
-    args.draft_layers = 2  # load_pair's fallback when there is no draft; --draft is required here
-    with one_line_errors("tau_bench"):
-        require_positive(args, "per_domain", "max_new_tokens")
-        print(report(run(args)))
-
-
-if __name__ == "__main__":
-    main()

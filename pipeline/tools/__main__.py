@@ -1,0 +1,88 @@
+"""`python -m pipeline.tools <subcommand> [hydra overrides]`: what the pipeline's stages do not measure.
+
+Comparisons the eval stage can make are eval runs (conf/experiment/compare-*.yaml); what is left lives here, one
+module per subcommand, its settings declared once in conf/tools/<subcommand>.yaml (`tool.*`, beside the whole
+pipeline config: paths, runtime.dtype, model). One argument convention, Hydra overrides, and the pipeline's rule
+for bad input: one line on stderr, exit 2, nothing written.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tools/<subcommand>.yaml
+    "learning-curve": "pipeline.tools.learning_curve",
+    "arms": "pipeline.tools.arms",
+    "cost-profile": "pipeline.tools.cost_profile",
+    "compare-drafts": "pipeline.tools.compare_drafts",
+    "acceptance-gap": "pipeline.tools.acceptance_gap",
+    "batch": "pipeline.tools.batch",
+    "batching": "pipeline.tools.batching",
+    "tau": "pipeline.tools.tau",
+    "collect-throughput": "pipeline.tools.collect_throughput",
+    "sources": "pipeline.tools.sources",
+}
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose(subcommand: str, overrides: list[str]):
+    """conf/config.yaml with the subcommand's settings under `tool` (MLflow off: a tool makes no run)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from omegaconf import OmegaConf
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = hydra_compose("config", overrides=["tracking.enabled=false", f"+tools={subcommand}", *overrides])
+    except Exception as e:  # Hydra's override / composition errors: one line, as python -m pipeline gives them
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise PipelineError(f"bad configuration: {first.strip()}") from None
+    declared = set(OmegaConf.load(CONF / "tools" / f"{subcommand}.yaml"))
+    undeclared = sorted(set(cfg.tool) - declared)
+    if undeclared:  # `+tool.<key>=...` gets past Hydra's own check
+        raise PipelineError(f"tool.{undeclared[0]} is not a setting of {subcommand}: conf/tools/{subcommand}.yaml "
+                            f"declares {', '.join(sorted(declared))}")
+    return cfg
+
+
+def run(argv: list[str]):
+    """The subcommand's result; a PipelineError for bad input."""
+    if not argv or argv[0] not in SUBCOMMANDS:
+        given = repr(argv[0]) if argv else "none"
+        raise PipelineError(f"subcommand {given} is not one of {', '.join(SUBCOMMANDS)}: "
+                            "python -m pipeline.tools <subcommand> [hydra overrides]")
+    cfg = compose(argv[0], argv[1:])
+    if cfg.runtime.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(cfg.runtime.threads))
+    return importlib.import_module(SUBCOMMANDS[argv[0]]).run(cfg)
+
+
+def usage() -> str:
+    """The module docstring and each subcommand's first settings comment (what it does)."""
+    lines = [__doc__.strip(), "", "subcommands:"]
+    for name in SUBCOMMANDS:
+        first = (CONF / "tools" / f"{name}.yaml").read_text().splitlines()[1]
+        lines.append(f"  {name:<20}{first.removeprefix('# python -m pipeline.tools ' + name + ':').strip()}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    try:
+        run(argv)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Measure a cost profile on this machine: the target's forward time per number of tokens fed at two context
+lengths, the draft's step, c and the verify ratios (pipeline/cost_profile.py has the schema).
+
+    python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> \
+        tool.draft_config=<...|preset:draft> [tool.vocab_subset=K runtime.dtype=... runtime.device=... tool.out=...]
+    python -m pipeline.tools cost-profile tool.target=<model dir> tool.draft=<model dir>
+
+Step times depend on shapes, dtype and hardware, not on weight values, so `tool.*_config` builds random weights
+(no download) and a profile can be measured for a serving machine before any training. With `tool.draft=<dir>`
+holding a speculative.json, its FR-Spec subset sets the head rows unless tool.vocab_subset is given. The points
+timed are distill's (distill.calibration.cost), so a profile measured here is one distill would have measured.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from pathlib import Path
+
+import torch
+
+from pipeline import cost_profile as cp
+from pipeline.errors import PipelineError
+from pipeline.models import load_model, resolve_device
+from pipeline.spec import SpeculativeSpec
+
+def options(cfg) -> SimpleNamespace:
+    """tool.* with exactly one of a directory or a config per role."""
+    args = SimpleNamespace(**cfg.tool)
+    for role in ("target", "draft"):
+        if (getattr(args, role) is None) == (getattr(args, f"{role}_config") is None):
+            raise PipelineError(f"give one of tool.{role}=<model dir> and tool.{role}_config=<config.json|preset>")
+    for key in ("repeats", "max_gamma"):
+        if getattr(args, key) < 1:
+            raise PipelineError(f"tool.{key}={getattr(args, key)} is not an integer >= 1")
+    return args
+
+
+def load(args, role: str, device: torch.device, dtype: torch.dtype):
+    directory = getattr(args, role)
+    if directory is None:
+        return cp.random_model(getattr(args, f"{role}_config"), dtype, device)
+    if not (Path(directory) / "config.json").is_file():
+        raise PipelineError(f"tool.{role}={directory} is not a model directory with a config.json: "
+                            f"pass one, or tool.{role}_config for random weights")
+    return load_model(directory, device, dtype)
+
+
+def draft_vocab(args, draft) -> torch.Tensor | None:
+    """The head rows as served: tool.vocab_subset K (only the count matters for timing), else the draft
+    export's FR-Spec ids, else the full vocabulary."""
+    if args.vocab_subset:
+        if not 0 < args.vocab_subset <= draft.config.vocab_size:
+            raise PipelineError(f"tool.vocab_subset={args.vocab_subset} is outside 1..{draft.config.vocab_size} "
+                                "(the draft's vocabulary): pass a smaller K or 0")
+        return torch.arange(args.vocab_subset)
+    spec = SpeculativeSpec.read(args.draft) if args.draft else None
+    return torch.tensor(spec.vocab_subset) if spec and spec.vocab_subset else None
+
+
+def table(profile: dict, max_gamma: int) -> str:
+    m, s, shapes = profile["machine"], profile["settings"], profile["shapes"]
+    t, d = shapes["target"], shapes["draft"]
+    lines = [f"{m['device']} ({m['device_name']}), {m['dtype']}, threads={m['torch_threads']}, "
+             f"torch {m['torch_version']}",
+             f"target {t['architecture']} {t['num_hidden_layers']}x{t['hidden_size']}; draft {d['architecture']} "
+             f"{d['num_hidden_layers']}x{d['hidden_size']}, head {d['head_rows']} rows",
+             "target forward ms, median (p25-p75) and ratio to 1 token:",
+             f"{'tokens fed':>10}" + "".join(f"{f'context {n}':>30}" for n in s["contexts"])]
+    for k in s["tokens_fed"]:
+        cells = [profile["target"][str(n)][str(k)] for n in s["contexts"]]
+        lines.append(f"{k:>10}" + "".join(f"{e['ms']:>10.2f} ({e['p25']:.2f}-{e['p75']:.2f}) x{e['ratio']:.2f}"
+                                          .rjust(30) for e in cells))
+    dr = profile["draft"]
+    cost = cp.summary(profile, max_gamma)
+    lines += [f"draft step ms (context {dr['context']}): {dr['ms']:.2f} ({dr['p25']:.2f}-{dr['p75']:.2f})",
+              f"c = draft step / target 1-token step = {cost['c']:.3f}",
+              "verify ratio r_γ (monotone fit): "
+              + ", ".join(f"γ={g} {r:.2f}" for g, r in cost["verify_ratio"].items())]
+    return "\n".join(lines)
+
+
+def run(cfg) -> dict:
+    args = options(cfg)
+    device, dtype = resolve_device(cfg.runtime)
+    target, draft = load(args, "target", device, dtype), load(args, "draft", device, dtype)
+    profile = cp.measure_cost_profile(target, draft, draft_vocab(args, draft), list(args.tokens_fed),
+                                      list(args.contexts), repeats=args.repeats, warmup=args.warmup)
+    cp.write_profile(args.out, profile)
+    print(table(profile, args.max_gamma))
+    print(f"wrote {args.out}")
+    return profile

@@ -1,0 +1,128 @@
+"""`python -m pipeline.tools <subcommand> [hydra overrides]`: one command, settings declared once in conf/tools/, and
+the tools that time measure with eval's one harness (rotating order, warm-up, a seed per request shared by every
+method). Smoke runs on the distill tests' tiny target and draft."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeline.errors import PipelineError
+from pipeline.tools.__main__ import SUBCOMMANDS, compose, run
+from pipeline.tools.common import measure
+from tests.conftest import REPO, distill_overrides
+
+
+def test_every_subcommand_has_one_settings_file_and_composes():
+    assert sorted(p.stem for p in (REPO / "conf/tools").glob("*.yaml")) == sorted(SUBCOMMANDS)
+    for subcommand in SUBCOMMANDS:
+        cfg = compose(subcommand, [])
+        assert cfg.tool and cfg.tracking.enabled is False, subcommand
+    with pytest.raises(PipelineError, match="bad configuration"):
+        compose("arms", ["tool.undeclared=1"])  # a key no settings file declares is refused, by Hydra
+    with pytest.raises(PipelineError, match="tool.undeclared is not a setting of arms: .* declares drafts, out"):
+        compose("arms", ["+tool.undeclared=1"])  # and with a `+`, by the tool
+
+
+def test_help_lists_every_subcommand_with_what_it_does(capsys):
+    from pipeline.tools.__main__ import main
+
+    assert main(["--help"]) == 0
+    listed = dict(line.split(None, 1) for line in capsys.readouterr().out.split("subcommands:\n")[1].splitlines())
+    assert sorted(listed) == sorted(SUBCOMMANDS) and all(len(what) > 20 for what in listed.values())
+
+
+def test_an_unknown_subcommand_is_one_line_naming_the_known_ones():
+    with pytest.raises(PipelineError, match="is not one of learning-curve, arms") as e:
+        run(["bench"])
+    assert "\n" not in str(e.value)
+
+
+def _fake_methods(calls: list):
+    def method(name):
+        def fn(ids, domain, n, seed):
+            calls.append((name, ids, n, seed))
+            return [ids] * n, None
+        return fn
+    return {name: method(name) for name in ("a", "b", "c")}
+
+
+def test_the_harness_warms_up_then_rotates_who_runs_first_with_one_seed_per_request():
+    calls = []
+    requests = [{"ids": k, "domain": "d", "seed": 100 + k} for k in range(3)]
+    records = measure(_fake_methods(calls), requests, n=5, clock=iter(range(100)).__next__, warmup_tokens=2)
+    assert calls[:3] == [("a", 0, 2, 100), ("b", 0, 2, 100), ("c", 0, 2, 100)]  # untimed warm-up, short
+    timed = calls[3:]
+    assert [name for name, *_ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(seed == 100 + ids and n == 5 for _, ids, n, seed in timed)
+    assert [r["tokens"] for r in records["b"]] == [[0] * 5, [1] * 5, [2] * 5]
+    assert all(r["time_s"] == 1 for recs in records.values() for r in recs)  # one clock reading each side
+
+
+def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(monkeypatch):
+    import pipeline.tools.common as common
+
+    monkeypatch.setattr(common, "rotated", lambda names, k: names)  # the copy this harness replaced
+    calls = []
+    measure(_fake_methods(calls), [{"ids": k, "domain": "d", "seed": k} for k in range(3)], n=1,
+            clock=iter(range(100)).__next__)
+    assert [name for name, *_ in calls[3:]] != ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def _prompts(path, n: int = 4):
+    rows = [{"id": f"p{i}", "domain": ("chat", "code")[i % 2], "turns": [f"w{i} w{i + 1} w{i + 2}"]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_batch_times_both_decoders_on_the_same_batches(setup, distilled, tmp_path, capsys):
+    run_dir = distilled[2]
+    summary = run(["batch", *distill_overrides(setup, tmp_path), f"tool.target={setup['target']}",
+                   f"tool.draft={run_dir / 'draft'}", f"tool.prompts={_prompts(tmp_path / 'p.jsonl')}",
+                   "tool.n_prompts=4", "tool.batch_sizes=[1,2]", "tool.max_new_tokens=6", "tool.repeats=1"])
+    assert sorted(summary["by_batch"]) == [1, 2]
+    assert [summary["by_batch"][b]["n_batches"] for b in (1, 2)] == [4, 2]
+    assert all(row["identical"] for row in summary["by_batch"].values())  # greedy: lossless per row
+    assert "break-even batch" in capsys.readouterr().out
+
+
+def test_tau_compares_adaptive_and_fixed_temperature_on_the_same_requests(setup, distilled, tmp_path):
+    run_dir = distilled[2]
+    result = run(["tau", *distill_overrides(setup, tmp_path), f"tool.target={setup['target']}",
+                  f"tool.draft={run_dir / 'draft'}", f"tool.prompts={_prompts(tmp_path / 'p.jsonl')}",
+                  "tool.per_domain=2", "tool.max_new_tokens=6", "tool.shape=chain"])
+    assert set(result["domains"]) == {"chat", "code", "overall"}
+    assert result["domains"]["overall"]["requests"] == 4 and result["sampling"]["temperature"] > 0
+
+
+def test_collect_throughput_compares_batch_one_with_the_collect_batch(setup, tmp_path):
+    result = run(["collect-throughput", *distill_overrides(setup, tmp_path), "collect.batch_size=2", "collect.topk=0",
+                  f"tool.prompts_file={_prompts(tmp_path / 'p.jsonl')}", "tool.prompts=4", "tool.max_new_tokens=4"])
+    assert set(result) >= {"batch 1", "batch 2", "ratio", "ratio_ci95"} and result["chunks"] == 2
+    assert result["batch 1"]["tokens"] == result["batch 2"]["tokens"] == 16  # the same prompts, 4 tokens each
+
+
+def test_sources_regenerates_the_faq_prompts(tmp_path):
+    faq = tmp_path / "faq"
+    faq.mkdir()
+    (faq / "general.rst.txt").write_text("General FAQ\n===========\n\nWhy is Python slow?\n-------------------\n\n"
+                                         "Details\n-------\n")
+    out = tmp_path / "qa.jsonl"
+    prompts = run(["sources", f"tool.faq_dir={faq}", f"tool.out={out}"])
+    assert [p["turns"] for p in prompts] == [["Why is Python slow?"], ["Details"]]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [p["id"] for p in prompts]
+
+
+def commands_in(text: str) -> tuple[set[str], set[str]]:
+    """(modules run with `python -m`, subcommands of `python -m pipeline.tools`) that a text names."""
+    return (set(re.findall(r"python -m ([A-Za-z_][\w.]*)", text)),
+            set(re.findall(r"python -m pipeline\.tools ([a-z-]+)", text)))
+
+
+def test_the_docs_name_only_the_two_commands_and_real_subcommands():
+    text = "".join((REPO / name).read_text() for name in ("README.md", "docs/architecture.md", "data/SOURCES.md"))
+    modules, subcommands = commands_in(text)
+    assert modules == {"pipeline", "pipeline.tools", "pytest"} and subcommands and subcommands <= set(SUBCOMMANDS)
+    retired = commands_in("run `python -m eval.bench --target t` or `python -m pipeline.tools ttft`")
+    assert retired == ({"eval.bench", "pipeline.tools"}, {"ttft"})  # what the check would refuse
