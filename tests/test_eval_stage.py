@@ -479,7 +479,7 @@ def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):
 
 def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(tmp_path, models):
     """speculative.json speculate[code] = false: eval's `speculative` method decodes code plainly (no draft token
-    proposed, the same greedy tokens), chat still speculates; eval.gamma forces speculation everywhere."""
+    proposed, the same greedy tokens), chat still speculates; eval.drafting=<γ> forces speculation everywhere."""
     import shutil
 
     from pipeline.decoding import speculative_generate
