@@ -51,8 +51,6 @@ CASES = [
     ("batch", ["tool.target={model}", "tool.draft={model}", "tool.prompts={tmp}/none.jsonl"], "is not a file"),
     ("batch", ["tool.n_prompts=0"], "tool.n_prompts=0"),
     ("batch", ["tool.batch_sizes=[16]"], "tool.batch_sizes=[16]"),
-    ("tau", ["tool.shape=bush"], "tool.shape=bush"),
-    ("tau", ["tool.draft={model}"], "no sampled calibration"),
     ("batching", ["tool.draft={model}", "tool.target={model}"], "no speculative.json"),
     ("sources", ["tool.faq_dir={tmp}"], "holds no *.rst.txt"),
     ("collect-throughput", ["tool.prompts=0"], "tool.prompts=0"),

@@ -87,15 +87,6 @@ def test_batch_times_both_decoders_on_the_same_batches(setup, distilled, tmp_pat
     assert "break-even batch" in capsys.readouterr().out
 
 
-def test_tau_compares_adaptive_and_fixed_temperature_on_the_same_requests(setup, distilled, tmp_path):
-    run_dir = distilled[2]
-    result = run(["tau", *distill_overrides(setup, tmp_path), f"tool.target={setup['target']}",
-                  f"tool.draft={run_dir / 'draft'}", f"tool.prompts={_prompts(tmp_path / 'p.jsonl')}",
-                  "tool.per_domain=2", "tool.max_new_tokens=6", "tool.shape=chain"])
-    assert set(result["domains"]) == {"chat", "code", "overall"}
-    assert result["domains"]["overall"]["requests"] == 4 and result["sampling"]["temperature"] > 0
-
-
 def test_collect_throughput_compares_batch_one_with_the_collect_batch(setup, tmp_path):
     result = run(["collect-throughput", *distill_overrides(setup, tmp_path), "collect.batch_size=2", "collect.topk=0",
                   f"tool.prompts_file={_prompts(tmp_path / 'p.jsonl')}", "tool.prompts=4", "tool.max_new_tokens=4"])

@@ -21,7 +21,6 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "acceptance-gap": "pipeline.tools.acceptance_gap",
     "batch": "pipeline.tools.batch",
     "batching": "pipeline.tools.batching",
-    "tau": "pipeline.tools.tau",
     "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
 }
