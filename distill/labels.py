@@ -6,6 +6,8 @@ target's mass on the draft's FR-Spec subset, which is chosen here from the colle
 subset holds most of it), and the cached teacher would disagree with the online one (distill/losses.py).
 One target pass over the train rows computes it, together with the top-k labels when collect stored none;
 rows that carry the target's final hidden state (collect.hidden_states) need only the target's output head.
+Collect labels a row on its full prompt; the draft trains on the prompt's last max_prompt_length tokens, so a row
+that truncation cuts is relabelled by that target pass over the tokens the draft sees (train_labels).
 """
 from __future__ import annotations
 

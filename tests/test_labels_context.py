@@ -58,15 +58,22 @@ def collected(target, rows, topk: bool, hidden: bool):
     return Dataset.from_dict(data, features=Features({name: types_of[name] for name in data}))
 
 
-def attach(target, train, tmp_path, vocab=None):
-    from distill.job import Split
-
+def stage_inputs(target, tmp_path):
+    """What attach_teacher_labels reads of the stage's Inputs."""
     settings = OmegaConf.create({"objective": {"teacher": "topk", "loss": "fkl", "lmbda": 0.0, "seq_kd": False,
                                                "loss_temperature": 1.0, "topk": K}, "heldout": {"batch_size": 2}})
-    inputs = types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=TRUNCATION, is_main=True,
-                                   settings=settings, tokenizer=types.SimpleNamespace(pad_token_id=0),
-                                   cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
-    return labels.attach_teacher_labels(inputs, Split(train, [], "test", vocab), print).train
+    return types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=TRUNCATION, is_main=True,
+                                 settings=settings, tokenizer=types.SimpleNamespace(pad_token_id=0),
+                                 cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))
+
+
+def attach(target, train, tmp_path, vocab=None, share=None):
+    """The train rows with their label columns; `share`: a learning-curve point's rows of `train`."""
+    from distill.job import Split
+
+    split = Split(train, [], "test", vocab) if share is None else Split(train.select(share), [], "test", vocab,
+                                                                          train, share)
+    return labels.attach_teacher_labels(stage_inputs(target, tmp_path), split, print).train
 
 
 @pytest.fixture
@@ -125,3 +132,77 @@ def test_without_cut_rows_no_target_pass_runs(target, rows, tmp_path, passes):
     passes.clear()
     out = attach(target, train, tmp_path).to_dict()
     assert passes == [] and out["topk_logprobs"] == train.to_dict()["topk_logprobs"]
+
+
+# ---------------------------------------------------------------- labels from stored final hidden states
+def test_a_cut_row_with_stored_hidden_states_is_labelled_on_its_truncated_prompt(target, rows, tmp_path, passes):
+    """collect.hidden_states rows: the cut rows' hidden states came from the full prompt, so the head alone would
+    give full-prompt labels; they get the target pass, the others the head alone."""
+    train = collected(target, rows, topk=False, hidden=True)
+    vocab = torch.arange(0, VOCAB, 2)
+    fresh = labels.teacher_labels(target, rows, TRUNCATION, K, vocab, 2, 0)
+    passes.clear()
+    out = attach(target, train, tmp_path, vocab).to_dict()
+    assert "final_hidden" not in out
+    assert_labels_equal(out, fresh, CUT)
+    assert [sorted(p) for p in passes] == [sorted(len(rows[i]["prompt_ids"]) for i in CUT)]  # the cut rows only
+    stored = labels.labels_from_hidden(target, train.with_format("torch")["final_hidden"],
+                                       [len(r["completion_ids"]) for r in rows], K, vocab)
+    for name in ("topk_ids", "subset_logmass"):
+        assert [out[name][i] for i in KEPT] == [stored[name][i] for i in KEPT]
+    assert differs(stored, fresh, CUT)  # the old behaviour (the head on the full-prompt states) fails the check
+
+
+# ---------------------------------------------------------------- the paths that were consistent already
+def test_heldout_distribution_is_the_targets_on_the_truncated_prompt(target, rows):
+    """build_heldout truncates its rows before its own target pass: nothing cached from collect is used."""
+    from distill.calibrate import build_heldout
+    from pipeline.sampling import Sampling
+
+    fresh = labels.teacher_labels(target, rows, TRUNCATION, K, None, 2, 0)
+    sampling = Sampling(temperature=1.0)
+
+    def heldout_labels(truncation):
+        held = build_heldout(target, rows, ["chat"] * len(rows), sampling, truncation, K, 2, 0)
+        ids, probs = held.p_ids.split([len(r["completion_ids"]) for r in rows]), held.p_probs.split(
+            [len(r["completion_ids"]) for r in rows])
+        return {"topk_ids": [i.tolist() for i in ids], "topk_logprobs": [p.log().tolist() for p in probs]}
+
+    assert_labels_equal(heldout_labels(TRUNCATION), fresh, range(len(rows)))
+    assert differs(heldout_labels(WHOLE), fresh, CUT)  # a held-out pass on the full prompt fails the check
+
+
+def test_online_teacher_and_on_policy_batches_condition_on_the_truncated_prompt(target, rows):
+    """The collator lays out the truncated prompt: the online teacher runs on that layout, and on-policy (or
+    seq-KD) generation continues `prompts`, its first columns, which TRL's causal layout then carries."""
+    from distill.trainer import CAUSAL, DistillCollator, DistillTrainer, positions
+
+    fresh = labels.teacher_labels(target, rows, TRUNCATION, K, None, 2, 0)
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+                                    teacher_model=target, vocab=None)
+
+    def online(batch):
+        logp = DistillTrainer.teacher_logits(trainer, positions(batch)).log_softmax(-1).topk(K, -1)
+        return {"topk_ids": [logp.indices.tolist()], "topk_logprobs": [logp.values.tolist()]}
+
+    for i in CUT:
+        batch = DistillCollator(0, TRUNCATION)([rows[i]])
+        prompt = batch["prompts"][0].tolist()
+        assert prompt == rows[i]["prompt_ids"][-LONGEST:] != rows[i]["prompt_ids"]
+        assert_labels_equal(online(batch), {k: [v[i]] for k, v in fresh.items()}, [0])
+        completion = torch.tensor([rows[i]["completion_ids"]])  # what TRL's generation returns, laid out causally
+        causal = {"layout": CAUSAL, "prompts": batch["prompts"], "input_ids": torch.cat([batch["prompts"], completion], 1),
+                  "attention_mask": torch.ones(1, len(prompt) + completion.shape[1], dtype=torch.long),
+                  "labels": torch.cat([torch.full((1, len(prompt)), -100), completion], 1)}
+        assert_labels_equal(online(causal), {k: [v[i]] for k, v in fresh.items()}, [0])
+        whole = DistillCollator(0, WHOLE)([rows[i]])  # the wrong variant: the full prompt
+        assert differs(online(whole), {k: [v[i]] for k, v in fresh.items()}, [0])
+
+
+def test_a_learning_curve_point_takes_its_rows_labels_from_the_labelling_of_every_train_row(target, rows, tmp_path):
+    train = collected(target, rows, topk=True, hidden=False)
+    every = attach(target, train, tmp_path).to_dict()
+    share = [0, 1, 4]
+    point = attach(target, train, tmp_path, share=share).to_dict()
+    for name in ("topk_ids", "topk_logprobs"):
+        assert point[name] == [every[name][i] for i in share]
