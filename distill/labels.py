@@ -6,6 +6,8 @@ target's mass on the draft's FR-Spec subset, which is chosen here from the colle
 subset holds most of it), and the cached teacher would disagree with the online one (distill/losses.py).
 One target pass over the train rows computes it, together with the top-k labels when collect stored none;
 rows that carry the target's final hidden state (collect.hidden_states) need only the target's output head.
+Collect labels a row on its full prompt; the draft trains on the prompt's last max_prompt_length tokens, so a row
+that truncation cuts is relabelled by that target pass over the tokens the draft sees (train_labels).
 """
 from __future__ import annotations
 
@@ -110,22 +112,68 @@ def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
             log(f"note: cached top-k labels are T=1 log-probs; at loss_temperature={objective.loss_temperature} "
                 "their tail is an even-spread estimate (distill/losses.py); distill.objective.teacher=online is exact")
         k = 0 if "topk_ids" in train.column_names else int(objective.topk)
-        if k or split.vocab is not None:
-            if "final_hidden" in train.column_names:  # the head alone, no target pass: nothing to share or cache
-                columns = hidden_labels(inputs, split.vocab, train, k, log)
-            elif split.share is None:
-                columns = cached_teacher_labels(inputs, split.vocab, train, k, log)
-            else:  # labelled once for every train row: the other learning-curve points reuse them
-                columns = {name: [values[i] for i in split.share]
-                           for name, values in cached_teacher_labels(inputs, split.vocab, split.all_train, k, log).items()}
-            for name, values in columns.items():
-                train = train.add_column(name, values)
+        if split.share is None:
+            columns = train_labels(inputs, split.vocab, train, k, log)
+        else:  # labelled once for every train row: the other learning-curve points reuse them
+            columns = {name: [values[i] for i in split.share]
+                       for name, values in train_labels(inputs, split.vocab, split.all_train, k, log).items()}
+        for name, values in columns.items():
+            feature = train.features.get(name)  # a relabelled cached column keeps collect's types
+            if feature is not None:
+                train = train.remove_columns(name)
+            train = train.add_column(name, values, feature=feature)
     if "final_hidden" in train.column_names:
         train = train.remove_columns("final_hidden")  # labels made: the trainer never reads the hidden states
     truncate = inputs.truncation
     train = train.add_column("length", [sum(map(len, truncate(row))) for row in
                                         train.select_columns(["prompt_ids", "completion_ids"])])
     return replace(split, train=train)
+
+
+def train_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:
+    """The label columns the train rows need, on the tokens the draft sees: the top-k labels (`k` > 0: collect
+    stored none) and the subset's mass (`vocab` set). Collect labelled each row, and stored its final hidden states,
+    on the full prompt; the draft sees only the prompt's last max_prompt_length tokens, so the target would
+    condition on context the draft never has. Rows the truncation cuts get every label column from a target pass
+    over the truncated row; the others keep collect's labels (no target pass for them)."""
+    longest = inputs.truncation.max_prompt_length
+    cut = [i for i, ids in enumerate(train["prompt_ids"]) if len(ids) > longest]
+    if not cut:
+        return uncut_labels(inputs, vocab, train, k, log)
+    cached_k = cached_topk(train)
+    log(f"{len(cut)} of {len(train)} train rows have a prompt longer than distill.objective.max_prompt_length="
+        f"{longest}: their labels come from a target pass over the last {longest} prompt tokens (collect's were "
+        "computed on the full prompt, context the draft never sees)")
+    fresh = cached_teacher_labels(inputs, vocab, train.select(cut), k or cached_k, log)
+    kept = sorted(set(range(len(train))) - set(cut))
+    rest = {name: [] for name in fresh}
+    if kept:
+        rest = uncut_labels(inputs, vocab, train.select(kept), k, log)
+        if cached_k:
+            rest.update(train.select(kept).select_columns(["topk_ids", "topk_logprobs"]).to_dict())
+    columns = {name: [None] * len(train) for name in fresh}
+    for rows, part in ((cut, fresh), (kept, rest)):
+        for name, values in part.items():
+            for i, value in zip(rows, values):
+                columns[name][i] = value
+    return columns
+
+
+def cached_topk(train) -> int:
+    """k of the top-k labels collect stored in the rows (0: none)."""
+    if "topk_ids" not in train.column_names:
+        return 0
+    return next((len(row["topk_ids"][0]) for row in train.select_columns(["topk_ids"]) if row["topk_ids"]), 0)
+
+
+def uncut_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:
+    """The missing label columns of rows the truncation does not cut: from their stored final hidden states
+    (the head alone) when collect kept them, else from the (cached) target pass."""
+    if not k and vocab is None:
+        return {}
+    if "final_hidden" in train.column_names:  # the head alone, no target pass: nothing to share or cache
+        return hidden_labels(inputs, vocab, train, k, log)
+    return cached_teacher_labels(inputs, vocab, train, k, log)
 
 
 def hidden_labels(inputs: Inputs, vocab: torch.Tensor | None, train, k: int, log) -> dict[str, list]:
