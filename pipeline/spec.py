@@ -144,7 +144,8 @@ class SpeculativeSpec:
     # ------------------------------------------------------------ the two files
 
     def recipes(self) -> dict[str, dict]:
-        """{domain: {"drafting": "off" | chain policy | branching factors, "chain", "gamma", "draft_temperature"}}."""
+        """{domain: {"drafting": "off" | chain policy | branching factors, "chain", "gamma", "draft_temperature"}}, and
+        "tree" (the domain's tree, or null for a chain) when the calibration chose among trees."""
         keyed = [f.name for f in fields(self) if f.metadata["file"] == RECIPE]
         domains = sorted({d for name in keyed for d in (getattr(self, name) or {})})
         out = {}
@@ -154,6 +155,8 @@ class SpeculativeSpec:
             out[d] = {"drafting": OFF if not self.speculates(d) else (list(tree) if tree else chain),
                       "chain": chain, "gamma": self.for_domain("gamma", d),
                       "draft_temperature": self.for_domain("draft_temperature", d)}
+            if self.tree is not None:  # calibrated for trees: the tree (or null, a chain) it would run were it on
+                out[d]["tree"] = list(tree) if tree else None
         return out
 
     def to_dict(self) -> dict:
@@ -242,6 +245,8 @@ def _unpacked(recipes, where: str) -> dict:
     out = {name: values if any(v is not None for v in values.values()) else None for name, values in out.items()}
     drafting = {d: r.get("drafting") for d, r in recipes.items()}
     out["speculate"] = {d: v != OFF for d, v in drafting.items()}
+    if any("tree" in r for r in recipes.values()):  # kept for domains calibrated off too
+        return out | {"tree": {d: r.get("tree") for d, r in recipes.items()}}
     trees = {d: v if isinstance(v, list) else None for d, v in drafting.items()}
     return out | {"tree": trees if any(trees.values()) else None}
 
