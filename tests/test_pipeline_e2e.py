@@ -31,10 +31,12 @@ def _pipeline(*overrides: str, cwd: Path = REPO, timeout: int = 1200) -> subproc
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, real_target_path):
-    """A quick `stage=all` that first crashes in distill (bad loss name), then is rerun."""
+    """A quick `stage=all` that first crashes in calibrate (a draft directory that is not there: bad settings fail
+    before any stage, tests/test_stage_settings.py, so the crash needs an input only the stage can check), then is
+    rerun."""
     artifacts = tmp_path_factory.mktemp("e2e") / "artifacts"
     common = ["experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache()]
-    crashed = _pipeline(*common, "distill.objective.loss=no_such_loss")
+    crashed = _pipeline(*common, f"distill.calibration.draft={artifacts.parent / 'no_such_draft'}")
     resumed = _pipeline(*common)
     return artifacts, crashed, resumed
 
@@ -45,7 +47,7 @@ def test_interrupted_run_fails_cleanly_and_resumes(quick_run):
     # stderr also carries the earlier stages' progress bars; the failure itself is one line, no traceback
     assert "Traceback" not in crashed.stderr
     last = crashed.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "no_such_loss" in last, last
+    assert last.startswith("error: ") and "no_such_draft" in last, last
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # collect's finished shards from the crashed run are reused, not regenerated
     done = re.search(r"(\d+) shards \((\d+) already done\)", resumed.stdout)
