@@ -228,9 +228,7 @@ def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: Spe
     give intervals."""
     reporting, sampling = heldouts.reporting, job.sampling
     alpha = cal.acceptance(job.draft, reporting, [sampling.temperature], split.vocab)[0]
-    k = len(spec.per_position_acceptance[cal.OVERALL])
-    sections = {name: sp.section(*(t.numpy() for t in cal.per_position_windows(alpha, reporting, mask, k)))
-                for name, mask in cal.domain_index(reporting).items()}
+    sections = profile_sections(alpha, reporting, len(spec.per_position_acceptance[cal.OVERALL]))
     conditions = {
         "source": sp.HELDOUT, **sampling.to_dict(), "draft_temperature": sampling.temperature,
         # the rates are of the draft sampled at T, which is what an engine that cannot set τ serves
@@ -248,6 +246,12 @@ def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: Spe
                     reported={"gamma": spec.mean_accepted_length["gamma"], **spec.mean_accepted_length["after"]})
 
 
+def profile_sections(alpha: torch.Tensor, heldout: cal.HeldOut, k: int) -> dict[str, dict]:
+    """Per domain and overall, the profile's rates of blocks of up to k drafts, with intervals over rows."""
+    return {name: sp.section(*(t.numpy() for t in cal.per_position_windows(alpha, heldout, mask, k)))
+            for name, mask in cal.domain_index(heldout).items()}
+
+
 def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
     """The per-domain table, and the calibration's numbers to MLflow."""
     print(format_table(spec))
@@ -260,6 +264,7 @@ def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
         **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()}, "c": spec.cost["c"]})
     inputs.tracker.log_artifact(str(out / "speculative.json"))
     inputs.tracker.log_artifact(str(out / "README.md"))
+    inputs.tracker.log_artifact(str(out / sp.FILENAME))
 
 
 def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:
