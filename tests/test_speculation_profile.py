@@ -68,7 +68,7 @@ def test_the_per_position_rates_reproduce_the_reported_mean_accepted_length_with
     profile, reported = profile_of(held, alpha)
     back = sp.read(sp.write(tmp_path, profile).parent)
     for name, rates in sections_of(back).items():
-        assert back["validation"][name]["passed"], name
+        assert back["validation"]["mean_consistency"][name]["passed"], name
         assert sp.consistency(rates, reported[name], GAMMA)["passed"], name
 
 
@@ -99,7 +99,7 @@ def test_the_profile_round_trips_through_its_file(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (lambda p: p | {"schema_version": "0.9"}, "schema_version '0.9'"),
     (lambda p: {k: v for k, v in p.items() if k != "n_units"}, "lacks"),
-    (lambda p: p | {"marginal_accept_rates": p["marginal_accept_rates"][::-1]}, "rise with k"),
+    (lambda p: p | {"per_category": {"chat": {"n_units": 3}}}, "chat lacks"),
     (lambda p: p | {"conditional_accept_rates": p["conditional_accept_rates"][:-1]}, "another length"),
 ])
 def test_a_malformed_profile_is_refused_in_one_line(tmp_path, change, message):
@@ -107,6 +107,13 @@ def test_a_malformed_profile_is_refused_in_one_line(tmp_path, change, message):
     with pytest.raises(PipelineError, match=message) as error:
         sp.read(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_rising_marginals_are_flagged_not_hidden():
+    profile = profile_of(*heldout())[0]
+    assert all(v["passed"] for v in profile["validation"]["marginal_monotonicity"].values())
+    rising = profile | {"marginal_accept_rates": [0.5, 0.6, 0.2]}
+    assert sp.monotonicity(rising) == {"passed": False, "rising_positions": [2]}
 
 
 def decode(*passes: tuple[int, int]) -> SimpleNamespace:
@@ -126,7 +133,8 @@ def test_evals_measured_section_counts_what_the_decoder_accepted_in_the_same_sha
     assert measured["per_category"]["chat"]["marginal_accept_rates"] == pytest.approx([1.0, 0.5, 0.5])
     assert measured["marginal_accept_rates"] == pytest.approx(M.per_position_acceptance([r["stats"] for r in records]))
     assert measured["measurement_conditions"]["source"] == sp.MEASURED
-    assert set(measured) - {"validation"} == set(profile_of(*heldout())[0]) - {"validation"}  # one schema
+    assert set(measured) == set(profile_of(*heldout())[0])  # one schema
+    assert "mean_consistency" not in measured["validation"]  # eval's own mean counts the prefill pass: none given
     assert M.measured_profile(records[2:], {}) is None  # the tuned draft did not run
 
 
