@@ -62,9 +62,9 @@ def throughput(records: list[dict]) -> dict:
 
 def per_position_acceptance(stats_list) -> list[float]:
     """P(draft token k accepted) for k = 1..γ, pooled over requests (pipeline.speculation_profile.position_counts:
-    acceptance stops at the first rejection). For a token
-    tree the positions are its depths: P(the accepted path reaches depth k | the tree has depth k), unconditioned
-    on reaching k − 1 (the chain's convention; pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
+    acceptance stops at the first rejection). For a token tree the positions are its depths: P(the accepted path
+    reaches depth k | the tree has depth k), unconditioned on reaching k − 1 (the chain's convention;
+    pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
     accepted, proposed = profile.position_table(stats_list)
     return [float(a / p) for a, p in zip(accepted.sum(0), proposed.sum(0)) if p]
 
