@@ -130,24 +130,39 @@ def domain_index(heldout: HeldOut) -> dict[str, torch.Tensor]:
     return masks
 
 
-def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, gamma_max: int) -> list[float]:
-    """P_k, k = 1..γmax: the chance that the first k drafts of a block are all accepted, averaged over the
-    block's start position (windows that fit inside a completion), for the positions selected by `positions`."""
+def per_position_windows(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor,
+                         gamma_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per held-out row (of those with a selected position) and k = 1..γmax: the sum over the row's blocks of
+    Π_{i<k} α_{t+i} (the first k drafts of the block starting at t all accepted) and the number of such blocks
+    (windows that fit inside the completion): two [rows, γmax] float64 tensors. Kept per row so that
+    speculation_profile.json can resample rows for its intervals."""
     rows = defaultdict(list)
     for a, r, keep in zip(alpha.tolist(), heldout.row_of.tolist(), positions.tolist()):
         if keep:
             rows[r].append(a)
+    sums = torch.zeros((len(rows), gamma_max), dtype=torch.float64)
+    counts = torch.zeros_like(sums)
     if not rows:
-        return [0.0] * gamma_max
+        return sums, counts
     length = max(len(v) for v in rows.values())
     a = torch.full((len(rows), length), float("nan"), dtype=torch.float64)
     for i, v in enumerate(rows.values()):
         a[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
-    result, prod = [], torch.ones_like(a)
+    prod = torch.ones_like(a)
     for k in range(1, gamma_max + 1):
         prod = prod[:, :a.shape[1] - k + 1] * a[:, k - 1:]  # prod[t] = Π_{i<k} a[t+i]
         valid = ~torch.isnan(prod)
-        result.append(float(prod[valid].mean()) if valid.any() else result[-1] if result else 0.0)
+        sums[:, k - 1], counts[:, k - 1] = prod.nan_to_num(0.0).sum(1), valid.sum(1)
+    return sums, counts
+
+
+def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, gamma_max: int) -> list[float]:
+    """P_k, k = 1..γmax: the chance that the first k drafts of a block are all accepted, averaged over the
+    block's start position (windows that fit inside a completion), for the positions selected by `positions`."""
+    sums, counts = per_position_windows(alpha, heldout, positions, gamma_max)
+    result = []
+    for total, n in zip(sums.sum(0).tolist(), counts.sum(0).tolist()):
+        result.append(total / n if n else result[-1] if result else 0.0)
     return result
 
 

@@ -12,6 +12,7 @@ profile into the draft's serving recipe, and writes the exports eval and users r
     spec, files = calibrate_engines(...)                  + the engines asked for (llama.cpp) and draft.gguf
     spec        = calibrate_batching(...)                 + γ per batch size (distill.calibration.batch_sizes)
     save_calibrated(...)                                  ${paths.draft} + model card + the per-domain table
+                                                          + speculation_profile.json (per-position acceptance)
     and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
 
 Each draft is loaded here from disk in fp32 (the dtype distill trained and keep_best judged it in), and exported
@@ -38,6 +39,7 @@ from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
 from distill.split import split_by_prompt
 from distill.stage import read_record
+from pipeline import speculation_profile as sp
 from pipeline.cost_profile import FILENAME
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible, load_model, load_tokenizer
@@ -81,7 +83,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     spec, calibration = calibrate_draft(main_job, split, heldouts, before, profile, main)
     spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log)
     spec = calibrate_batching(main_job, split, spec, log)
-    save_calibrated(main_job, spec, profile, calibration.head_fill, main, engine_files)
+    save_calibrated(main_job, spec, profile, calibration.head_fill, main, engine_files,
+                    speculation_profile(main_job, split, heldouts, spec, main))
     report(inputs, spec, main.out)
     laps.lap("draft")
     if init is not None:
@@ -193,15 +196,17 @@ def export_init(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, pro
                    head_fill=cal.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab))
         return
     spec, calibration = calibrate_draft(job, split, heldouts, before, profile, source, calibration)
-    save_calibrated(job, spec, profile, calibration.head_fill, source)
+    save_calibrated(job, spec, profile, calibration.head_fill, source,
+                    speculation=speculation_profile(job, split, heldouts, spec, source))
     log(f"exported {source.out} with its own calibration (predicted speedup "
         f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
 
 
 # ---------------------------------------------------------------- export
 def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill: torch.Tensor | None,
-                    source: DraftSource, files: dict[str, Path] | None = None) -> None:
-    """A copy of the draft in the serving dtype with its calibration, model card and cost profile."""
+                    source: DraftSource, files: dict[str, Path] | None = None, speculation: dict | None = None) -> None:
+    """A copy of the draft in the serving dtype with its calibration, model card, cost profile and
+    speculation profile."""
     generation_config = copy.deepcopy(job.target.generation_config)
     hf_setting = ((spec.engines.get("hf") or {}).get("generation_config") or {}).get(DEFAULT)
     # HF assisted generation reads these from the assistant: HF's own calibration where there is one (a default
@@ -210,7 +215,41 @@ def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill
         setattr(generation_config, key, value)
     save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, spec,
                model_card(spec, f"{job.cfg.model.draft.name} ({source.label})"), generation_config,
-               extra={FILENAME: profile}, head_fill=head_fill, files=files)
+               extra={FILENAME: profile, sp.FILENAME: speculation and sp.check(speculation, sp.FILENAME)},
+               head_fill=head_fill, files=files)
+
+
+def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec,
+                        source: DraftSource) -> dict:
+    """speculation_profile.json (pipeline/speculation_profile.py): per domain and overall, the reporting part's
+    per-position rates with the draft sampled at the serving temperature — the numbers evidence.json's
+    per_position_acceptance and mean_accepted_length give — with intervals over its rows. α is computed again
+    as serving_acceptance computed it (one draft pass over the reporting part) because only per-row sums
+    give intervals."""
+    reporting, sampling = heldouts.reporting, job.sampling
+    alpha = cal.acceptance(job.draft, reporting, [sampling.temperature], split.vocab)[0]
+    sections = profile_sections(alpha, reporting, len(spec.per_position_acceptance[cal.OVERALL]))
+    conditions = {
+        "source": sp.HELDOUT, **sampling.to_dict(), "draft_temperature": sampling.temperature,
+        # the rates are of the draft sampled at T, which is what an engine that cannot set τ serves
+        "recipe_draft_temperature": spec.draft_temperature,
+        "draft_length_policy": "every block of k = 1..K drafts at every completion position, teacher-forced",
+        "recipe_drafting": {d: r["drafting"] for d, r in spec.recipes().items()},
+        "draft_dtype": str(job.draft.dtype).removeprefix("torch."),
+        "target_dtype": str(job.serving_dtype).removeprefix("torch."),
+        "device": str(next(job.target.parameters()).device),
+        "heldout": {"part": "reporting", **heldouts.sizes["reporting"], "disjoint": heldouts.sizes["disjoint"]},
+        "units": "held-out rows", "interval": f"percentile bootstrap over units, {sp.N_RESAMPLES} resamples"}
+    draft = {"name": job.cfg.model.draft.get("name"), "selected": source.selected, "distilled": source.distilled,
+             **spec.draft}
+    return sp.build(sections, cal.OVERALL, conditions, target=spec.target, draft=draft,
+                    reported={"gamma": spec.mean_accepted_length["gamma"], **spec.mean_accepted_length["after"]})
+
+
+def profile_sections(alpha: torch.Tensor, heldout: cal.HeldOut, k: int) -> dict[str, dict]:
+    """Per domain and overall, the profile's rates of blocks of up to k drafts, with intervals over rows."""
+    return {name: sp.section(*(t.numpy() for t in cal.per_position_windows(alpha, heldout, mask, k)))
+            for name, mask in cal.domain_index(heldout).items()}
 
 
 def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
@@ -225,6 +264,7 @@ def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
         **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()}, "c": spec.cost["c"]})
     inputs.tracker.log_artifact(str(out / "speculative.json"))
     inputs.tracker.log_artifact(str(out / "README.md"))
+    inputs.tracker.log_artifact(str(out / sp.FILENAME))
 
 
 def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:

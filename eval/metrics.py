@@ -38,6 +38,8 @@ import warnings
 import numpy as np
 from scipy.stats import bootstrap
 
+from pipeline import speculation_profile as profile
+
 AUTOREGRESSIVE = "autoregressive"
 SPECULATIVE = "speculative"
 CI_LEVEL = 0.95
@@ -59,21 +61,29 @@ def throughput(records: list[dict]) -> dict:
 
 
 def per_position_acceptance(stats_list) -> list[float]:
-    """P(draft token k accepted) for k = 1..γ. A verify pass that accepted n of d drafted tokens counts
-    positions 1..d as proposed and 1..n as accepted (acceptance stops at the first rejection). For a token
-    tree the positions are its depths: P(the accepted path reaches depth k | the tree has depth k), unconditioned
-    on reaching k − 1 (the chain's convention; pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
-    proposed: list[int] = []
-    accepted: list[int] = []
-    for stats in stats_list:
-        for d, n in zip(getattr(stats, "depths", None) or stats.drafted, stats.accepted):
-            if d > len(proposed):
-                proposed += [0] * (d - len(proposed))
-                accepted += [0] * (d - len(accepted))
-            for k in range(d):
-                proposed[k] += 1
-                accepted[k] += k < n
-    return [a / p for a, p in zip(accepted, proposed) if p]
+    """P(draft token k accepted) for k = 1..γ, pooled over requests (pipeline.speculation_profile.position_counts:
+    acceptance stops at the first rejection). For a token tree the positions are its depths: P(the accepted path
+    reaches depth k | the tree has depth k), unconditioned on reaching k − 1 (the chain's convention;
+    pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
+    accepted, proposed = profile.position_table(stats_list)
+    return [float(a / p) for a, p in zip(accepted.sum(0), proposed.sum(0)) if p]
+
+
+def measured_profile(records: list[dict], conditions: dict) -> dict | None:
+    """metrics.json `measured`: the tuned draft's per-position acceptance in speculation_profile.json's shape
+    (pipeline/speculation_profile.py), per domain and overall, with intervals over requests; None when it did not
+    run. A pass proposes fewer drafts under a draft-length policy or at the end of the text, so here marginal k is
+    P(the first k accepted | a k-th was proposed)."""
+    stats = {}
+    for r in records:
+        if r["method"] == SPECULATIVE and r["stats"] is not None:
+            stats.setdefault(r["domain"], []).append(r["stats"])
+    if not stats:
+        return None
+    sections = {d: profile.section(*profile.position_table(s)) for d, s in stats.items()}
+    sections["overall"] = profile.section(*profile.position_table([s for group in stats.values() for s in group]))
+    return profile.build(sections, "overall", {"source": profile.MEASURED, "units": "requests", **conditions},
+                         target=None, draft=None)
 
 
 def _mean(values: list[float]) -> float:

@@ -233,7 +233,21 @@ def core_metrics(records: list[dict], evaluation: Evaluation) -> dict:
     return {"gamma": core.pop("gamma"), "temperature": core.pop("temperature"), "top_k": settings.top_k,
             "top_p": settings.top_p, "max_new_tokens": settings.max_new_tokens,
             "target": str(evaluation.target_path), "draft": drafts["speculative"].identity["source"],
-            "draft_init": init.identity["source"] if init else None, **core}
+            "draft_init": init.identity["source"] if init else None, **core, **measured(records, evaluation)}
+
+
+def measured(records: list[dict], evaluation: Evaluation) -> dict:
+    """{"measured": the tuned draft's per-position acceptance in speculation_profile.json's shape} when our
+    decoder ran it (an engine's counters are per request, not per pass), else {}."""
+    settings = evaluation.settings
+    if settings.engine != "ours":
+        return {}
+    conditions = {**evaluation.sampling.to_dict(), "max_new_tokens": settings.max_new_tokens,
+                  "drafting": {d: plan.to_dict() for d, plan in evaluation.plans[M.SPECULATIVE].items()},
+                  "dtype": str(evaluation.dtype).removeprefix("torch."), "device": str(evaluation.device),
+                  "target": str(evaluation.target_path), "draft": evaluation.drafts[M.SPECULATIVE].identity["source"]}
+    profile = M.measured_profile(records, conditions)
+    return {"measured": profile} if profile else {}
 
 
 def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:

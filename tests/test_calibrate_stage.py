@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import speculation_profile as sp
 from pipeline.errors import PipelineError
 from tests.conftest import REPO, read_spec, run_calibrate_stage
 
@@ -60,6 +61,22 @@ def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
     assert spec["distilled"] is True and spec["training"] == own["training"] and spec["vocab_subset"] == own["vocab_subset"]
     with pytest.raises(PipelineError, match="not a model directory"):
         run_calibrate_stage(setup, tmp_path / "bad", f"distill.calibration.draft={tmp_path}")
+
+
+def test_each_calibrated_export_carries_a_speculation_profile_that_reproduces_its_mean_accepted_length(distilled):
+    run = distilled[2]
+    for name in ("draft", "draft_init"):
+        spec, profile = spec_of(run / name), sp.read(run / name)
+        if not spec.get("mean_accepted_length"):  # an uncalibrated draft_init: no recipe to profile
+            assert profile is None
+            continue
+        means = spec["mean_accepted_length"]
+        sections = {"overall": profile, **profile["per_category"]}
+        assert set(sections) == set(means["after"]) and profile["measurement_conditions"]["source"] == sp.HELDOUT
+        for domain, mean in means["after"].items():
+            assert sections[domain]["marginal_accept_rates"] == pytest.approx(
+                spec["per_position_acceptance"][domain], abs=1e-6)
+            assert sp.consistency(sections[domain], mean, means["gamma"])["passed"], (name, domain)
 
 
 def test_calibrate_without_a_trained_draft_names_the_stage_to_run(setup, tmp_path):

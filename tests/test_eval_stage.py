@@ -131,6 +131,11 @@ def test_greedy_eval_writes_schema_report_plots_and_matches_autoregressive(tmp_p
         assert {"tokens_per_s", "latency_p50_s", "latency_p95_s"} <= set(d["autoregressive"])
         assert d["greedy_match"] == 1.0 and d["speculative_init"]["greedy_match"] == 1.0
     assert {"acceptance_rate", "mean_accepted_length", "speedup"} <= set(metrics["overall"])
+    measured = metrics["measured"]  # the tuned draft's per-position acceptance in speculation_profile.json's shape
+    assert set(measured["per_category"]) == {"chat", "code"} and measured["measurement_conditions"]["drafting"]
+    if not (metrics.get("stalls") or {}).get("n_excluded"):  # both pool the same requests
+        assert measured["marginal_accept_rates"] == pytest.approx(
+            metrics["overall"]["speculative"]["per_position_acceptance"], abs=1e-6)
     # the headline figures are the ones the per-request records give
     assert_headlines_match_requests(metrics, out, ("speculative", "speculative_init"))
     assert metrics["domains"]["chat"]["n_requests"] == 3  # two turns + one turn
