@@ -17,16 +17,14 @@ from tests.conftest import read_spec, run_distill_stage as run_stage
 
 # ---------------------------------------------------------------- resume
 def crash_at_step_30(setup, out: Path, monkeypatch, *overrides: str):
-    """Runs the stage until its 31st loss computation raises, as a Ctrl-C would (checkpoint-20 is on disk);
+    """Runs the stage until the loss computation of its step 31 raises, as a Ctrl-C would (checkpoint-20 is on disk);
     returns the real compute_loss to put back."""
     from distill.trainer import DistillTrainer
 
     compute = DistillTrainer.compute_loss
-    calls = {"n": 0}
 
     def crashing(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 30:
+        if self.state.global_step >= 30:  # in step 31 (the learning-rate probe's short runs never get there)
             raise KeyboardInterrupt("simulated crash")
         return compute(self, *args, **kwargs)
 
@@ -126,8 +124,9 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
                             "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
     older = copy.deepcopy(cfg)
     with open_dict(older):
-        for group, key in ADDED_LATER:
+        for (group, key), off in ADDED_LATER.items():
             del older.distill[group][key]  # the config as it was before the knob existed
+            cfg.distill[group][key] = off  # and with the knob at its "off" value (a default may turn it on)
     args = ({"path": "t"}, {"fingerprint": "c"}, 10)
     assert fingerprint(cfg, *args) == fingerprint(older, *args)
     cfg.distill.objective.adaspec_reference = "some/draft"
