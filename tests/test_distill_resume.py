@@ -79,7 +79,9 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
 
     # checkpoints every 12 steps: the last one before the crash (24) is mid-epoch (5 steps an epoch), where
     # Trainer.train would resume into one more step
-    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    # (the stop rule off: it could end the run with the weights of step 20, its best, instead of the checkpoint's)
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12",
+                               "distill.trainer.stop_patience=null")
     checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert checkpoint.name == "checkpoint-24"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
@@ -90,7 +92,8 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
     checkpoint_weights = load_file(checkpoint / "model.safetensors")
     calls = []
     monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
-    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.checkpoint.max_train_minutes=1")
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.trainer.stop_patience=null",
+              "distill.checkpoint.max_train_minutes=1")
     spec = read_spec(tmp_path / "draft")
     assert not calls and spec["training"]["steps"] == 24 and spec["training"]["train_tokens"] == saved["train_tokens"]
     assert spec["learning_curve"][-1]["step"] == 24
@@ -129,8 +132,11 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
             cfg.distill[group][key] = off  # and with the knob at its "off" value (a default may turn it on)
     args = ({"path": "t"}, {"fingerprint": "c"}, 10)
     assert fingerprint(cfg, *args) == fingerprint(older, *args)
-    cfg.distill.objective.adaspec_reference = "some/draft"
-    assert fingerprint(cfg, *args) != fingerprint(older, *args)
+    for group, key, value in (("trainer", "lr_probe", {"factors": [1.0], "steps": 5}), ("trainer", "stop_patience", 2),
+                              ("objective", "adaspec_reference", "some/draft")):
+        before = fingerprint(cfg, *args)
+        cfg.distill[group][key] = value
+        assert fingerprint(cfg, *args) != before
 
 
 def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_length_names_the_checkpoint():
