@@ -13,14 +13,15 @@ import torch
 from tests.conftest import read_spec, run_distill_stage as run_stage
 
 EQUAL_DRAFT = "model.draft.derive.layers=[0,1,2,3]"  # every layer of the 4-layer tiny target, its head too
+ADAPTIVE = ("distill.trainer.lr_probe={factors:[1.0,0.1,0.01],steps:10}", "distill.trainer.stop_patience=2")
 
 
 # ---------------------------------------------------------------- the probe on whole stage runs
-def test_a_draft_equal_to_its_target_keeps_its_heldout_acceptance_with_the_shipped_defaults(setup, tmp_path):
-    """The shipped recipe (conftest's run: the default learning rate, the default probe and stop rule) leaves a draft
-    equal to its target where it started: the probe finds no rate that beats the initial weights, so training takes
-    no step, and the trained weights, not keep_best's fallback, keep held-out acceptance within 0.01."""
-    result, _ = run_stage(setup, tmp_path, EQUAL_DRAFT)
+def test_a_draft_equal_to_its_target_keeps_its_heldout_acceptance_with_the_probe(setup, tmp_path):
+    """The adaptive recipe (the default learning rate, a probe of three shares and the stop rule) leaves a draft equal
+    to its target where it started: the probe finds no rate that beats the initial weights, so training takes no step,
+    and the trained weights, not keep_best's fallback, keep held-out acceptance within 0.01."""
+    result, _ = run_stage(setup, tmp_path, EQUAL_DRAFT, *ADAPTIVE)
     spec = read_spec(tmp_path / "draft")
     before, trained = spec["acceptance"]["before"]["overall"], spec["acceptance"]["after_training"]["overall"]
     assert before > 0.99, before  # the draft is the target
@@ -34,9 +35,10 @@ def test_a_draft_equal_to_its_target_keeps_its_heldout_acceptance_with_the_shipp
 
 
 def test_the_old_fixed_rate_wrecks_a_draft_equal_to_its_target(setup, tmp_path):
-    """The deliberately wrong recipe (the stub's rate, unprobed, no stop rule) drops the same draft's trained
-    acceptance by far more than 0.01: the test above can fail. keep_best then ships the initial weights."""
-    run_stage(setup, tmp_path, EQUAL_DRAFT, "distill.trainer.lr_probe=null", "distill.trainer.stop_patience=null")
+    """The deliberately wrong recipe (the stub's rate, unprobed, no stop rule: still the shipped default) drops the
+    same draft's trained acceptance by far more than 0.01: the test above can fail. keep_best then ships the initial
+    weights."""
+    run_stage(setup, tmp_path, EQUAL_DRAFT)
     spec = read_spec(tmp_path / "draft")
     before, trained = spec["acceptance"]["before"]["overall"], spec["acceptance"]["after_training"]["overall"]
     assert before - trained > 0.01, (before, trained)
@@ -44,17 +46,19 @@ def test_the_old_fixed_rate_wrecks_a_draft_equal_to_its_target(setup, tmp_path):
     assert "keep_best" in (tmp_path / "draft" / "README.md").read_text()
 
 
-def test_a_stub_draft_is_trained_at_the_full_rate_and_keeps_its_gain(distilled):
-    """conftest's one-layer draft (the embedded default's kind): the probe picks the largest rate tried, the gain stays
-    (test_short_distillation_raises_heldout_acceptance checks its size), and the card says which rate and why."""
-    result, tracker, out = distilled
+def test_a_stub_draft_is_trained_at_its_best_probed_rate_and_gains(setup, tmp_path):
+    """conftest's one-layer draft (the embedded default's kind): the probe trains at the rate whose short run held the
+    most acceptance, which beats the initial weights, the gain stays, and the card says which rate and why."""
+    result, tracker = run_stage(setup, tmp_path, *ADAPTIVE)
+    out = tmp_path
     recipe = read_spec(out / "draft")["training"]["recipe"]
-    assert recipe["learning_rate"] == recipe["configured"] == 3e-3, recipe
-    assert recipe["probe"]["0.003"] > recipe["probe"]["0.0003"] > recipe["probe"]["initial"], recipe
-    assert tracker.metrics["train_learning_rate"] == 3e-3
+    tried = {name: acceptance for name, acceptance in recipe["probe"].items() if name != "initial"}
+    assert float(max(tried, key=tried.get)) == recipe["learning_rate"] > 0, recipe
+    assert tried[max(tried, key=tried.get)] > recipe["probe"]["initial"], recipe
+    assert tracker.metrics["train_learning_rate"] == recipe["learning_rate"]
     assert result["acceptance_after"] > result["acceptance_before"]
     card = (out / "draft" / "README.md").read_text()
-    assert "- learning rate: 0.003, the best held-out acceptance (calibration part)" in card
+    assert f"- learning rate: {recipe['learning_rate']:g}, the best held-out acceptance (calibration part)" in card
     assert "- stop rule: " in card and "the distilled draft" in card
 
 
