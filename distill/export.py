@@ -96,19 +96,46 @@ def _kv(d: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (d or {}).items())
 
 
+def _recipe_lines(recipe: dict | None, steps: int) -> list[str]:
+    """The step size training ran at and why (distill/training.py probe_learning_rate), and what the stop rule did;
+    none for a draft without a training run of its own (steps 0 and a rate chosen: draft_init)."""
+    if not recipe or (steps == 0 and recipe.get("learning_rate")):
+        return []
+    rate, probe = recipe["learning_rate"], recipe.get("probe")
+    if not probe:
+        why = "distill.trainer.learning_rate, not probed (distill.trainer.lr_probe=null)"
+    else:
+        tried = ", ".join(f"{name} {_fmt(acceptance)}" for name, acceptance in probe.items())
+        why = (f"the best held-out acceptance (calibration part) after {recipe['probe_steps']} steps from the initial "
+               f"weights at each rate tried: {tried}")
+    lines = [f"- learning rate: {rate:.3g}, {why}" if rate else
+             f"- learning rate: none, no training: no rate tried beat the initial weights ({why.split(': ', 1)[1]})"]
+    if recipe.get("stop_patience"):
+        stopped = recipe.get("stopped_at")
+        lines.append("- stop rule: " + (f"stopped at step {stopped}, {recipe['stop_patience']} held-out evaluations "
+                                          "below the best" if stopped else "trained to the budget")
+                     + f"; the weights of step {recipe.get('kept_step')} (calibration-part acceptance "
+                       f"{_fmt(recipe.get('kept_acceptance'))}, initial {_fmt(recipe.get('initial_acceptance'))}) "
+                       "were the best trained")
+    return lines
+
+
 def model_card(spec: SpeculativeSpec, title: str) -> str:
     """A short README: what the draft is, for which target, and its held-out numbers per domain."""
     acceptance, length, cost = spec.acceptance, spec.mean_accepted_length, spec.cost
     domains = [d for d in acceptance.get("after", {}) if d not in (DEFAULT, "overall")]
-    shipped = ("the distilled draft" if spec.selected == "distilled" else "the initial draft: training lowered "
-               f"held-out acceptance to {_fmt(acceptance.get('after_training', {}).get('overall'))}")
+    shipped = ("the distilled draft" if spec.selected == "distilled" else "the initial draft (keep_best): training "
+               f"lowered held-out acceptance to {_fmt(acceptance.get('after_training', {}).get('overall'))}")
+    if not spec.training.get("steps"):  # the probe found no step size worth taking, or draft_init
+        shipped = "the initial draft: it was not trained"
     lines = [f"# {title}", "",
              f"Draft model for speculative decoding with **{spec.target.get('name') or spec.target.get('path')}** "
              f"(target sha256 `{str(spec.target.get('source_sha256'))[:12]}`), distilled on the target's own "
              "generations by this project's distill stage. Loads with `AutoModelForCausalLM.from_pretrained` and "
              "works as `assistant_model` in HF `generate`; `speculative.json` holds the calibration below.", "",
              f"- draft: {_kv(spec.draft)}",
-             f"- training: {_kv(spec.training)}",
+             f"- training: {_kv({k: v for k, v in spec.training.items() if k != 'recipe'})}",
+             *_recipe_lines(spec.training.get("recipe"), int(spec.training.get("steps") or 0)),
              f"- exported weights: {shipped}",
              f"- serving sampling calibrated for: {_kv(spec.sampling.to_dict())}",
              f"- calibrated for device {cost.get('device')} {cost.get('device_name') or ''} ({cost.get('dtype')}, "

@@ -1,9 +1,11 @@
 """Training progress that survives a resume: completion tokens and training seconds of the whole run, the
 held-out learning curve, and the time budget, all counted across interruptions.
 
-Each checkpoint carries `progress.json` ({step, train_tokens, train_seconds, curve}); a resumed run starts its
-counters from the checkpoint it resumes, so the curve and the budget continue instead of restarting. Training
-seconds exclude the held-out evaluations (they watch training; they are not part of it)."""
+Each checkpoint carries `progress.json` ({step, train_tokens, train_seconds, curve, recipe, best}); a resumed run
+starts its counters from the checkpoint it resumes, so the curve and the budget continue instead of restarting, the
+step size the probe chose is not probed again, and the stop rule keeps its best and its count of drops (with the
+best weights, BEST_WEIGHTS, where they are older than the checkpoint's). Training seconds exclude the held-out
+evaluations (they watch training; they are not part of it)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ from transformers import TrainerCallback
 from pipeline.atomic import write_json
 
 PROGRESS_FILE = "progress.json"
+BEST_WEIGHTS = "best_weights.pt"  # in a checkpoint whose best weights are not its own
 
 
 class RunProgress:
@@ -25,6 +28,9 @@ class RunProgress:
         saved = read_progress(checkpoint)
         self.tokens0, self.seconds0 = saved["train_tokens"], saved["train_seconds"]
         self.curve: list[dict] = saved["curve"]
+        self.recipe: dict | None = saved.get("recipe")  # the step size chosen (distill/training.py), None until then
+        self.best: dict | None = saved.get("best")  # the stop rule's state (BestWeightsCallback)
+        self.checkpoint = Path(checkpoint) if checkpoint else None
         self.num_processes, self.trainer = num_processes, None
         self.started: float | None = None
         self.excluded = 0.0  # seconds of held-out evaluation since `started`
@@ -41,7 +47,7 @@ class RunProgress:
 
     def record(self, step: int) -> dict:
         return {"step": step, "train_tokens": self.tokens(), "train_seconds": round(self.seconds(), 2),
-                "curve": self.curve}
+                "curve": self.curve, "recipe": self.recipe, "best": self.best}
 
 
 def read_progress(checkpoint: str | Path | None) -> dict:
@@ -130,3 +136,77 @@ class TimeBudgetCallback(TrainerCallback):
         if stop.item():
             control.should_training_stop = True
             control.should_save = True
+
+
+class BestWeightsCallback(TrainerCallback):
+    """The stop rule: every `eval_steps`, `judge(model) -> acceptance` on the calibration part (the rows keep_best and
+    τ are chosen on; the curve's reporting part stays free of the choice); training stops after `patience`
+    evaluations in a row below the best so far, the initial weights' `baseline` included, and ends with the best
+    weights it evaluated. Only trained weights are put back: whether the initial ones beat them is keep_best's call
+    (distill/stage.py select_weights), so the record says which of the two shipped."""
+
+    def __init__(self, judge, eval_steps: int, patience: int, baseline: float, progress: RunProgress,
+                 is_main: bool = True, printer=print):
+        self.judge, self.eval_steps, self.patience = judge, max(1, int(eval_steps)), int(patience)
+        self.progress, self.is_main, self.printer = progress, is_main, printer
+        # best: the best acceptance so far (step 0: the initial weights); kept: the best trained step's; drops:
+        # evaluations in a row below best; judged: the last step evaluated
+        self.state = progress.best or {"baseline": float(baseline), "best": float(baseline), "best_step": 0,
+                                       "kept": None, "kept_step": None, "drops": 0, "judged": 0, "stopped_at": None}
+        progress.best = self.state
+        saved = progress.checkpoint / BEST_WEIGHTS if progress.checkpoint else None
+        self.weights = torch.load(saved, weights_only=True) if saved and saved.exists() else None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.weights is None and self.state["kept_step"] == state.global_step and model is not None:
+            self.weights = _snapshot(model)  # resumed at the kept step: the checkpoint's own weights are the best
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.eval_steps or state.global_step >= state.max_steps:
+            return
+        stop = torch.tensor(float(self.is_main and self._evaluate(state.global_step, model)), device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast(stop, src=0)  # every process stops at the same step
+        if stop.item():
+            self.state["stopped_at"] = state.global_step
+            self.printer(f"step {state.global_step}: held-out acceptance (calibration part) below its best "
+                         f"{self.state['best']:.3f} for {self.patience} evaluations: training stops")
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.is_main and self.weights is not None and self.state["kept_step"] != state.global_step \
+                and folder.is_dir():
+            torch.save(self.weights, folder / BEST_WEIGHTS)  # a resume can still put them back
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if not self.is_main or model is None:
+            return
+        if self.state["judged"] != state.global_step:
+            self._evaluate(state.global_step, model)
+        if self.weights is not None and self.state["kept_step"] != state.global_step:
+            model.load_state_dict(self.weights)
+            self.printer(f"kept the weights of step {self.state['kept_step']} (held-out acceptance "
+                         f"{self.state['kept']:.3f} on the calibration part), the best evaluated in training")
+
+    def _evaluate(self, step: int, model) -> bool:
+        """Judges the model at `step`; True when the drops reach the patience."""
+        was_training, started = model.training, time.time()
+        acceptance = float(self.judge(model))
+        model.train(was_training)
+        self.progress.excluded += time.time() - started
+        state = self.state
+        state["judged"] = step
+        if state["kept"] is None or acceptance > state["kept"]:
+            state["kept"], state["kept_step"] = acceptance, step
+            self.weights = _snapshot(model)
+        if acceptance > state["best"]:
+            state["best"], state["best_step"], state["drops"] = acceptance, step, 0
+        else:
+            state["drops"] += 1
+        return state["drops"] >= self.patience
+
+
+def _snapshot(model) -> dict:
+    """A copy of the model's weights (on the CPU: the draft trains on in place)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}

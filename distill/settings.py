@@ -10,7 +10,8 @@ profile exist and fit the draft?) is checked where those load (distill/trainer.p
 
 `trainer` is passed to `transformers.TrainingArguments` by name, so it stays a read-only mapping of whatever
 TrainingArguments names conf sets (TrainingArguments validates them); only the keys the stage itself reads must be
-there (`TRAINER_READ`), `max_epochs` (not a TrainingArguments name) among them. The lists of `calibration` become
+there (`TRAINER_READ`), the keys that are not TrainingArguments names (`OUR_TRAINER_KEYS`: max_epochs, the
+learning-rate probe and the stop patience) among them. The lists of `calibration` become
 tuples. Normalising is idempotent, so `dataclasses.replace` (which validates again) works on a built instance.
 
 The checkpoint fingerprint (distill/stage.py `fingerprint`) hashes the composed config's groups, not these
@@ -29,8 +30,11 @@ from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
 
 TEACHERS = ("online", "topk")
-# The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is.
-TRAINER_READ = ("max_steps", "max_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16")
+# The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,
+# but for OUR_TRAINER_KEYS, which are not TrainingArguments names (the stage takes them out).
+OUR_TRAINER_KEYS = ("max_epochs", "lr_probe", "stop_patience")
+TRAINER_READ = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "learning_rate",
+                *OUR_TRAINER_KEYS)
 
 
 def _tuple(group, where: str, *keys: str) -> None:
@@ -207,7 +211,7 @@ class ServingSettings:
 class DistillSettings:
     """`distill.*` of the composed config, checked and normalised (see the module docstring)."""
     objective: ObjectiveSettings       # what the draft learns (fingerprinted: decides the weights)
-    trainer: Mapping[str, Any]         # TrainingArguments by name, and max_epochs (fingerprinted); read-only
+    trainer: Mapping[str, Any]         # TrainingArguments by name, and OUR_TRAINER_KEYS (fingerprinted); read-only
     split: SplitSettings               # held-out prompts and the train share (fingerprinted)
     checkpoint: CheckpointSettings     # checkpoint cadence, resume, time budget
     heldout: HeldoutSettings           # the held-out acceptance simulator
@@ -269,12 +273,30 @@ class DistillSettings:
         if not self.trainer["max_steps"] and not self.trainer["max_epochs"]:
             raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: "
                                 "set at least one")
+        _check_lr_probe(self.trainer["lr_probe"])
+        patience = self.trainer["stop_patience"]
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+            raise PipelineError(f"distill.trainer.stop_patience={patience!r} is not a count >= 1: use e.g. 2, or null to "
+                                "train to the budget")
 
     def _check_calibration(self) -> None:
         samples = self.calibration.tree_samples
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise PipelineError(f"distill.calibration.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
                                 "for chains only when sampling")
+
+
+def _check_lr_probe(probe) -> None:
+    """`distill.trainer.lr_probe`: null, or {factors: shares of learning_rate in (0, 1], steps: >= 1}."""
+    if probe is None:
+        return
+    factors = probe.get("factors") if isinstance(probe, Mapping) else None
+    steps = probe.get("steps") if isinstance(probe, Mapping) else None
+    if (not isinstance(probe, Mapping) or set(probe) != {"factors", "steps"} or not isinstance(factors, (list, tuple))
+            or not factors or not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in factors)
+            or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise PipelineError(f"distill.trainer.lr_probe={probe!r} must be null or {{factors: shares of learning_rate in "
+                            "(0, 1], steps: >= 1}: use e.g. distill.trainer.lr_probe.factors=[1.0,0.1,0.01]")
 
 
 def _build(cls, values, where: str):

@@ -43,7 +43,8 @@ from pipeline.timing import Laps
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
 # adding a knob does not orphan every checkpoint trained before it.
-ADDED_LATER = {("objective", "adaspec_reference"): None}
+ADDED_LATER = {("objective", "adaspec_reference"): None, ("trainer", "lr_probe"): None,
+               ("trainer", "stop_patience"): None}
 RECORD = "training.json"  # in ${paths.trained}: what calibrate needs beside the weights (RECORD_VERSION's keys)
 RECORD_VERSION = 1
 
@@ -76,7 +77,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
     laps.lap("heldout")
     split = attach_teacher_labels(inputs, split, log)
     laps.lap("labels")
-    training = train_draft(inputs, split, heldouts.reporting if heldouts else None, log)
+    training = train_draft(inputs, split, heldouts, log)
     laps.lap("training")
     if not inputs.is_main:
         return {}
@@ -197,7 +198,8 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
             "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
             "rows": len(split.train), "data_tokens": sum(map(len, split.train["completion_ids"])),
-            "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint}
+            "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint,
+            "recipe": training.recipe}
 
 
 def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: TrainingResult, selected: dict,

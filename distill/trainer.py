@@ -185,7 +185,7 @@ def full_head(model):
         model.set_output_embeddings(head)
 
 
-def _restore_forward(module, forward) -> None:
+def restore_forward(module, forward) -> None:
     """Undo an instance-level `forward` patch (TRL's fused LM head, accelerate's autocast of the teacher)."""
     if forward is None:
         vars(module).pop("forward", None)
@@ -238,7 +238,7 @@ class DistillTrainer(GKDTrainer):
         super().__init__(model=model, teacher_model=teacher_model, args=args, data_collator=collator,
                          train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks)
         for module, forward in patched:  # our compute_loss uses neither patch; the stage gets its models back as given
-            _restore_forward(module, forward)
+            restore_forward(module, forward)
         self.teacher_model.eval().requires_grad_(False)
         self.reference = reference_model
         if reference_model is not None:

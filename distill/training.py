@@ -1,10 +1,19 @@
-"""One distillation run of the stage: TrainingArguments from conf, DistillTrainer, resume, token accounting."""
+"""One distillation run of the stage: TrainingArguments from conf, the step size fitted to the draft, DistillTrainer,
+the stop rule, resume, token accounting.
+
+The step size (`trainer.lr_probe`): a stub draft gains at a rate that ruins a good one (Adam moves every weight by
+about the learning rate each step, whatever the gradient, so a draft already close to its target can only lose). So
+before training, each share of learning_rate runs a few steps from the initial weights, judged like keep_best
+(held-out acceptance on the calibration part); training runs at the best share, or not at all when none beats the
+initial weights. The stop rule (`trainer.stop_patience`, distill/progress.py BestWeightsCallback) then ends a run
+whose acceptance keeps falling, with its best weights.
+"""
 from __future__ import annotations
 
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Mapping
@@ -12,20 +21,21 @@ from typing import Mapping
 import torch
 
 from distill import calibrate as cal
-from distill.calibrate import HeldOut
 from distill.draft import freeze_shared
-from distill.job import Inputs, Split
-from distill.progress import AcceptanceCallback, ProgressCallback, RunProgress, TimeBudgetCallback
-from distill.trainer import DistillConfig, DistillTrainer
+from distill.job import HeldOuts, Inputs, Split
+from distill.progress import AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress, TimeBudgetCallback
+from distill.settings import OUR_TRAINER_KEYS
+from distill.trainer import DistillConfig, DistillTrainer, restore_forward
 from pipeline.heads import restore_full_head, use_subset_head
 
 
 @dataclass
 class TrainingResult:
     steps: int
-    tokens: int  # completion tokens the loss saw, over the whole run (resumes included)
-    minutes: float  # training minutes of the whole run (resumes included, held-out evaluation excluded)
+    tokens: int  # completion tokens the loss saw, over the whole run (resumes and the probe included)
+    minutes: float  # training minutes of the whole run (resumes and the probe included, held-out evaluation excluded)
     curve: list[dict]  # [{step, train_tokens, train_minutes, acceptance, by_domain}] on the reporting part
+    recipe: dict = field(default_factory=dict)  # the step size chosen and why, and the stop rule's record
 
 
 def mixed_bf16(choice, target) -> bool:
@@ -48,31 +58,97 @@ def generation_length(objective, manifest: dict) -> int | None:
     return objective.max_new_tokens or manifest.get("max_new_tokens")
 
 
-def training_arguments(job: Inputs, n_rows: int, out_dir: Path) -> DistillConfig:
-    """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows."""
+def training_arguments(job: Inputs, n_rows: int, out_dir: Path, **overrides) -> DistillConfig:
+    """conf's `trainer:` and `objective:` by name, the checkpoint cadence, and the plumbing only the stage knows;
+    `overrides` replace any of them (the learning rate chosen, the probe's short constant-rate runs)."""
     settings = job.settings
-    trainer = dict(settings.trainer)  # TrainingArguments names, and max_epochs, which is not one
+    trainer = {k: v for k, v in settings.trainer.items() if k not in OUR_TRAINER_KEYS}  # TrainingArguments names
     rows_per_step = (int(trainer["per_device_train_batch_size"]) * int(trainer["gradient_accumulation_steps"])
                      * job.state.num_processes)
-    trainer["max_steps"] = step_budget(trainer, n_rows, rows_per_step)
-    trainer.pop("max_epochs")
+    trainer["max_steps"] = step_budget(settings.trainer, n_rows, rows_per_step)
     trainer["bf16"] = mixed_bf16(trainer["bf16"], job.target)
     checkpoint = settings.checkpoint
     objective = asdict(settings.objective)
     objective["max_new_tokens"] = generation_length(settings.objective, job.manifest)
-    return DistillConfig(
-        output_dir=str(out_dir), **trainer, **objective,
-        save_strategy="steps", save_steps=int(checkpoint.save_steps), save_total_limit=int(checkpoint.save_total_limit),
-        logging_steps=int(checkpoint.logging_steps), seed=int(job.cfg.seed), data_seed=int(job.cfg.seed),
-        report_to="none",  # the stage logs to MLflow itself (AcceptanceCallback)
-        remove_unused_columns=False, length_column_name="length",  # the collator reads the label columns
-        use_cpu=next(job.target.parameters()).device.type == "cpu", ddp_find_unused_parameters=False,
-        disable_tqdm=not job.is_main)
+    return DistillConfig(**{
+        "output_dir": str(out_dir), **trainer, **objective,
+        "save_strategy": "steps", "save_steps": int(checkpoint.save_steps),
+        "save_total_limit": int(checkpoint.save_total_limit), "logging_steps": int(checkpoint.logging_steps),
+        "seed": int(job.cfg.seed), "data_seed": int(job.cfg.seed),
+        "report_to": "none",  # the stage logs to MLflow itself (AcceptanceCallback)
+        "remove_unused_columns": False, "length_column_name": "length",  # the collator reads the label columns
+        "use_cpu": next(job.target.parameters()).device.type == "cpu", "ddp_find_unused_parameters": False,
+        "disable_tqdm": not job.is_main, **overrides})
 
 
-def train_draft(job: Inputs, split: Split, reporting: HeldOut | None, log) -> TrainingResult:
-    """Runs DistillTrainer on the split's train rows, resuming from the last checkpoint of this fingerprint;
-    the main process watches held-out acceptance on `reporting`."""
+# ---------------------------------------------------------------- the step size fitted to the draft
+def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progress: RunProgress, log) -> dict:
+    """{"learning_rate", "configured", "probe_steps", "probe": {rate: calibration-part acceptance, "0": the initial
+    weights'}}: the best of lr_probe.factors × learning_rate after lr_probe.steps constant-rate steps from the initial
+    weights, or 0 (no training) when none beats the initial weights. The draft ends with its initial weights; the
+    probe's steps and tokens count as training (the time budget, the token count)."""
+    configured, probe = float(job.settings.trainer["learning_rate"]), job.settings.trainer["lr_probe"]
+    initial, patched = _snapshot(job.draft), vars(job.draft).get("forward")
+    scores = {0.0: judge(job.draft) if job.is_main else 0.0}
+    trained_seconds = 0.0
+    for factor in probe["factors"]:
+        rate = configured * float(factor)
+        arguments = training_arguments(job, len(split.train), out_dir / "probe", learning_rate=rate,
+                                       max_steps=int(probe["steps"]), warmup_steps=0, lr_scheduler_type="constant",
+                                       save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        trainer, started = _trainer(job, split, arguments, callbacks=[]), time.time()
+        trainer.train()
+        trained_seconds += time.time() - started  # held-out passes watch training: the budget counts the steps only
+        restore_forward(job.draft, patched)  # accelerate's autocast wrapper: the next trainer adds its own
+        progress.tokens0 += _run_tokens(job, trainer, RunProgress(None, job.state.num_processes))
+        scores[rate] = judge(job.draft) if job.is_main else 0.0
+        job.draft.load_state_dict(initial)
+    progress.seconds0 += trained_seconds
+    rates = list(scores)  # the initial weights first: a rate must beat them, not tie
+    chosen = rates[_broadcast_choice(max(range(len(rates)), key=lambda i: (scores[rates[i]], -i)), job)]
+    log(f"learning-rate probe (held-out acceptance on the calibration part after {probe['steps']} steps from the "
+        "initial weights): " + ", ".join(f"{_rate_name(r)} {a:.3f}" for r, a in scores.items())
+        + (f" -> training at {chosen:.1e}" if chosen else " -> no rate beats the initial weights: no training"))
+    return {"learning_rate": chosen, "configured": configured, "probe_steps": int(probe["steps"]),
+            "probe": {_rate_name(r): round(a, 4) for r, a in scores.items()}}
+
+
+def _rate_name(rate: float) -> str:
+    return "initial" if rate == 0 else f"{rate:.3g}"
+
+
+def _broadcast_choice(index: int, job: Inputs) -> int:
+    """The main process's choice, on every process (only the main one holds the held-out rows)."""
+    choice = torch.tensor(index if job.is_main else 0, device=job.state.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast(choice, src=0)
+    return int(choice)
+
+
+def _snapshot(model) -> dict:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _trainer(job: Inputs, split: Split, arguments: DistillConfig, callbacks: list) -> DistillTrainer:
+    return DistillTrainer(job.draft, arguments, split.train, teacher_model=job.target, vocab=split.vocab,
+                          stop_ids=job.stops, processing_class=job.tokenizer, callbacks=callbacks)
+
+
+def recipe_record(recipe: dict, stop: BestWeightsCallback | None) -> dict:
+    """training.json `training.recipe`: the step size chosen and why, and what the stop rule did."""
+    if stop is None:
+        return dict(recipe)
+    state = stop.state
+    return {**recipe, "stop_patience": stop.patience, "stopped_at": state["stopped_at"],
+            "kept_step": state["kept_step"], "kept_acceptance": state["kept"],
+            "initial_acceptance": state["baseline"]}
+
+
+# ---------------------------------------------------------------- training
+def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> TrainingResult:
+    """Runs DistillTrainer on the split's train rows at the step size the probe fits to the draft, resuming from the
+    last checkpoint of this fingerprint; the main process watches held-out acceptance (`heldouts`: the curve on the
+    reporting part, the probe and the stop rule on the calibration part; None off the main process)."""
     from transformers.trainer_utils import get_last_checkpoint
 
     out_dir = Path(job.cfg.paths.artifacts) / "distill_ckpt" / split.fingerprint
@@ -80,50 +156,83 @@ def train_draft(job: Inputs, split: Split, reporting: HeldOut | None, log) -> Tr
         shutil.rmtree(out_dir)
     job.state.wait_for_everyone()
     last = get_last_checkpoint(str(out_dir)) if out_dir.exists() else None
-    objective = job.settings.objective
+    objective, trainer_settings = job.settings.objective, job.settings.trainer
     trainable = freeze_shared(job.draft) if objective.freeze_shared else sum(
         p.numel() for p in job.draft.parameters() if p.requires_grad)
-    gamma = int(job.settings.heldout.gamma)
-
-    def evaluate(model):
-        alpha = cal.acceptance(model, reporting, [job.sampling.temperature], split.vocab)[0]
-        return cal.heldout_metrics(cal.summarize(alpha, reporting, gamma), gamma)
-
+    evaluate, judge = _watchers(job, split, heldouts)
     progress = RunProgress(last, job.state.num_processes)
     acceptance_cb = AcceptanceCallback(evaluate, job.tracker, int(job.settings.heldout.eval_steps), progress,
                                        is_main=job.is_main, printer=log)
     minutes = job.settings.checkpoint.max_train_minutes
-    budget = TimeBudgetCallback(minutes, progress)
-    arguments = training_arguments(job, len(split.train), out_dir)
+    full_head = use_subset_head(job.draft, split.vocab)
+    job.draft.train()
+    if progress.recipe is None:  # a resume keeps the step size its run chose
+        progress.recipe = (probe_learning_rate(job, split, judge, out_dir, progress, log) if trainer_settings["lr_probe"]
+                           else {"learning_rate": float(trainer_settings["learning_rate"])})
+    rate = float(progress.recipe["learning_rate"])
+    stop = _stop_rule(job, judge, progress, rate, log)
+    arguments = training_arguments(job, len(split.train), out_dir, learning_rate=rate)
     # the time or step budget was spent before the interruption (or this is a rerun to calibrate for other serving
     # settings)
     spent = bool(last and ((minutes and progress.seconds0 >= 60 * float(minutes))
                            or int(Path(last).name.split("-")[-1]) >= arguments.max_steps))
-    full_head = use_subset_head(job.draft, split.vocab)
-    job.draft.train()
-    trainer = DistillTrainer(job.draft, arguments, split.train,
-                             teacher_model=job.target, vocab=split.vocab, stop_ids=job.stops,
-                             processing_class=job.tokenizer,
-                             callbacks=[ProgressCallback(progress, job.is_main), acceptance_cb, budget])
+    watchers = [acceptance_cb] + ([stop] if stop else [])  # the curve sees the last weights before the best are put back
+    trainer = _trainer(job, split, arguments,
+                       [ProgressCallback(progress, job.is_main), *watchers, TimeBudgetCallback(minutes, progress)])
     progress.trainer = trainer
     log(f"training {trainable / 1e6:.1f}M parameters: loss={objective.loss}, teacher={objective.teacher}, "
-        f"lmbda={objective.lmbda}, {'resuming from ' + last if last else 'from scratch'} -> {out_dir}")
+        f"lmbda={objective.lmbda}, learning rate {rate:.1e}, "
+        f"{'resuming from ' + last if last else 'from scratch'} -> {out_dir}")
     cpu0 = time.process_time()
-    if spent:  # the checkpoint's weights, no further step (Trainer.train resumed mid-epoch would take one more)
-        trainer._load_from_checkpoint(last)
-        steps = int(Path(last).name.split("-")[-1])
-        acceptance_cb.on_train_end(arguments, SimpleNamespace(global_step=steps), None, model=job.draft)
+    if rate == 0 or spent:  # no step: none beats the initial weights, or the budget was spent before a resume
+        steps = int(Path(last).name.split("-")[-1]) if spent else 0
+        if spent:  # the checkpoint's weights (Trainer.train resumed mid-epoch would take one more step)
+            trainer._load_from_checkpoint(last)
+        for watcher in watchers:
+            watcher.on_train_end(arguments, SimpleNamespace(global_step=steps), None, model=job.draft)
     else:
         steps = int(trainer.train(resume_from_checkpoint=last).global_step)
     restore_full_head(job.draft, full_head)
     job.draft.eval()
     tokens, minutes = _run_tokens(job, trainer, progress), progress.seconds() / 60
-    job.tracker.log_metrics({"train_steps": steps, "train_tokens": tokens, "on_policy_batches": trainer.on_policy_batches})
+    job.tracker.log_metrics({"train_steps": steps, "train_tokens": tokens, "on_policy_batches": trainer.on_policy_batches,
+                             "train_learning_rate": rate})
     if job.is_main:
         log(f"trained {steps} steps, {tokens:,} completion tokens, {minutes:.1f} min over the whole run "
             f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; this process {(time.process_time() - cpu0) / 60:.1f} "
             "CPU-minutes)")
-    return TrainingResult(steps, tokens, minutes, progress.curve)
+    return TrainingResult(steps, tokens, minutes, progress.curve, recipe_record(progress.recipe, stop))
+
+
+def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
+    """(evaluate: the curve's metrics on the reporting part, judge: keep_best's measure, overall acceptance on the
+    calibration part) of a model, at the serving temperature."""
+    gamma, temperature = int(job.settings.heldout.gamma), [job.sampling.temperature]
+
+    def evaluate(model):
+        alpha = cal.acceptance(model, heldouts.reporting, temperature, split.vocab)[0]
+        return cal.heldout_metrics(cal.summarize(alpha, heldouts.reporting, gamma), gamma)
+
+    def judge(model):
+        was_training = model.training
+        alpha = cal.acceptance(model.eval(), heldouts.calibration, temperature, split.vocab)[0]
+        model.train(was_training)
+        return cal.summarize(alpha, heldouts.calibration, gamma)[cal.OVERALL]["acceptance"]
+
+    return evaluate, judge
+
+
+def _stop_rule(job: Inputs, judge, progress: RunProgress, rate: float, log) -> BestWeightsCallback | None:
+    """trainer.stop_patience's callback (None: off, or nothing to train), measured from the initial weights'
+    acceptance (the probe's, when it ran)."""
+    patience = job.settings.trainer["stop_patience"]
+    if not patience or rate == 0:
+        return None
+    baseline = (progress.recipe.get("probe") or {}).get("initial")
+    if baseline is None and progress.best is None:
+        baseline = judge(job.draft) if job.is_main else 0.0
+    return BestWeightsCallback(judge, int(job.settings.heldout.eval_steps), int(patience), baseline or 0.0, progress,
+                               is_main=job.is_main, printer=log)
 
 
 def _run_tokens(job, trainer, progress: RunProgress) -> int:

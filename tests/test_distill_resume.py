@@ -17,16 +17,14 @@ from tests.conftest import read_spec, run_distill_stage as run_stage
 
 # ---------------------------------------------------------------- resume
 def crash_at_step_30(setup, out: Path, monkeypatch, *overrides: str):
-    """Runs the stage until its 31st loss computation raises, as a Ctrl-C would (checkpoint-20 is on disk);
+    """Runs the stage until the loss computation of its step 31 raises, as a Ctrl-C would (checkpoint-20 is on disk);
     returns the real compute_loss to put back."""
     from distill.trainer import DistillTrainer
 
     compute = DistillTrainer.compute_loss
-    calls = {"n": 0}
 
     def crashing(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 30:
+        if self.state.global_step >= 30:  # in step 31 (the learning-rate probe's short runs never get there)
             raise KeyboardInterrupt("simulated crash")
         return compute(self, *args, **kwargs)
 
@@ -81,7 +79,9 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
 
     # checkpoints every 12 steps: the last one before the crash (24) is mid-epoch (5 steps an epoch), where
     # Trainer.train would resume into one more step
-    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12")
+    # (the stop rule off: it could end the run with the weights of step 20, its best, instead of the checkpoint's)
+    compute = crash_at_step_30(setup, tmp_path, monkeypatch, "distill.checkpoint.save_steps=12",
+                               "distill.trainer.stop_patience=null")
     checkpoint = max((tmp_path / "distill_ckpt").glob("*/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert checkpoint.name == "checkpoint-24"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text())
@@ -92,7 +92,8 @@ def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, 
     checkpoint_weights = load_file(checkpoint / "model.safetensors")
     calls = []
     monkeypatch.setattr(DistillTrainer, "compute_loss", lambda *a, **k: calls.append(1) or compute(*a, **k))
-    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.checkpoint.max_train_minutes=1")
+    run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12", "distill.trainer.stop_patience=null",
+              "distill.checkpoint.max_train_minutes=1")
     spec = read_spec(tmp_path / "draft")
     assert not calls and spec["training"]["steps"] == 24 and spec["training"]["train_tokens"] == saved["train_tokens"]
     assert spec["learning_curve"][-1]["step"] == 24
@@ -126,12 +127,16 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
                             "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
     older = copy.deepcopy(cfg)
     with open_dict(older):
-        for group, key in ADDED_LATER:
+        for (group, key), off in ADDED_LATER.items():
             del older.distill[group][key]  # the config as it was before the knob existed
+            cfg.distill[group][key] = off  # and with the knob at its "off" value (a default may turn it on)
     args = ({"path": "t"}, {"fingerprint": "c"}, 10)
     assert fingerprint(cfg, *args) == fingerprint(older, *args)
-    cfg.distill.objective.adaspec_reference = "some/draft"
-    assert fingerprint(cfg, *args) != fingerprint(older, *args)
+    for group, key, value in (("trainer", "lr_probe", {"factors": [1.0], "steps": 5}), ("trainer", "stop_patience", 2),
+                              ("objective", "adaspec_reference", "some/draft")):
+        before = fingerprint(cfg, *args)
+        cfg.distill[group][key] = value
+        assert fingerprint(cfg, *args) != before
 
 
 def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_length_names_the_checkpoint():

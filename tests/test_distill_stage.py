@@ -299,6 +299,8 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     (("distill.split.heldout_fraction=1.5",), r"distill\.split\.heldout_fraction=1\.5 must be in \(0, 1\)"),
     (("distill.trainer.max_steps=null", "distill.trainer.max_epochs=null"), "both null"),
     (("distill.calibration.tree_samples=null",), r"distill\.calibration\.tree_samples=None is not a count"),
+    (("distill.trainer.lr_probe.factors=[1.0,2.0]",), r"distill\.trainer\.lr_probe=.* must be null or"),
+    (("distill.trainer.stop_patience=0",), r"distill\.trainer\.stop_patience=0 is not a count"),
     (("+distill.objective.no_such_knob=1",), r"unknown setting\(s\) distill\.objective\.no_such_knob"),
 ])
 def test_bad_input_is_one_clear_error(setup, tmp_path, extra, match):
@@ -422,8 +424,9 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
 
 
 def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
-    # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead
-    result, _ = run_stage(setup, tmp_path, "distill.trainer.learning_rate=3.0", "distill.trainer.max_steps=10", "distill.trainer.warmup_steps=0",
+    # a learning rate this high wrecks the one-layer draft; keep_best exports the initial weights instead (the probe,
+    # which would train at a lower rate, off)
+    result, _ = run_stage(setup, tmp_path, "distill.trainer.lr_probe=null", "distill.trainer.learning_rate=3.0", "distill.trainer.max_steps=10", "distill.trainer.warmup_steps=0",
                           "distill.trainer.max_grad_norm=1e9")
     spec = read_spec(tmp_path / "draft")
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
