@@ -53,7 +53,8 @@ def test_a_stub_draft_is_trained_at_its_best_probed_rate_and_gains(setup, tmp_pa
     out = tmp_path
     recipe = read_spec(out / "draft")["training"]["recipe"]
     tried = {name: acceptance for name, acceptance in recipe["probe"].items() if name != "initial"}
-    assert float(max(tried, key=tried.get)) == recipe["learning_rate"] > 0, recipe
+    assert float(max(tried, key=tried.get)) == pytest.approx(recipe["learning_rate"]) and recipe["learning_rate"] > 0, \
+        recipe
     assert tried[max(tried, key=tried.get)] > recipe["probe"]["initial"], recipe
     assert tracker.metrics["train_learning_rate"] == recipe["learning_rate"]
     assert result["acceptance_after"] > result["acceptance_before"]
