@@ -159,16 +159,16 @@ def monotonicity(rates: dict) -> dict:
 
 def consistency(rates: dict, reported_mean: float, gamma: int) -> dict:
     """Do the section's marginals reproduce a reported mean accepted length of a chain of fixed γ? implied =
-    1 + Σ_{k≤γ} marginal_k; passed when the reported mean lies within the half-width of the 95% interval of the mean
-    accepted length at γ around the implied one (±1e-6 for rounding). Judged from the marginals themselves, so rates
-    that are not the marginals fail it whatever interval the file states."""
+    1 + Σ_{k≤γ} marginal_k; passed when the reported mean and the implied one both lie in the 95% interval of the
+    mean accepted length at γ (±1e-6 for rounding). The implied mean is judged too, so rates that are not the
+    marginals fail it whatever interval the file states."""
     marginal = rates["marginal_accept_rates"][:gamma]
     implied = 1.0 + sum(marginal)
     ci = rates["accept_length_by_k_ci95"].get(str(len(marginal))) if marginal else None
-    half = (ci[1] - ci[0]) / 2 if ci else 0.0
+    lo, hi = ci if ci else (implied, implied)
+    inside = [lo - 1e-6 <= value <= hi + 1e-6 for value in (float(reported_mean), implied)]
     return {"gamma": gamma, "implied_mean_accept_length": round(implied, 6),
-            "reported_mean_accept_length": round(float(reported_mean), 6), "ci95": ci,
-            "passed": abs(implied - float(reported_mean)) <= half + 1e-6}
+            "reported_mean_accept_length": round(float(reported_mean), 6), "ci95": ci, "passed": all(inside)}
 
 
 def write(directory: str | Path, profile: dict) -> Path:
