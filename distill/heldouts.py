@@ -8,6 +8,7 @@ calibrate chooses τ and γ on, and the numbers it reports come from the same re
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 
 from distill import calibrate as cal
 from distill.job import HeldOuts, Inputs
-from distill.settings import DistillSettings, ServingSettings
+from distill.settings import DistillSettings, ServingSettings, loss_temperature
 from distill.split import split_heldout
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
@@ -63,6 +64,9 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     settings = DistillSettings.from_config(cfg.distill)
     state = PartialState()
     dataset, manifest = load_collected(cfg.paths.collect)
+    sampling = serving_sampling(settings.serving, manifest)
+    settings = replace(settings, objective=replace(
+        settings.objective, loss_temperature=loss_temperature(settings.objective, sampling.temperature)))
     target, tokenizer, target_path = load_role(cfg, "target")
     if state.num_processes > 1 and state.device.type == "cuda":
         target = target.to(state.device)
@@ -72,7 +76,7 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     if largest_id >= target.config.vocab_size:
         raise PipelineError(f"collected token id {largest_id} is outside the target's {target.config.vocab_size:,}-token "
                             "vocabulary: the data was collected with another tokenizer; rerun stage=collect")
-    return Inputs(cfg, settings, tracker, state, dataset, manifest, serving_sampling(settings.serving, manifest),
+    return Inputs(cfg, settings, tracker, state, dataset, manifest, sampling,
                   target, tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, None,
                   None, None, stop_token_ids(tokenizer, target))
 

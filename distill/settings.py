@@ -46,12 +46,30 @@ def _tuple(group, where: str, *keys: str) -> None:
         object.__setattr__(group, key, tuple(value))
 
 
+SERVING = "serving"  # loss_temperature: the serving temperature the draft is tuned for (distill.serving)
+
+
+def _positive(value) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def loss_temperature(objective: "ObjectiveSettings", serving_temperature: float) -> float:
+    """The loss temperature as a number: `serving` is the serving T, and 1 (the models' own distributions) for
+    greedy serving, whose acceptance (argmax agreement) has no temperature to match."""
+    if objective.loss_temperature != SERVING:
+        return float(objective.loss_temperature)
+    return float(serving_temperature) if serving_temperature > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """`distill.objective`: what the draft learns (distill/losses.py); the DistillConfig knobs of that name."""
     loss: str                          # one of distill.losses.LOSSES
     beta: float                        # JSD(β) interpolation (loss=jsd)
-    loss_temperature: float            # softmax temperature of both models inside the loss
+    loss_temperature: float | str      # softmax temperature of both models inside the loss; "serving" = the serving T
     teacher: str                       # topk (cached labels) | online (a target forward per batch)
     topk: int                          # k of the labels when the stage computes them
     topk_tail: str                     # bucket | renormalize
@@ -249,9 +267,9 @@ class DistillSettings:
         if float(objective.lmbda) > 0 and objective.loss == "ce":
             raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
                                 "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
-        if float(objective.loss_temperature) <= 0:
-            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature} must be > 0: "
-                                "use e.g. 1.0")
+        if objective.loss_temperature != SERVING and not _positive(objective.loss_temperature):
+            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature!r} is neither "
+                                f"a temperature > 0 nor {SERVING!r}: use e.g. 1.0 or serving")
 
     def _check_split(self) -> None:
         split = self.split

@@ -105,9 +105,10 @@ def load_inputs(cfg: DictConfig, tracker) -> Inputs:
 
 
 # ---------------------------------------------------------------- split
-def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int) -> str:
+def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int, loss_temperature: float) -> str:
     """Names the checkpoint directory: what decides the trained weights, nothing that only watches training."""
     settings = {group: OmegaConf.to_container(cfg.distill[group], resolve=True) for group in FINGERPRINTED}
+    settings["objective"]["loss_temperature"] = loss_temperature  # `serving` resolved: the serving T decides it
     for (group, key), off in ADDED_LATER.items():
         if settings[group].get(key, off) == off:
             settings[group].pop(key, None)
@@ -148,7 +149,8 @@ def split_rows(inputs: Inputs) -> Split:
         share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx],
                               float(split.train_fraction), seed)
         all_train, train = train, train.select(share)
-    name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected))
+    name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected),
+                       inputs.settings.objective.loss_temperature)
     scratch = Path(inputs.cfg.paths.cache) / "distill"
     scratch.mkdir(parents=True, exist_ok=True)
     # datasets' cache files must not land in collect's folder (DVC would see its output as modified)
