@@ -457,6 +457,13 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     assert "Δ" in capsys.readouterr().out
     with pytest.raises(PipelineError, match="two or more different"):
         main(overrides(setup, tmp_path, f"tool.drafts=[{run / 'draft'}]"))
+    # a distill stage's own output (paths.trained), before any calibration: the same weights as their export
+    trained = f"tool.drafts=[{run / 'draft_init'},{run / 'trained' / 'draft_init'}]"
+    delta, _ = main(overrides(setup, tmp_path, trained))["domains"]["overall"]["difference"][
+        str(run / "trained" / "draft_init")]
+    assert abs(delta) < 1e-3
+    with pytest.raises(PipelineError, match="not a draft export"):
+        main(overrides(setup, tmp_path, trained, "tool.temperature=calibrated"))
 
 
 def test_acceptance_gap_puts_the_plan_beside_the_decoder_on_the_reporting_rows(setup, distilled, tmp_path):

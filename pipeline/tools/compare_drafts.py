@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
+from distill.stage import RECORD, read_record
 from eval.metrics import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
@@ -29,12 +30,19 @@ from pipeline.spec import SpeculativeSpec
 
 
 def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibrated: bool) -> torch.Tensor:
-    """α per held-out position [N] of the export at `path`, through its own FR-Spec head."""
-    if not (Path(path) / "speculative.json").is_file():
-        raise PipelineError(f"{path} is not a draft export (no speculative.json): pass paths.draft of a distill run")
-    spec = SpeculativeSpec.read(path)
+    """α per held-out position [N] of the draft at `path` (an export, or draft/ or draft_init/ of a distill stage's
+    ${paths.trained}, uncalibrated), through its own FR-Spec head."""
+    record = Path(path).parent / RECORD
+    if (Path(path) / "speculative.json").is_file():
+        spec = SpeculativeSpec.read(path)
+        subset = spec.vocab_subset
+    elif record.is_file() and not calibrated:
+        spec, subset = None, read_record(Path(path).parent)["vocab_subset"]
+    else:
+        raise PipelineError(f"{path} is not a draft export (no speculative.json) nor, at the serving temperature, a "
+                            "trained draft (no training.json beside it): pass paths.draft or paths.trained/draft")
     draft = load_model(path, dtype=dtype).eval()
-    vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
+    vocab = torch.tensor(subset) if subset else None
     if calibrated:
         taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
         return cal.acceptance_at(draft, heldout, taus, vocab)
