@@ -106,8 +106,8 @@ def _recipe_lines(recipe: dict | None, steps: int) -> list[str]:
         why = "distill.trainer.learning_rate, not probed (distill.trainer.lr_probe=null)"
     else:
         tried = ", ".join(f"{name} {_fmt(acceptance)}" for name, acceptance in probe.items())
-        why = (f"the best held-out acceptance (calibration part) after {recipe['probe_steps']} steps from the initial "
-               f"weights at each rate tried: {tried}")
+        why = (f"the largest rate whose held-out acceptance (calibration part) after {recipe['probe_steps']} steps "
+               f"from the initial weights beat theirs, tried largest first: {tried}")
     lines = [f"- learning rate: {rate:.3g}, {why}" if rate else
              f"- learning rate: none, no training: no rate tried beat the initial weights ({why.split(': ', 1)[1]})"]
     if recipe.get("stop_patience"):
