@@ -29,13 +29,13 @@ class CollectSettings:
     conf/collect/default.yaml, except that `temperature`, `top_k` and `top_p` are the one `sampling` (the
     core's Sampling, which checks them itself). What each setting does and why its default: that file's comments.
 
-    No field but `server` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`, which refuses
-    a missing or an unknown key; direct construction (tests) names every field. Checks raise a one-line PipelineError before
-    anything is loaded or written; what needs the target or the process group (top-k against the vocabulary, vllm
-    under accelerate, unknown domains) is checked where those are known (data/collect.py, pipeline/prompts.py).
-    Validation also normalises (numbers to their type, `domains` to a tuple, a single domain string a 1-tuple,
-    `vllm` to a read-only mapping, `server` to ServerSettings); it is idempotent, so `dataclasses.replace` works on
-    a built instance."""
+    No field but `server` and `onpolicy` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`,
+    which refuses a missing or an unknown key; direct construction (tests) names every other field. Checks raise a
+    one-line PipelineError before anything is loaded or written; what needs the target or the process group (top-k
+    against the vocabulary, vllm under accelerate, unknown domains) is checked where those are known (data/collect.py,
+    pipeline/prompts.py). Validation also normalises (numbers to their type, `domains` to a tuple, a single domain
+    string a 1-tuple, `vllm` to a read-only mapping, `server` and `onpolicy` to their settings); it is idempotent, so
+    `dataclasses.replace` works on a built instance."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
