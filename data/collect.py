@@ -18,6 +18,8 @@ Output contract (distill reads exactly this):
                               "eos", nothing after it, no padding
     text           str        completion decoded without special tokens
     finish_reason  str        "eos" | "length"
+    origin         str        (collect.onpolicy.share > 0) "target" | "onpolicy": completion_ids sampled by the
+                              draft, the labels still the target's (data/collect_onpolicy.py); never a held-out prompt
     topk_ids       [[int32]]  (collect.topk > 0) row j: top-k ids of the distribution that
                               produced completion_ids[j], most likely first
     topk_logprobs  [[float16]] their log-probs (log_softmax of the raw logits, temperature 1)
@@ -39,6 +41,8 @@ Output contract (distill reads exactly this):
     server, skipped, skipped_total, token_ids   collect.backend=server only (data/collect_server.py)
     domains               per domain: prompts, completions, tokens, mean_length, eos_share
     rows, total_tokens, generate_s, tokens_per_s, wall_s
+    label_cost            per origin: rows, tokens, cpu_s and wall_s spent producing them (+ draft_cpu_s, onpolicy)
+    onpolicy              collect.onpolicy.share > 0: {share, draft (null = model.draft), draft_identity}
     disk_bytes, disk_bytes_per_million_tokens, columns
 
 collect.backend=server (data/collect_server.py) generates the same rows on OpenAI-compatible servers; a request it
@@ -73,6 +77,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
@@ -89,8 +94,8 @@ def _save_shard(final: Path, rows: list[dict], settings: CollectSettings, meta: 
 
     with atomic_dir(final) as tmp, quiet_datasets():
         if rows:  # a shard whose every request was skipped (collect.backend=server) is its meta.json alone
-            Dataset.from_list(rows, features=features(settings.label_topk, settings.stores_hidden)).save_to_disk(
-                str(tmp / "data"))
+            columns = features(settings.label_topk, settings.stores_hidden, bool(settings.onpolicy.share))
+            Dataset.from_list(rows, features=columns).save_to_disk(str(tmp / "data"))
         write_json(tmp / "meta.json", meta)
 
 
@@ -199,7 +204,8 @@ def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[
     for row in rows:
         by_domain.setdefault(row["domain"], []).append(row)
     cap = settings.max_prompts_per_domain  # load_split already refused unknown/empty domains
-    return {domain: prompts[:cap] if cap else prompts for domain, prompts in by_domain.items()}
+    return mark_onpolicy({domain: prompts[:cap] if cap else prompts for domain, prompts in by_domain.items()},
+                         settings.onpolicy.share, cfg)
 
 
 def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, list[dict]],
@@ -222,6 +228,8 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
             device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
     identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
+    if settings.onpolicy.share:
+        identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
                                else str(dtype).removeprefix("torch."))
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
@@ -298,10 +306,13 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
     if not mine:
         return
     with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
-        _generate_shards(job, tracker, mine, _make_backend(job, stack))
+        backend = _make_backend(job, stack)
+        onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
+                                    job.dtype) if job.settings.onpolicy.share else None
+        _generate_shards(job, tracker, mine, backend, onpolicy)
 
 
-def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> None:
+def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend, onpolicy) -> None:
     from tqdm.auto import tqdm
 
     turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
@@ -317,7 +328,7 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> No
                 print(f"[collect] collect.max_minutes={job.max_minutes} would be passed by the next shard: stopping "
                       f"before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
-            tokens_per_s = _generate_shard(job, backend, shard, bar.update)
+            tokens_per_s = _generate_shard(job, backend, shard, bar.update, onpolicy)
             if not hasattr(backend, "show_rates"):
                 bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
             tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
@@ -350,16 +361,18 @@ def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
     return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
 
 
-def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
+def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=None) -> float:
     """Generate one shard and write it atomically; returns its generation speed in tokens/s."""
-    start = time.perf_counter()
+    start, spent = time.perf_counter(), {}
     rows = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
-                         derive_seed(job.settings.seed, shard.domain, shard.index), progress)
+                         derive_seed(job.settings.seed, shard.domain, shard.index), progress, onpolicy, spent)
     seconds = time.perf_counter() - start
+    if "onpolicy" in spent:
+        spent["onpolicy"]["draft_cpu_s"] = onpolicy.take_draft_cpu_s()
     tokens = sum(len(row["completion_ids"]) for row in rows)
     meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,
             "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
-            "process_index": job.state.process_index}
+            "process_index": job.state.process_index, "label_cost": spent}
     if hasattr(backend, "take_stats"):  # the server backend: skipped requests, where the ids came from, which server
         meta.update(backend.take_stats(), server=backend.describe())
     _save_shard(job.shard_dir / shard.name, rows, job.settings, meta)
@@ -433,6 +446,9 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "generate_s": round(generate_s, 3),
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
+        "label_cost": label_cost(dataset, shard_metas),
+        **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
+                         "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),

@@ -3,6 +3,7 @@ dataset's columns (the output contract in data/collect.py), one shard's rows, an
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
@@ -28,13 +29,13 @@ class CollectSettings:
     conf/collect/default.yaml, except that `temperature`, `top_k` and `top_p` are the one `sampling` (the
     core's Sampling, which checks them itself). What each setting does and why its default: that file's comments.
 
-    No field but `server` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`, which refuses
-    a missing or an unknown key; direct construction (tests) names every field. Checks raise a one-line PipelineError before
-    anything is loaded or written; what needs the target or the process group (top-k against the vocabulary, vllm
-    under accelerate, unknown domains) is checked where those are known (data/collect.py, pipeline/prompts.py).
-    Validation also normalises (numbers to their type, `domains` to a tuple, a single domain string a 1-tuple,
-    `vllm` to a read-only mapping, `server` to ServerSettings); it is idempotent, so `dataclasses.replace` works on
-    a built instance."""
+    No field but `server` and `onpolicy` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`,
+    which refuses a missing or an unknown key; direct construction (tests) names every other field. Checks raise a
+    one-line PipelineError before anything is loaded or written; what needs the target or the process group (top-k
+    against the vocabulary, vllm under accelerate, unknown domains) is checked where those are known (data/collect.py,
+    pipeline/prompts.py). Validation also normalises (numbers to their type, `domains` to a tuple, a single domain
+    string a 1-tuple, `vllm` to a read-only mapping, `server` and `onpolicy` to their settings); it is idempotent, so
+    `dataclasses.replace` works on a built instance."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
@@ -49,9 +50,10 @@ class CollectSettings:
     max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
     max_minutes: float | None           # no shard starts that would end past this many minutes; None = no limit
     vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
-    # collect.backend=server only (data/collect_server.py): a mapping is checked; the one field with a default,
-    # None = no servers, so code that builds settings for the in-process backends need not name it
+    # collect.backend=server only (data/collect_server.py): a mapping is checked; the two fields with a default,
+    # None = no servers / no on-policy rows, so code that builds settings for other uses need not name them
     server: "ServerSettings | Mapping | None" = None
+    onpolicy: "OnPolicySettings | Mapping | None" = None  # the draft's samples labelled by the target
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
 
@@ -72,6 +74,8 @@ class CollectSettings:
             self._normalise("server", ServerSettings.none())
         elif not isinstance(self.server, ServerSettings):
             self._normalise("server", ServerSettings.from_mapping(self.server))
+        if not isinstance(self.onpolicy, OnPolicySettings):
+            self._normalise("onpolicy", OnPolicySettings.from_mapping(self.onpolicy))
         checks = [
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
@@ -95,7 +99,11 @@ class CollectSettings:
             (self.max_prompts_per_domain is not None and self.max_prompts_per_domain < 0,
              f"collect.max_prompts_per_domain={self.max_prompts_per_domain} must be ≥ 0 (null = all): {_FIX}"),
             (self.max_minutes is not None and self.max_minutes <= 0,
-             f"collect.max_minutes={self.max_minutes} must be > 0 (null = no limit): {_FIX}")]
+             f"collect.max_minutes={self.max_minutes} must be > 0 (null = no limit): {_FIX}"),
+            (self.onpolicy.share and self.backend != "hf", f"collect.onpolicy.share={self.onpolicy.share} needs "
+             "collect.backend=hf: the target labels the draft's samples in process"),
+            (self.onpolicy.share and not self.topk, f"collect.onpolicy.share={self.onpolicy.share} needs "
+             "collect.topk > 0: on-policy rows are worth only the target's labels")]
         for bad, message in checks:
             if bad:
                 raise PipelineError(message)
@@ -133,6 +141,8 @@ class CollectSettings:
         if self.backend == "server":  # the urls, concurrency and fault handling decide where and how fast, not what
             key["server"] = {"model": self.server.model, "endpoint": self.server.endpoint,
                              "logprobs": self.server.logprobs}
+        if self.onpolicy.share:  # which prompts the draft answers is in each shard's name (their `origin`)
+            key["onpolicy"] = {"share": self.onpolicy.share, "draft": self.onpolicy.draft}
         return key
 
     @property
@@ -146,6 +156,28 @@ class CollectSettings:
         """Whether the rows carry `final_hidden`: only the in-process HF backend sees the target's hidden states
         (a server or vLLM returns tokens and log-probs), and only with collect.hidden_states."""
         return self.hidden_states and self.backend == "hf"
+
+
+@dataclass(frozen=True)
+class OnPolicySettings:
+    """`collect.onpolicy.*` (what each key does: conf/collect/default.yaml); checked whatever the backend."""
+    share: float        # of each domain's train prompts, answered by the draft and labelled by the target
+    draft: str | None   # a draft model directory; None = model.draft, the draft distill starts from
+
+    @classmethod
+    def from_mapping(cls, values) -> "OnPolicySettings":
+        if values is None:
+            return cls(0.0, None)
+        if not isinstance(values, Mapping):
+            raise PipelineError(f"collect.onpolicy={values!r} is not a group of settings: {_FIX}")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.onpolicy", "conf/collect/default.yaml")
+        settings = cls(_config_number("onpolicy.share", values["share"], float), values["draft"])
+        if not 0.0 <= settings.share <= 1.0:
+            raise PipelineError(f"collect.onpolicy.share={settings.share} must be in [0, 1] (0 = off): {_FIX}")
+        if settings.draft is not None and not isinstance(settings.draft, str):
+            raise PipelineError(f"collect.onpolicy.draft={settings.draft!r} must be a draft directory or null "
+                                f"(model.draft): {_FIX}")
+        return settings
 
 
 ENDPOINTS = ("completions", "chat")
@@ -235,13 +267,15 @@ class Completion:
     final_hidden: np.ndarray | None = None   # [len(ids), hidden] float16: the head's input that produced each token
 
 
-def features(topk: int, hidden: bool = False):
+def features(topk: int, hidden: bool = False, origin: bool = False):
     from datasets import Features, List, Value
 
     columns = {"id": Value("string"), "prompt_id": Value("string"), "domain": Value("string"),
                "turn": Value("int32"), "sample": Value("int32"),
                "prompt_ids": List(Value("int32")), "completion_ids": List(Value("int32")),
                "text": Value("string"), "finish_reason": Value("string")}
+    if origin:
+        columns["origin"] = Value("string")
     if topk:
         columns["topk_ids"] = List(List(Value("int32")))
         columns["topk_logprobs"] = List(List(Value("float16")))
@@ -251,13 +285,16 @@ def features(topk: int, hidden: bool = False):
 
 
 def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: int, seed: int,
-                  progress=None) -> list[dict]:
+                  progress=None, onpolicy=None, spent: dict | None = None) -> list[dict]:
     """Rows for one shard: every turn of every prompt, samples_per_prompt completions each.
 
     Turn t+1 of a prompt is conditioned on sample 0's answer to turn t. Each turn is one
     `backend.generate` call seeded from (shard seed, turn). A backend may return None for a request it had to
     skip (collect.backend=server: a context longer than the server's): that row is left out, and so are the
     later turns of a prompt whose sample 0 was skipped (they would have no answer to follow).
+    With an `onpolicy` backend (collect.onpolicy), the prompts marked `origin: onpolicy` are answered by it, in a
+    call of their own seeded from (shard seed, turn, "onpolicy"), and every row carries its `origin`. `spent`
+    gathers per origin the process CPU and wall seconds of the calls (the label cost the manifest reports).
     """
     answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
     rows = []
@@ -269,20 +306,39 @@ def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: i
         contexts = [encode_chat(tokenizer, chat)[0].tolist() for chat in messages]
         requests = [(prompt, context, sample, chat) for prompt, context, chat in zip(active, contexts, messages)
                     for sample in range(samples_per_prompt)]
-        wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
-            else {}  # a server's chat endpoint renders the messages with its own template
-        completions = backend.generate([context for _, context, _, _ in requests], derive_seed(seed, turn), progress,
-                                       **wants_messages)
+        completions = [None] * len(requests)
+        for origin, chosen, turn_seed in (("target", backend, derive_seed(seed, turn)),
+                                          ("onpolicy", onpolicy, derive_seed(seed, turn, "onpolicy"))):
+            picked = [i for i, (prompt, *_) in enumerate(requests) if prompt.get("origin", "target") == origin]
+            if picked:
+                done = _generate(chosen, [requests[i] for i in picked], turn_seed, progress, spent, origin)
+                for i, completion in zip(picked, done):
+                    completions[i] = completion
         for (prompt, context, sample, _), completion in zip(requests, completions):
             if completion is None:
                 continue
             row = _row(tokenizer, prompt, turn, sample, context, completion)
+            if onpolicy is not None:
+                row["origin"] = prompt.get("origin", "target")
             if sample == 0:
                 answers[prompt["id"]].append(row["text"])
             rows.append(row)
     position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
     rows.sort(key=lambda row: (position[row["prompt_id"]], row["turn"], row["sample"]))
     return rows
+
+
+def _generate(backend, requests: list[tuple], seed: int, progress, spent: dict | None, origin: str) -> list:
+    """One `backend.generate` call for `requests`; its process CPU and wall seconds are added to spent[origin]."""
+    wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
+        else {}  # a server's chat endpoint renders the messages with its own template
+    cpu, wall = time.process_time(), time.perf_counter()
+    completions = backend.generate([context for _, context, _, _ in requests], seed, progress, **wants_messages)
+    if spent is not None:
+        entry = spent.setdefault(origin, {"cpu_s": 0.0, "wall_s": 0.0})
+        entry["cpu_s"] += time.process_time() - cpu
+        entry["wall_s"] += time.perf_counter() - wall
+    return completions
 
 
 def _row(tokenizer, prompt: dict, turn: int, sample: int, context: list[int], completion: Completion) -> dict:

@@ -16,12 +16,12 @@ from omegaconf import DictConfig
 
 from distill import calibrate as cal
 from distill.job import HeldOuts, Inputs
-from distill.settings import DistillSettings, ServingSettings, loss_temperature
-from distill.split import split_heldout
+from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.models import load_role, model_identity
 from pipeline.sampling import Sampling
+from pipeline.split import split_by_prompt, split_heldout
 
 
 def log(msg: str) -> None:
@@ -79,6 +79,14 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     return Inputs(cfg, settings, tracker, state, dataset, manifest, sampling,
                   target, tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, None,
                   None, None, stop_token_ids(tokenizer, target))
+
+
+def split_collected(collected, split: SplitSettings, seed: int) -> tuple[list[int], list[int]]:
+    """Row indices (train, held-out) of the collected rows by distill.split; rows of the draft's tokens
+    (collect.onpolicy) are never held out."""
+    origins = collected["origin"] if "origin" in collected.column_names else None
+    return split_by_prompt(collected["prompt_id"], collected["domain"], float(split.heldout_fraction),
+                           split.heldout_max_prompts_per_domain, seed, origins)
 
 
 def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
