@@ -2,9 +2,10 @@
 each engine accepts at the version it names, read from that engine's source by tests/engine_fields.py (the llama.cpp
 list is read again from the tree the llama.cpp tests build, and compared with that llama-server's --help); a key or
 value outside it is refused. HF's generation_config is checked live against the installed transformers. The
-exported vLLM, SGLang and TensorRT-LLM configs are checked in tests/test_engines_gpu.py, HF's in test_engine_hf.py."""
+configs a calibrate run exports for HF, vLLM, SGLang and TensorRT-LLM are checked in tests/test_engines_gpu.py."""
 from __future__ import annotations
 
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -103,12 +104,10 @@ def test_each_domain_takes_the_rule_and_length_predicted_fastest():
 
 
 def help_flags(text: str) -> set[str]:
-    """The options llama-server --help lists: the comma-separated names before each entry's two-space gap."""
-    names = set()
-    for line in text.splitlines():
-        if line.startswith("-"):
-            names |= {name.split(" ")[0] for name in line.split("  ")[0].split(", ")}
-    return names
+    """The options llama-server --help lists: the run of comma-separated names that opens each entry (up to its
+    value hint or help text, e.g. `-t,    --threads N`)."""
+    runs = (re.match(r"(?:-[\w-]+,?\s*)+", line) for line in text.splitlines() if line.startswith("-"))
+    return {name for run in runs if run for name in re.findall(r"-[\w-]+", run.group(0))}
 
 
 def test_the_llama_cpp_field_list_is_the_built_servers_own(llamacpp_build):

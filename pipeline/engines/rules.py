@@ -22,6 +22,8 @@ VERSIONS = {name: entry["version"] for name, entry in FIELDS.items()}
 #   processors) and utils.py (_speculative_sampling when sampling; argmax match at greedy);
 # llamacpp: common/speculative.cpp draft-simple (argmax of a top-10 sampler, stops before p < p_min) and
 #   common/sampling.cpp common_sampler_sample_and_accept_n (the target samples, the draft's token kept while equal);
+#   later llama.cpp adds --spec-draft-sampling greedy|probabilistic (PR #27694), not in this tree: no source of
+#   it could be read here, so nothing is written for it;
 # vllm: config/speculative.py draft_sample_method (greedy default; probabilistic samples softmax(logits / T), no
 #   top-k/top-p: v1/worker/gpu/spec_decode/speculator.py) and rejection_sample_method ("standard": rejection sampling);
 # sglang: speculative/eagle_utils.py (tree_speculative_sampling_target_only: kept with p_T(x) at both thresholds 1);
