@@ -167,7 +167,8 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
         lines += ["", "```", format_batching(spec.batching), "```"]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
-              "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]
+              "with vLLM, SGLang or TensorRT-LLM: each domain's config in speculative.json `engines` "
+              "(distill.calibration.engines; \".\" = <dir>).", ""]
     return "\n".join(lines)
 
 
@@ -191,7 +192,7 @@ def format_table(spec: SpeculativeSpec) -> str:
 
 def _rule_line(name: str, rule: dict) -> str:
     """One rule an engine was calibrated for (pipeline/engines/rules.py rule_record)."""
-    draft = ("its argmax" if rule["draft_sampling"] == "greedy" else f"sampled at T = {rule['draft_temperature']:g}"
+    draft = ("its argmax" if rule["draft_sampling"] == "greedy" else f"a token sampled at T = {rule['draft_temperature']:g}"
              + ("" if rule["draft_top_k_top_p"] else ", without top-k/top-p"))
     how = _kv(rule["settings"]) if rule["settings"] else rule["set_by"]
     return f"rule {name}: the draft proposes {draft}, {rule['verification']} verification ({how})"

@@ -106,8 +106,8 @@ def test_each_domain_takes_the_rule_and_length_predicted_fastest():
 def help_flags(text: str) -> set[str]:
     """The options llama-server --help lists: the run of comma-separated names that opens each entry (up to its
     value hint or help text, e.g. `-t,    --threads N`)."""
-    runs = (re.match(r"(?:-[\w-]+,?\s*)+", line) for line in text.splitlines() if line.startswith("-"))
-    return {name for run in runs if run for name in re.findall(r"-[\w-]+", run.group(0))}
+    runs = (re.match(r"(?:-[\w.-]+,?\s*)+", line) for line in text.splitlines() if line.startswith("-"))
+    return {name for run in runs if run for name in re.findall(r"-[\w.-]+", run.group(0))}
 
 
 def test_the_llama_cpp_field_list_is_the_built_servers_own(llamacpp_build):
