@@ -153,7 +153,7 @@ class LlamaCppCalibrationSettings:
 
 @dataclass(frozen=True)
 class GpuCalibrationSettings:
-    """`distill.calibration.gpu`: how vLLM and SGLang are planned (distill/engines.py calibrate_gpu_engines)."""
+    """`distill.calibration.gpu`: how vLLM, SGLang and TensorRT-LLM are planned (distill/engines.py calibrate_gpu_engines)."""
     gammas: tuple[int, ...]            # num_speculative_tokens values compared
     margin: float                      # "off" unless the best is predicted above 1 + margin
     c: float | None                    # draft step / target step measured on the serving GPU; null = weights ratio
@@ -181,7 +181,7 @@ class HfCalibrationSettings:
                                 f"{self.prompts} >= 1, max_new_tokens={self.max_new_tokens} >= 2: use e.g. gammas=[1,2,4]")
 
 
-ENGINES = ("hf", "llamacpp", "vllm", "sglang")  # engines distill can calibrate the export for, beside this project's decoder
+ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can calibrate the export for, beside this project's decoder
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class CalibrationSettings:
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
     batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batching.py); () = skip
     hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
-    gpu: GpuCalibrationSettings        # vLLM and SGLang (engines=[vllm] / [sglang])
+    gpu: GpuCalibrationSettings        # vLLM, SGLang, TensorRT-LLM (engines=[vllm] / [sglang] / [trtllm])
     llamacpp: LlamaCppCalibrationSettings
 
     def __post_init__(self):

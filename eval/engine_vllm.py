@@ -9,8 +9,9 @@ calibration; a domain calibrated "off" is answered by the plain engine, as a dep
 (engines.vllm.gpu_memory_utilization split evenly); each request is the first user turn, chat template applied by
 the target's tokenizer, sent as token ids, one at a time (batch 1, where speculation is meant to pay), engines in
 rotating order; times are wall-clock around each generate call, acceptance the engine's own spec-decode counters
-read before and after each request. vLLM drafts the draft's argmax and accepts it with the target's probability
-of it, the rule distill's `engines.vllm` calibration simulates (distill/engines.py).
+read before and after each request. Each speculative_config carries the draft_sample_method and
+rejection_sample_method of the rule distill's `engines.vllm` calibration simulated (pipeline/engines/rules.py); the
+fallback drafts the argmax, vLLM's default.
 """
 from __future__ import annotations
 
