@@ -114,7 +114,7 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     from datasets import Dataset
     from omegaconf import OmegaConf
 
-    from distill.draft import build_draft
+    from pipeline.draft_init import build_draft
     from distill.export import save_draft
     from distill.settings import OUR_TRAINER_KEYS
     from distill.trainer import DistillConfig, DistillTrainer
