@@ -1,64 +1,9 @@
 """Collect stage: the target's own generations on the train prompts (same-source distillation data).
 
-`python -m pipeline stage=collect` renders each train prompt with the target's chat template and
-samples completions with the serving settings in `collect.*` (later turns of a multi-turn prompt
-are conditioned on the target's own earlier answer, sample 0's). Optionally it stores white-box
-labels: per completion position the target's top-k ids and log-probs at temperature 1, taken from
-the very forward pass that produced the token.
-
-Output contract (distill reads exactly this):
-  {paths.collect}/dataset/      a `datasets.Dataset` (save_to_disk), one row per completion:
-    id             str        "{prompt_id}/t{turn}/s{sample}", unique
-    prompt_id      str
-    domain         str
-    turn           int32      0-based user turn of the prompt
-    sample         int32      0 .. samples_per_prompt-1
-    prompt_ids     [int32]    the full chat-templated context, earlier turns included
-    completion_ids [int32]    generated tokens, the stop token included when finish_reason is
-                              "eos", nothing after it, no padding
-    text           str        completion decoded without special tokens
-    finish_reason  str        "eos" | "length"
-    topk_ids       [[int32]]  (collect.topk > 0) row j: top-k ids of the distribution that
-                              produced completion_ids[j], most likely first
-    topk_logprobs  [[float16]] their log-probs (log_softmax of the raw logits, temperature 1)
-    final_hidden   [[float16]] (collect.hidden_states, hf backend) row j: the target's final hidden state (its
-                              output head's input) that produced completion_ids[j]; distill computes the FR-Spec
-                              subset's mass from it with the head alone instead of a target pass over the rows
-  {paths.collect}/manifest.json written last: its presence marks a complete dataset. Keys:
-    format_version, fingerprint
-    target                pipeline.models.model_identity (path, architecture, sizes, ...) + name, weights_sha256
-    tokenizer_sha256, chat_template_sha256, chat_template, stop_token_ids
-    sampling              exactly pipeline.sampling.Sampling.to_dict(): {temperature, top_k, top_p};
-                          read it back with Sampling.from_dict
-    max_new_tokens, samples_per_prompt, seed
-    topk                  the label width the rows carry (0 when a server collect left them to distill)
-    hidden_states         whether the rows carry final_hidden
-    labels                target-forward | server | distill (rows without labels: distill/labels.py computes
-                          them) | none
-    backend, dtype (null for a server), num_processes, shard_size, shards
-    server, skipped, skipped_total, token_ids   collect.backend=server only (data/collect_server.py)
-    domains               per domain: prompts, completions, tokens, mean_length, eos_share
-    rows, total_tokens, generate_s, tokens_per_s, wall_s
-    disk_bytes, disk_bytes_per_million_tokens, columns
-
-collect.backend=server (data/collect_server.py) generates the same rows on OpenAI-compatible servers; a request it
-had to skip (a context longer than the server's, ...) is left out and counted in the manifest.
-
-Resume and scale-out: prompts are cut into shards (collect.shard_size prompts per domain) under
-{paths.collect}/shards/<fingerprint>/; each finished shard is written atomically and skipped on a
-rerun. The fingerprint hashes the target (weights, tokenizer, chat template), the sampling
-settings, seed, top-k and shard size, so old shards never mix into a new setup; a shard's name
-carries the hash of its own prompts, so more prompts per domain later only add shards. Each
-shard's RNG is seeded from (seed, domain, shard index, turn), so a resumed run, or one split over
-`accelerate launch --num_processes N` (shard i goes to process i % N), reproduces an
-uninterrupted single-process run row for row on CPU (given the same batch size).
-
-Disk (Arrow, uncompressed; `python -m pipeline.tools collect-throughput` measures it): the top-k columns cost
-k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200 B/token or
-~201 MB per million completion tokens at topk=32 (measured: 200.7); final_hidden costs 2 B x the target's hidden
-size (+ 8 B of offsets) per token, 1.2 KB for the embedded 576-wide target. Without them a row costs
-4 B per completion token + 4 B per prompt token + its text: ~13 B per completion token for
-128-token answers to MT-Bench-length prompts.
+`python -m pipeline stage=collect` renders each train prompt with the target's chat template and samples
+completions with the serving settings in `collect.*` (later turns conditioned on sample 0's earlier answer),
+optionally with white-box labels from the very forward that produced each token. The dataset's columns and the
+manifest are the contract in docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`).
+"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`, whose
+schema is docs/architecture.md's).
 
-A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass (P_k = `per_position_acceptance`, the chance the first k
-drafts of a block are accepted) whatever the batch size; what B changes is the price: the draft step c(B) and the
-verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device (pipeline/batch_profile.py).
-Per domain and measured B the γ with the highest predicted speedup (pipeline/decoding/cost.py) is kept when it
+A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass whatever the batch size; what B changes is the price:
+the draft step c(B) and the verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device
+(pipeline/batch_profile.py). Per domain and measured B the γ with the highest predicted speedup is kept when it
 beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off": batched plain decoding). The
-break-even batch is the smallest measured B from which no γ is predicted to beat plain decoding at any larger
-measured B. A batch size between two measured ones takes the larger one's setting: costs grow with B, so this
-never drafts where a measured neighbour would not.
-
-In the distill stage it runs when `distill.calibration.batch_sizes` is non-empty; `python -m pipeline.tools batching`
-calibrates an existing export without retraining.
-
-speculative.json `batching` = {batch_sizes, margin, by_domain {domain: {B: γ or 0}}, gamma_if_on {domain: {B: γ}},
-predicted_speedup {domain: {B: of gamma_if_on}}, predicted_speedup_no_host {domain: {B: the same γ priced by its
-forwards alone}}, break_even {domain: B or null}, cost {machine, context, host_settings, by_batch {B: {c,
-target_step_ms, verify_ratio, host {plain, chain {γ}}}}}}: by_batch is each B's cost summary as priced, the batched
-loop's host work per pass included (pipeline/batch_profile.py). Where the export has engines.vllm, each domain's
-speculative_config gains vLLM's `num_speculative_tokens_per_batch_size` (below).
+break-even batch is the smallest measured B from which no γ pays at any larger one. A batch size between two
+measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour
+would not. Runs in the calibrate stage when `distill.calibration.batch_sizes` is non-empty.
 """
 from __future__ import annotations
 

@@ -6,11 +6,10 @@ logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the
 and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So the held-out simulator
 (distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
 τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
-the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens after a held-out-sized
-context and the draft GGUF's 1-token step, and llama-server's own timings of a few greedy decodes price the
-server's work between those forwards (`server_host`: the plain server spent 47 ms a token where llama-bench's
-forward took 29 ms for the real pair, docs/results.md). Per domain the (n_max, p_min) with the highest predicted speedup on
-the calibration part wins; "off" (plain decoding) when even that does not beat 1 + margin.
+the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens and the draft GGUF's
+step, and llama-server's own timings of a few greedy decodes price its work between those forwards
+(`server_host`). Per domain the (n_max, p_min) with the highest predicted speedup on the calibration part wins;
+"off" (plain decoding) when even that does not beat 1 + margin.
 """
 from __future__ import annotations
 

@@ -259,23 +259,23 @@ def _model_line(ident: dict) -> str:
     return f"{source} — {ident.get('architecture', '?')}, {layers} layers, {size}"
 
 
-def _cost_line(spec: dict, measured: float) -> str:
-    """c and the speedup the measured acceptance predicts, so a reader can tell a weak draft from decoder overhead.
+def _step_and_r(spec: dict) -> tuple[float, float]:
+    """The target's 1-token step (ms) implied by c and the draft forward, and r = verify pass / step."""
+    c, draft_ms, verify_ms = spec.get("c") or 0.0, spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
+    step_ms = draft_ms / c if c else 0.0
+    return step_ms, verify_ms / step_ms if step_ms and verify_ms else 1.0
 
-    Leviathan et al.'s time model (Thm 3.8) with the verify pass costed as measured: each target pass emits the
-    mean accepted length L of tokens and costs D draft steps (γ for a fixed length, the measured mean for a
-    policy) plus one verify pass, so speedup = L / (Dc + r), r = verify pass / 1-token step. L is measured
-    directly rather than rebuilt from an i.i.d. α, because accepted/proposed understates the per-token α once a
-    rejection ends a round.
-    """
+
+def _cost_line(spec: dict, measured: float) -> str:
+    """c and the speedup the measured acceptance predicts (Leviathan et al. Thm 3.8 with the verify pass costed as
+    measured: L / (Dc + r), L the measured mean accepted length), so a reader can tell a weak draft from overhead."""
     gamma, c = spec.get("drafted_per_pass") or spec.get("gamma", 0), spec.get("c", 0.0)
     mal = spec.get("mean_accepted_length", 0.0)
     if c is None:  # HF generate and the engines time whole requests, not each forward
         return (f"mean accepted length {mal:.2f} at {gamma:.2f} drafts per pass, measured {measured:.2f}× (this engine "
                 "reports no per-forward times, so c and the time model's prediction are not shown)")
     draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
-    step_ms = draft_ms / c if c else 0.0
-    r = verify_ms / step_ms if step_ms and verify_ms else 1.0
+    step_ms, r = _step_and_r(spec)
     predicted = predicted_speedup(mal - 1, gamma, c, r) if gamma else 0.0
     return (f"c (draft forward / target forward) = {c:.3f} (draft {draft_ms:.1f} ms, target step {step_ms:.1f} ms, "
             f"verify pass {verify_ms:.1f} ms, r = {r:.2f}). Time model (Leviathan et al. Thm 3.8, verify costed "
@@ -292,8 +292,7 @@ def slowdown_advice(metrics: dict) -> str | None:
     if not spec or speedup >= 1.0 or spec.get("c") is None:  # no per-forward times: nothing to explain it with
         return None
     length, drafted, c = spec.get("mean_accepted_length", 0.0), spec.get("drafted_per_pass", 0.0), spec.get("c", 0.0)
-    step_ms = spec.get("draft_forward_ms", 0.0) / c if c else 0.0
-    r = spec.get("verify_forward_ms", 0.0) / step_ms if step_ms else 1.0
+    r = _step_and_r(spec)[1]
     fixes = []
     if r > 1.15:
         fixes.append(f"a verify pass costs {r:.2f} decoding steps on this device: try the other runtime.dtype "

@@ -1,17 +1,10 @@
 """Eval stage: the project's speculative decoder against plain target decoding, per domain.
 
-    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=calibrated|off|4|[3,2,1]|confidence] ...
+    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=...] ...
 
-Every held-out request (one user turn of one prompt, chat template applied; later turns conditioned on
-the target's own autoregressive answer) is decoded by every method back to back, in rotating order,
-after a warm-up, so machine drift hits all methods alike. Methods (names as in metrics.json):
-  autoregressive     own plain decoding (pipeline.decoding.autoregressive_generate)
-  speculative        own speculative decoding with the tuned draft (eval.draft, default ${paths.draft})
-  speculative_init   the same with the undistilled draft (${paths.draft_init}), when it exists
-  speculative_<name> the same with each draft of eval.extra_drafts (e.g. the pretrained draft, another export)
-  hf_generate, hf_assisted, hf_assisted_fixed, hf_assisted_calibrated   HF peers (eval/baselines.py), eval.baselines
-Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename
-(docs/architecture.md describes the artifacts).
+Every held-out request is decoded by every method (metrics.json's names, docs/architecture.md "Eval output") back to
+back, in rotating order, after a warm-up (eval/harness.py), so machine drift hits all methods alike. Writes
+metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows.
-
-Each stage has one loop whose length is a budget: collect's shards (collect.max_minutes), distill's training steps
-(distill.checkpoint.max_train_minutes), eval's requests (eval.max_minutes). Everything else a stage does is a fixed
-amount of model work (distill's label pass and held-out passes; calibrate, all of it: held-out passes, cost profile
-and the calibrations; eval's γ sweep and fidelity check), so on a
-slower machine it takes proportionally longer. Before each stage the planner takes the time left, holds back the
-fixed work of the stages still to run, with a margin for its estimate's error — priced in target decoding steps (`deadline.fixed_steps`) times the
-step this machine measured (the dtype probe's 1-token forward, pipeline/dtype.py) — and splits the rest among the
-budgeted loops still to run by `deadline.shares`. A stage's own budget only ever gets lower, and the next stage
-plans again from the clock, so an estimate that was off is absorbed by the stages after it.
+"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows:
+before each stage the time left, less the fixed work of the stages still to run (priced in target steps at the
+step this machine measured), is split among the budgeted loops still to run (docs/architecture.md, "A deadline for
+the whole run"). A stage's own budget only ever gets lower, and the next stage plans again from the clock.
 """
 from __future__ import annotations
 
