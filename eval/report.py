@@ -502,7 +502,36 @@ def _sweep_lines(metrics: dict) -> list[str]:
                   "request; predicted = distill's simulator on its reporting part with the cost profile, averaged "
                   "over the requests' domains.", "",
                   markdown_table(["tree", "nodes/pass", "mean acc. len", "tok/s", "speedup", "predicted"], rows), ""]
+    batches = metrics.get("batch_sweep")
+    if batches and batches["by_batch"]:
+        lines += ["## Batch sweep", "", f"Batched speculation (pipeline/decoding/batch.py) against batched plain decoding "
+                  f"on the first turns of {batches['n_prompts']} prompts cut into batches of B, both in rotating order; "
+                  f"predicted = {BATCH_PREDICTIONS[batches['prediction']]}; no host = the same γ priced by its forwards "
+                  "alone.", "", markdown_table(*batch_rows(batches)), "", batch_verdict(batches), ""]
     return lines
+
+
+BATCH_PREDICTIONS = {"calibration": "the draft's per-batch-size calibration (speculative.json `batching`)",
+                     "profile": "a batch profile timed here with the acceptance measured at the smallest B"}
+
+
+def batch_rows(sweep: dict) -> tuple[list[str], list[list[str]]]:
+    """Per batch size: γ, tokens/s of both, the speedup with its CI over the batches, acceptance, whether greedy rows
+    were identical (they must be), c and r at that B and the predicted speedup with and without host work."""
+    header = ["B", "γ", "tok/s plain", "tok/s spec", "speedup", "batches", "acceptance", "identical", "c(B)", "r(B)",
+              "predicted", "no host"]
+    rows = [[str(size), str(r["gamma"]), _f(r["plain_tok_s"], ".1f"), _f(r["spec_tok_s"], ".1f"),
+             _ci(r["speedup"], r["ci95"], ".3f", "×"), str(r["n_batches"]), _f(r["acceptance"], ".3f"),
+             "–" if r["identical"] is None else str(r["identical"]).lower(), _f(r["c"], ".3f"), _f(r["r"]),
+             _f(r["predicted"], ".3f"), _f(r["no_host"], ".3f")] for size, r in sweep["by_batch"].items()]
+    return header, rows
+
+
+def batch_verdict(sweep: dict) -> str:
+    step = "within" if sweep["within_one_step"] else "not within"
+    return (f"Break-even batch (from it on speculation loses at every larger B): measured {sweep['break_even']} "
+            f"(smallest B whose CI lies below 1: {sweep['ci_below_one']}), predicted {sweep['predicted_break_even']}: "
+            f"{step} one step of the grid.")
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:

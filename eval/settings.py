@@ -65,6 +65,7 @@ class EvalSettings:
     extra_drafts: dict[str, str]         # {name: model dir | pretrained}: more drafts, methods speculative_<name>
     gammas: tuple[int, ...]              # the γ sweep's draft lengths; () = no sweep
     trees: tuple[tuple[int, ...], ...]   # the tree sweep's branching factors; () = no sweep
+    batch_sizes: tuple[int, ...]         # the batch-size sweep's batch sizes; () = no sweep
     sweep_prompts_per_domain: int        # prompts per domain (all their turns) the sweeps run on
     fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
     fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
@@ -106,11 +107,11 @@ class EvalSettings:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
 
     def _check_counts(self) -> None:
-        gammas = list(self.gammas or [])
-        if any(not isinstance(g, int) or g < 1 for g in gammas):
-            _bad("gammas", gammas, "holds a γ < 1",
-                 "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
-        self._normalise("gammas", tuple(gammas))
+        for key, example in (("gammas", "[1,2,4,6,8]"), ("batch_sizes", "[1,2,4,8]")):
+            values = list(getattr(self, key) or [])
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                _bad(key, values, "holds a value < 1", f"list integers >= 1, e.g. eval.{key}={example}, or [] for no sweep")
+            self._normalise(key, tuple(values))
         if self.draft_temperature is not None and self.draft_temperature < 0:
             _bad("draft_temperature", self.draft_temperature, "is negative",
                  "use a positive value, or null for the calibrated/target temperature")
@@ -190,7 +191,8 @@ class EvalSettings:
             _bad("engine", self.engine, "is not an engine eval runs in",
                  f"use one of {', '.join(ENGINES)} (vllm needs CUDA and `pip install vllm`)")
         if self.engine == "hf":  # HF assisted generation runs chains of the calibrated policy, nothing else
-            for key, off in (("trees", "[]"), ("compare_draft_lengths", "false"), ("baselines", "false")):
+            for key, off in (("trees", "[]"), ("batch_sizes", "[]"), ("compare_draft_lengths", "false"),
+                             ("baselines", "false")):
                 if getattr(self, key):
                     _bad(key, getattr(self, key), "runs in this project's decoder, not in HF generate",
                          f"set eval.{key}={off} with eval.engine=hf")

@@ -19,11 +19,11 @@ from eval import metrics as M
 from eval.baselines import hf_engine_methods
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
-from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
-                         slowdown_advice, stall_lines, text_table, write_outputs)
+from eval.report import (batch_rows, batch_verdict, comparison_lines, control_lines, domain_rows, draft_rows,
+                         log_to_tracker, machine, policy_rows, slowdown_advice, stall_lines, text_table, write_outputs)
 from eval.settings import EvalSettings
 from eval.harness import benchmark
-from eval.sweeps import gamma_sweep, tree_sweep
+from eval.sweeps import batch_sweep, gamma_sweep, tree_sweep
 from pipeline.decoding import POLICIES, DraftLength, DraftPlan, autoregressive_generate, speculative_generate
 from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
@@ -329,6 +329,9 @@ def run(cfg: DictConfig, tracker) -> dict:
     if settings.trees:
         metrics["tree_sweep"] = tree_sweep(contexts, methods, evaluation, cfg.seed)
         laps.lap("tree_sweep")
+    if settings.batch_sizes:
+        metrics["batch_sweep"] = batch_sweep(contexts, evaluation, cfg.seed)
+        laps.lap("batch_sweep")
     checked = fidelity(metrics, records, contexts, evaluation)
     if checked is not None:
         metrics["fidelity"] = checked
@@ -344,6 +347,8 @@ def run(cfg: DictConfig, tracker) -> dict:
         print(text_table(*policy_rows(metrics)))
     if settings.extra_drafts:
         print(text_table(*draft_rows(metrics)))
+    if (metrics.get("batch_sweep") or {}).get("by_batch"):
+        print(text_table(*batch_rows(metrics["batch_sweep"])) + "\n" + batch_verdict(metrics["batch_sweep"]))
     print("\n".join(comparison_lines(metrics) + control_lines(metrics) + stall_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")

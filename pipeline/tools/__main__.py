@@ -19,8 +19,6 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
     "acceptance-gap": "pipeline.tools.acceptance_gap",
-    "batch": "pipeline.tools.batch",
-    "batching": "pipeline.tools.batching",
     "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
 }
