@@ -19,8 +19,8 @@ from eval import metrics as M
 from eval.baselines import hf_engine_methods
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
-from eval.report import (batch_rows, batch_verdict, comparison_lines, control_lines, domain_rows, draft_rows,
-                         log_to_tracker, machine, policy_rows, slowdown_advice, stall_lines, text_table, write_outputs)
+from eval.report import control_lines, log_to_tracker, machine, slowdown_advice, stall_lines, write_outputs
+from eval.tables import batch_rows, batch_verdict, comparison_lines, domain_rows, draft_rows, policy_rows, text_table
 from eval.settings import EvalSettings
 from eval.harness import benchmark
 from eval.sweeps import batch_sweep, gamma_sweep, tree_sweep

@@ -440,7 +440,7 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
 
 
 def test_draft_length_policies_side_by_side(tmp_path, models):
-    from eval.report import policy_rows
+    from eval.tables import policy_rows
 
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
                               "eval.compare_draft_lengths=true", "eval.gammas=[]",

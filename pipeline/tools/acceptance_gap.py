@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
-from eval.metrics import _acceptance_stat, bootstrap_ci
+from eval.intervals import acceptance_stat, bootstrap_ci
 from distill.policy import simulate
 from pipeline.tools.offline import collect_heldouts
 from pipeline.decoding import DraftPlan, speculative_generate
@@ -56,7 +56,7 @@ def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -
 def ratio_ci(pairs: list[tuple[int, int]]) -> tuple[float, list[float] | None]:
     """accepted / drafted pooled over requests, with eval's paired bootstrap interval (None below 2 requests)."""
     accepted, drafted = np.array(pairs, dtype=float).T
-    return float(_acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), _acceptance_stat)
+    return float(acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), acceptance_stat)
 
 
 def run(cfg) -> dict:

@@ -1,6 +1,6 @@
 """Collect throughput: target tokens/s of the collect stage's HF backend at batch 1 against collect.batch_size, or
 against llama-server, on the same prompt chunks in eval's rotating order; the ratio with a paired 95% bootstrap
-interval over the chunks (eval/metrics.py).
+interval over the chunks (eval/intervals.py).
 
     python -m pipeline.tools collect-throughput [tool.prompts=16 tool.max_new_tokens=128] [hydra overrides]
     e.g. python -m pipeline.tools collect-throughput collect.batch_size=32 runtime.device=cuda
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from eval.metrics import _speedup_stat, bootstrap_ci
+from eval.intervals import paired_ratio
 from pipeline.errors import PipelineError
 from pipeline.timing import synced_clock
 from pipeline.tools.common import measure
@@ -116,11 +116,10 @@ def compare(methods: dict, prompts: list[dict], size: int, n: int, device) -> tu
     (first, tok_a, sec_a), (second, tok_b, sec_b) = (
         (name, np.array([len(r["tokens"]) for r in recs], float), np.array([r["time_s"] for r in recs]))
         for name, recs in records.items())
-    samples = (tok_b, sec_b, tok_a, sec_a)
     result = {name: {"tokens": int(tok.sum()), "seconds": float(sec.sum()), "tokens_per_s": float(tok.sum() / sec.sum())}
               for name, tok, sec in ((first, tok_a, sec_a), (second, tok_b, sec_b))}
-    result |= {"ratio": float(_speedup_stat(*samples)), "ratio_ci95": bootstrap_ci(samples, _speedup_stat),
-               "chunks": len(chunks)}
+    ratio, ci = paired_ratio((tok_b, sec_b, tok_a, sec_a))
+    result |= {"ratio": ratio, "ratio_ci95": ci, "chunks": len(chunks)}
     for name in (first, second):
         r = result[name]
         print(f"[collect-throughput] {name:>8}: {r['tokens']:>6} tokens in {r['seconds']:7.1f}s = "

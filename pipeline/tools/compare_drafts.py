@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
-from eval.metrics import bootstrap_ci
+from eval.intervals import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
