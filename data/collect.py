@@ -82,22 +82,14 @@ class CollectJob:
     def shard_dir(self) -> Path:
         return self.out_dir / "shards" / self.fingerprint
 
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
     def finished(self, shard: Shard) -> bool:
         return (self.shard_dir / shard.name / "meta.json").exists()
-
-    @property
-    def max_minutes(self) -> float | None:
-        return self.settings.max_minutes
 
     def next_shard_overruns(self, done: int) -> bool:
         """The next shard would end past collect.max_minutes at this run's mean shard time; the first round (a
         shard per domain, plan order interleaves them) always runs."""
         first_round = max(1, len(self.prompts) // self.state.num_processes)
-        return would_overrun(self.started, done, self.max_minutes, first_round)
+        return would_overrun(self.started, done, self.settings.max_minutes, first_round)
 
     @property
     def stop_marker(self) -> Path:
@@ -112,8 +104,8 @@ class CollectJob:
 # ----------------------------------------------------------------------------- the stage
 
 def check_settings(cfg: DictConfig) -> None:
-    """`collect.*` checked as run() builds them first, without a prompt or the target (pipeline/__main__.py runs it
-    before any stage); what needs those (top-k against the vocabulary, unknown domains) is checked where they load."""
+    """`collect.*` checked as run() builds them, before any stage runs; the target and prompts are checked where
+    they load."""
     CollectSettings.from_config(cfg.collect, cfg.seed)
 
 
@@ -130,7 +122,8 @@ def run(cfg: DictConfig, tracker) -> dict:
         return {}
     dataset, shard_metas = _merge_shards(job)
     manifest = _write_dataset_and_manifest(job, dataset, shard_metas)
-    _remove_shards_unless_kept(job)
+    if not settings.keep_shards:
+        shutil.rmtree(job.shard_dir, ignore_errors=True)
     return _report(job, tracker, manifest)
 
 
@@ -173,10 +166,6 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
                       _plan(prompts, settings.shard_size), state, started)
 
 
-def _sha256_text(text: str | None) -> str | None:
-    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
-
-
 def _target_identity(path: Path, tokenizer) -> dict:
     """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
     from pipeline.models import model_identity
@@ -187,7 +176,8 @@ def _target_identity(path: Path, tokenizer) -> dict:
     return {"model": model_identity(path),
             "weights_sha256": {p.name: sha256_of(p) for p in weights},
             "tokenizer_sha256": sha256_of(tokenizer_file) if tokenizer_file.exists() else None,
-            "chat_template_sha256": _sha256_text(tokenizer.chat_template),
+            "chat_template_sha256": None if tokenizer.chat_template is None else
+            hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
             "chat_template": tokenizer.chat_template}
 
 
@@ -259,7 +249,7 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> No
             if job.next_shard_overruns(done):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
                 job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
-                print(f"[collect] collect.max_minutes={job.max_minutes} would be passed by the next shard: stopping "
+                print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: stopping "
                       f"before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
             tokens_per_s = _generate_shard(job, backend, shard, bar.update)
@@ -367,10 +357,11 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "topk": settings.label_topk,
         "hidden_states": settings.stores_hidden,
         "labels": _labels_source(settings),
-        "backend": settings.backend, "dtype": job.dtype_name if settings.backend != "server" else None,
+        "backend": settings.backend,
+        "dtype": str(job.dtype).removeprefix("torch.") if settings.backend != "server" else None,
         "num_processes": job.state.num_processes,
         "shard_size": settings.shard_size, "shards": len(job.plan),
-        "budget": {"max_minutes": job.max_minutes, "shards_done": len(shard_metas),
+        "budget": {"max_minutes": settings.max_minutes, "shards_done": len(shard_metas),
                    "stopped_early": len(shard_metas) < len(job.plan)},
         "domains": summary,
         "rows": len(dataset),
@@ -392,11 +383,6 @@ def _labels_source(settings: CollectSettings) -> str:
     if settings.backend == "server":
         return "server" if settings.server.logprobs else "distill"  # distill: its own target pass labels the rows
     return "target-forward"
-
-
-def _remove_shards_unless_kept(job: CollectJob) -> None:
-    if not job.settings.keep_shards:
-        shutil.rmtree(job.shard_dir, ignore_errors=True)
 
 
 def _report(job: CollectJob, tracker, manifest: dict) -> dict:

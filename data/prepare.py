@@ -1,10 +1,5 @@
-"""The prepare stage's prompt data: per-domain train / held-out eval prompt sets on disk.
-
-    run(cfg, tracker=None) -> {"prompts/train/<domain>": n, "prompts/eval/<domain>": n, ...}
-
-Writes ${paths.prompts}/train.jsonl, eval.jsonl, manifest.json and a copy of data/SOURCES.md into
-a temporary directory that replaces the old output in one rename, so a failing source leaves the
-previous output (or nothing) in place. Deterministic given cfg.seed and the pinned sources.
+"""The prepare stage: per-domain train / held-out eval prompt sets (${paths.prompts}/train.jsonl, eval.jsonl,
+manifest.json, SOURCES.md), replaced in one rename; deterministic given cfg.seed and the pinned sources.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Draft construction (`model.draft.init`) and the FR-Spec vocabulary subset.
-
-- `pretrained`: a small model of the target's family (local dir / hub id / packaged GGUF), same tokenizer.
-- `derive`: a subset of the target's layers with its embeddings, final norm and (tied) head
-  (`pipeline.models.derive_draft`), optionally narrowed to `derive.hidden_size` by keeping the hidden
-  dimensions with the largest embedding norm (structured pruning of every weight's hidden axis).
-- `fresh`: the target's architecture and vocabulary with `fresh.*` sizes, randomly initialised.
-
-FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked
-Speculative Sampling"): the draft's head is restricted to the K target tokens most frequent in the
-collected completions (stop tokens always included). The exported weights keep the full vocabulary, so
-the draft stays an ordinary HF model; the id list travels in speculative.json and the project's decoder
-slices the head at load time. Training and evaluation here use the same sliced head (pipeline/heads.py).
+"""Draft construction (`model.draft.init`: `pretrained` of the target's family, `derive` from the target's layers,
+optionally narrowed to `derive.hidden_size` by the hidden dimensions of largest embedding norm, or `fresh`) and the
+FR-Spec vocabulary subset (Zhao et al. 2025): the K target tokens most frequent in the collected completions, stop
+tokens included. The exported weights keep the full vocabulary with the subset baked in (pipeline/heads.py); the id
+list travels in speculative.json.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/spec.py) and a README model card,
-written atomically.
-
-A draft trained with an FR-Spec subset head is exported with that subset written into its weights
-(`pipeline.heads.bake_subset`): HF assisted generation, vLLM and llama.cpp run the checkpoint's full head, and
-the rows outside the subset, never trained, would otherwise outscore the trained ones (the default run's
-draft: greedy agreement 0.054 through its full head against 0.215 through the subset).
+"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/spec.py) and a README model card, written
+atomically. An FR-Spec subset draft is exported with the subset baked into its full head (pipeline.heads.bake_subset):
+engines run the full head, whose never-trained rows would otherwise outscore the trained ones.
 """
 from __future__ import annotations
 

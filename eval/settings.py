@@ -1,16 +1,8 @@
-"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml, built from
-the composed config and validated in one place (`__post_init__`, TRL's `XConfig` pattern).
-
-What each setting does and why its default is what it is: the comments in conf/eval/default.yaml. Nothing here has
-a default: every value comes from the composed config (`EvalSettings.from_config(cfg.eval)`), which refuses a
-missing or an unknown key. Checks raise a one-line PipelineError before any model is loaded, so bad input fails
-fast and writes nothing; what needs the file system or the model preset (do the draft directories exist?) is
-checked where the drafts load (eval/drafts.py).
-
-Validation also normalises, so the rest of eval reads one shape per setting: `compare_draft_lengths` and `baselines`
-(true | false | a list) become the tuple of names to run, `gammas`, `trees`, a tree `drafting` and `domains` tuples (a single
-domain string a 1-tuple), a null `gammas`/`trees`/`extra_drafts` empty. Normalising is idempotent, so
-`dataclasses.replace` (which validates again) keeps working on a built instance.
+"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml (whose
+comments say what each does), built by `EvalSettings.from_config(cfg.eval)`, which refuses a missing or an unknown
+key, and checked in one place (`__post_init__`, TRL's `XConfig` pattern) before any model loads; what needs files or
+models is checked where the drafts load (eval/drafts.py). Validation also normalises to one shape per setting
+(name lists to tuples, true/false lists to the names they mean); it is idempotent, so `dataclasses.replace` works.
 """
 from __future__ import annotations
 

