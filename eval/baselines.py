@@ -1,11 +1,6 @@
-"""Peer baselines: Hugging Face `generate` (plain) and HF assisted generation with the same draft
-(pipeline/engines/hf.py runs both and counts HF's passes), and `eval.engine=hf`.
-
-- `hf_assisted`: HF's defaults, as a user gets them.
-- `hf_assisted_fixed`: γ fixed like our decoder: num_assistant_tokens=γ, schedule "constant", and threshold 0,
-  which disables both the early stop (ConfidenceCriteria is only added for a threshold > 0) and its re-fit.
-- `hf_assisted_calibrated`: the HF equivalent of the draft-length policy our decoder runs with on the domain
-  (pipeline/decoding/draft_length.py `hf_generation_config`), as the exported draft's generation_config carries it.
+"""Peer baselines: HF `generate` and HF assisted generation with the same draft (pipeline/engines/hf.py), and
+`eval.engine=hf`. `hf_assisted`: HF's defaults; `hf_assisted_fixed`: num_assistant_tokens=γ, schedule "constant",
+threshold 0 (no early stop, no re-fit); `hf_assisted_calibrated`: the HF equivalent of our policy on the domain.
 """
 from __future__ import annotations
 

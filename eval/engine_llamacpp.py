@@ -1,17 +1,11 @@
 """`eval.engine=llamacpp`: the drafts measured inside llama.cpp's own server, on the same held-out prompts.
 
-    python -m pipeline stage=eval eval.engine=llamacpp
-
-Methods (metrics.json names): `autoregressive` (llama-server, no draft), `speculative` (the tuned draft with its
-llama.cpp calibration from speculative.json `engines.llamacpp` where it has one, else the server's defaults;
-a domain calibrated "off" is served by the plain server, as a deployment would route it), `speculative_defaults`
-(the tuned draft with llama-server's default draft settings, when a calibration exists), `speculative_init` (the
-undistilled draft, server defaults). Each request is the first user turn of a prompt, chat template applied by the
-target's tokenizer, sent as token ids to every server in rotating order; times are the server's own
-(prompt + generation ms), acceptance its draft counters. Servers run on 127.0.0.1 at free ports and stop with
-the stage. The GGUF files: the target's packaged GGUF as published; each draft converted by llama.cpp's own
-converter and quantised to the target's family (engines.llamacpp.draft_quant to choose), cached under
-${paths.engines}/gguf by the draft's weight hash.
+Methods: `autoregressive` (llama-server, no draft), `speculative` (the tuned draft with speculative.json
+`engines.llamacpp` where it has one, a domain calibrated "off" served plainly; else the server's defaults),
+`speculative_defaults` (server defaults, when a calibration exists), `speculative_init`. Each request is a prompt's
+first user turn as token ids, sent to every server in rotating order; times are the server's own, acceptance its
+draft counters. Drafts are converted by llama.cpp's converter and quantised to the target's family, cached under
+${paths.engines}/gguf by weight hash.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""`eval.engine=vllm`: the drafts measured inside vLLM's offline engine on CUDA, on the same held-out prompts.
+"""`eval.engine=vllm`: the drafts measured inside vLLM's offline engine on CUDA (`pip install vllm`).
 
-    python -m pipeline stage=eval eval.engine=vllm        (a CUDA machine with `pip install vllm`)
-
-Methods (metrics.json names): `autoregressive` (the target alone), `speculative` (the tuned draft with
-speculative.json `engines.vllm` speculative_config per domain where it has one, else a fixed k of its decoder
-calibration; a domain calibrated "off" is answered by the plain engine, as a deployment would route it),
-`speculative_init` (the undistilled draft at the same k). One engine per distinct config shares the GPU
-(engines.vllm.gpu_memory_utilization split evenly); each request is the first user turn, chat template applied by
-the target's tokenizer, sent as token ids, one at a time (batch 1, where speculation is meant to pay), engines in
-rotating order; times are wall-clock around each generate call, acceptance the engine's own spec-decode counters
-read before and after each request. vLLM drafts the draft's argmax and accepts it with the target's probability
-of it, the rule distill's `engines.vllm` calibration simulates (distill/engines.py).
+Methods: `autoregressive`, `speculative` (speculative.json `engines.vllm` speculative_config per domain, else a fixed
+k of its decoder calibration; "off" answered by the plain engine) and `speculative_init` at the same k. One engine per
+distinct config shares the GPU; each request is a first user turn as token ids, one at a time (batch 1), engines in
+rotating order; times are wall-clock, acceptance vLLM's spec-decode counters read around each request.
 """
 from __future__ import annotations
 
