@@ -72,11 +72,8 @@ def check_settings(cfg) -> None:
 
 
 def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]], list[dict]]:
-    """User prompt files -> {(domain, split): prompts in priority order}, plus their provenance.
-
-    An entry is a path or {path, split, domain_map}. Rows keep their own `split` if they have one;
-    the rest of each domain is divided with a seeded `extra_eval_fraction`.
-    """
+    """User prompt files (a path or {path, split, domain_map}) -> {(domain, split): prompts in priority order} and
+    their provenance; rows without their own `split` are divided by a seeded `extra_eval_fraction`."""
     groups: dict[tuple[str, str], list[dict]] = {}
     provenance = []
     for entry in data.extra_files:
@@ -172,11 +169,8 @@ def _source_label(prompts: list[dict]) -> str:
 
 
 def run(cfg, tracker=None) -> dict:
-    """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts.
-
-    With a tracker (pipeline/tracking.py), the counts are logged as metrics and the manifest and
-    SOURCES.md as artifacts.
-    """
+    """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts (logged, with the
+    manifest and SOURCES.md, by a tracker)."""
     splits, manifest = build(cfg)
     out = Path(cfg.paths.prompts)
     with atomic_dir(out) as tmp:

@@ -29,11 +29,8 @@ OVERALL = "overall"
 
 @dataclass
 class HeldOut:
-    """Held-out rows with the target's serving distribution at each completion position (computed once).
-
-    p_ids/p_probs [N, m]: the m most likely tokens of p_T and their probabilities (T=0: m=1, the argmax);
-    `p_tail` [N] is the mass left out (an upper bound on the error of α from the truncation).
-    """
+    """Held-out rows with the target's serving distribution at each completion position (computed once): p_ids /
+    p_probs [N, m] its m most likely tokens (T=0: the argmax), `p_tail` [N] the mass left out (bounds α's error)."""
     rows: list[dict]
     domains: list[str]
     p_ids: torch.Tensor

@@ -11,12 +11,10 @@ from pipeline.engines.hf import assistant_configs, hf_generate
 
 
 def hf_engine_methods(evaluation) -> dict:
-    """eval.engine=hf: every method inside HF `generate`, so speedups are HF assisted over HF plain on the same
-    requests. `autoregressive` is HF generate; each loaded draft is HF assisted generation with its domain's HF
-    calibration (speculative.json `engines.hf`, distill.calibration.engines=[hf]) where it has one, else its
-    decoder calibration's draft-length policy; HF plain where the domain is calibrated "off" (HF's
-    generation_config cannot say "off": a deployment routes such a domain to the target alone). HF has no token
-    trees: a domain calibrated for a tree runs its chain policy. A γ sweep's `gamma` fixes num_assistant_tokens."""
+    """eval.engine=hf: every method inside HF `generate` (speedups are HF assisted over HF plain): each draft runs its
+    domain's HF calibration (speculative.json `engines.hf`) where it has one, else its decoder calibration's chain
+    policy; HF plain where the domain is "off" (HF's generation_config cannot say "off"). A sweep's `gamma` fixes
+    num_assistant_tokens."""
     sampling, stop, target = evaluation.sampling, evaluation.stop, evaluation.target
 
     def autoregressive(ids, domain, n, seed):

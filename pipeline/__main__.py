@@ -146,10 +146,7 @@ def _task_overrides() -> list[str]:
 
 def _precheck_overrides(argv: list[str]) -> None:
     """Compose once before Hydra does, so an unknown preset, a bad override or a bad setting of any stage that will
-    run is one clear line, and nothing is written (Hydra makes its run directory before calling main).
-
-    Skipped for Hydra's own flags (--help, --cfg, -m sweeps), which Hydra reports itself.
-    """
+    run is one line and nothing is written (Hydra makes its run directory before main); Hydra's own flags skip it."""
     if any(a.startswith("-") or "," in a for a in argv) or _verbose():
         return
     from hydra import compose, initialize_config_dir

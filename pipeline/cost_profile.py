@@ -104,14 +104,10 @@ def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
 def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, tokens_fed=(1, 2, 4, 8, 16, 32),
                          contexts=(64, 512), draft_context: int = 64, repeats: int = 5, warmup: int = 1,
                          seed: int = 0, host_sampling: Sampling | None = None) -> dict:
-    """Time the target's forward of each count in `tokens_fed` at each context length (KV cache prefilled
-    with random tokens) and the draft's 1-token step with its head sliced to `vocab`, as the decoder runs it.
-    (Nine parameters: the models and the subset, then the timing plan, each a conf/distill calibration.cost key.)
-
-    Interleaved and paired as `_sweep` says; the draft runs in the target's dtype, as it will serve. With
-    `host_sampling`, the decoder's host work per pass at that sampling too (pipeline/pass_overhead.py). The 1-token
-    step is timed again before and after everything (`canary`: a ratio far from 1 means other load).
-    """
+    """Time the target's forward of each count in `tokens_fed` at each context length and the draft's 1-token step
+    through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
+    `host_sampling` the decoder's host work per pass too (pipeline/pass_overhead.py); the 1-token step again before and
+    after everything (`canary`: a ratio far from 1 means other load). The timing plan is conf's calibration.cost."""
     tokens_fed, contexts = sorted({int(k) for k in tokens_fed}), sorted({int(n) for n in contexts})
     if 1 not in tokens_fed or not contexts or min(contexts + [draft_context]) < 1 or repeats < 1:
         raise PipelineError("a cost profile needs 1 in tokens_fed, context lengths ≥ 1 and repeats ≥ 1: got "

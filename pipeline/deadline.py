@@ -40,11 +40,8 @@ class DeadlineSettings:
 
 
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
-    """Seconds for `stage`'s budgeted loop when `left_s` remain and a target step costs `step_s`.
-
-    The time left, less the fixed work of this and every later stage (priced `margin` dearer), is split among the
-    budgeted loops of this and the later stages in proportion to their shares. Returns the budget with its parts.
-    """
+    """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
+    stage (priced `margin` dearer), split among the budgeted loops still to run in proportion to their shares."""
     ahead = STAGES[STAGES.index(stage):]
     fixed_s = step_s * sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
     flexible_s = left_s - fixed_s

@@ -130,11 +130,8 @@ class Pair:
 
 
 def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
-    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions.
-
-    Runs the base model and applies the head only to the positions we sample from: the head is the
-    biggest matmul of a small model, and a vocabulary subset (FR-Spec) needs only some of its rows.
-    """
+    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions. The
+    head (a small model's biggest matmul; FR-Spec needs only some rows) runs only on the positions sampled from."""
     hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
     return head_logits(hidden[0, -n_logits:], head)
 
