@@ -129,15 +129,10 @@ def run(cfg: DictConfig, tracker) -> dict:
 
 def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[dict]]:
     """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
-    from pipeline.prompts import load_split
+    from pipeline.prompts import by_domain, load_split
 
-    domains = list(settings.domains) if settings.domains is not None else None
-    rows = load_split(cfg.paths.prompts, "train", domains)
-    by_domain: dict[str, list[dict]] = {domain: [] for domain in (domains or [])}
-    for row in rows:
-        by_domain.setdefault(row["domain"], []).append(row)
-    cap = settings.max_prompts_per_domain  # load_split already refused unknown/empty domains
-    return {domain: prompts[:cap] if cap else prompts for domain, prompts in by_domain.items()}
+    rows = load_split(cfg.paths.prompts, "train", settings.domains)  # refuses unknown or empty domains
+    return by_domain(rows, settings.max_prompts_per_domain, settings.domains or ())
 
 
 def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, list[dict]],

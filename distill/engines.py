@@ -102,25 +102,38 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
         parts[name] = (cal.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
             draft, heldout, thresholds, vocab))), heldout)
 
-    def predict(part, mask, n_max, p_min):
+    def predict(part, mask, setting):
         alpha, keep, heldout = parts[part]
-        drafted, accepted = simulate(alpha, keep[p_min], heldout, mask, n_max, stop_before=True)
+        drafted, accepted = simulate(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
-    out = {}
-    reporting_masks = cal.domain_index(reporting)
+    def keys(best, shown):  # and the prediction for llama-server's own defaults beside the chosen setting
+        defaults = predict("reporting", shown, (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min))
+        return {"n_max": best[0], "p_min": best[1], "predicted_speedup_server_defaults": round(defaults[0], 3)}
+    return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
+
+
+def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options: list, predict, margin: float,
+                      keys) -> dict[str, dict]:
+    """Per domain (and default): the option with the best predicted speedup on `calibration` ("off" below 1 + margin)
+    and its speedup and acceptance on `reporting`; predict(part, mask, option) -> (speedup, acceptance), keys(option,
+    reporting mask) the engine's own keys for it."""
+    out, reporting_masks = {}, cal.domain_index(reporting)
     for domain, mask in cal.domain_index(calibration).items():
-        best = max(((n, p) for n in n_maxes for p in p_mins), key=lambda s: predict("calibration", mask, *s)[0])
-        chosen = predict("calibration", mask, *best)[0]
+        best = max(options, key=lambda option: predict("calibration", mask, option)[0])
+        on = predict("calibration", mask, best)[0] > 1 + margin
         shown = reporting_masks.get(domain, reporting_masks[cal.OVERALL])
-        speedup, acceptance = predict("reporting", shown, *best)
-        defaults = predict("reporting", shown, llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)[0]
+        speedup, acceptance = predict("reporting", shown, best)
         out[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": chosen > 1 + margin, "n_max": best[0], "p_min": best[1],
-            "predicted_speedup": round(speedup if chosen > 1 + margin else 1.0, 3),
-            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4),
-            "predicted_speedup_server_defaults": round(defaults, 3)}
+            "speculate": on, **keys(best, shown), "predicted_speedup": round(speedup if on else 1.0, 3),
+            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
     return out
+
+
+def describe_table(table: dict, setting) -> str:
+    """A chosen table in one log line: per domain setting(entry) and its predicted speedup, or "off"."""
+    return "; ".join(f"{d} " + (f"{setting(e)} → {e['predicted_speedup']:.2f}×" if e["speculate"] else
+                                f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())
 
 
 def draft_gguf(root: Path, draft, tokenizer, out: Path, quant: str | None) -> Path:
@@ -174,9 +187,8 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
              for domain, entry in table.items()}
     log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}, server host work per pass: plain {:.2f}, drafting {}): {}".format(
         cost["c"], cost["verify_ratio"][1], cost["host"]["plain"],
-        ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()), "; ".join(
-        f"{d} " + (f"n_max {e['n_max']} p_min {e['p_min']:g} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                   else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+        ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()),
+        describe_table(table, lambda e: f"n_max {e['n_max']} p_min {e['p_min']:g}")))
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
              "cost": cost, "by_domain": table, "flags": flags}
     return replace(spec, engines={**spec.engines, "llamacpp": entry}), {"draft.gguf": gguf}
@@ -216,15 +228,8 @@ def choose_fixed(draft, heldouts, vocab, cost: dict, gammas: list[int], margin: 
         drafted, accepted = simulate(alpha, None, heldout, mask, gamma)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
-    out, reporting_masks = {}, cal.domain_index(heldouts.reporting)
-    for domain, mask in cal.domain_index(heldouts.calibration).items():
-        best = max(gammas, key=lambda g: predict("calibration", mask, g)[0])
-        on = predict("calibration", mask, best)[0] > 1 + margin
-        speedup, acceptance = predict("reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
-        out[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": on, key: best, "predicted_speedup": round(speedup if on else 1.0, 3),
-            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
-    return out
+    return choose_per_domain(heldouts.calibration, heldouts.reporting, gammas, predict, margin,
+                             lambda best, _: {key: best})
 
 
 def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, log) -> dict[str, dict]:
@@ -234,9 +239,8 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
     The draft directory is this export ("." in the files: replace with where it is served from)."""
     cost = gpu_cost(exported_draft, target, settings)
     table = choose_fixed(draft, heldouts, vocab, cost, list(settings.gammas), settings.margin)
-    log("vLLM/SGLang calibration (c = {:.3f}, {}): {}".format(cost["c"], cost["source"].split(":")[0], "; ".join(
-        f"{d} " + (f"k {e['num_speculative_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                   else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+    log("vLLM/SGLang calibration (c = {:.3f}, {}): {}".format(cost["c"], cost["source"].split(":")[0], describe_table(
+        table, lambda e: f"k {e['num_speculative_tokens']}")))
     vllm = {domain: {"model": ".", "method": "draft_model", "num_speculative_tokens": e["num_speculative_tokens"]}
             if e["speculate"] else None for domain, e in table.items()}
     sglang = {domain: ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ".",
@@ -263,9 +267,8 @@ def calibrate_hf(inputs, exported_draft, heldouts, settings, log) -> dict:
     table = choose_fixed(exported_draft, heldouts, None, cost, list(settings.gammas), settings.margin, tau,
                          key="num_assistant_tokens")
     log("HF assisted calibration (a pass of γ = {}: {} plain steps): {}".format(
-        ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()), "; ".join(
-            f"{d} " + (f"γ {e['num_assistant_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                       else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+        ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()),
+        describe_table(table, lambda e: f"γ {e['num_assistant_tokens']}")))
     configs = {d: {"num_assistant_tokens": e["num_assistant_tokens"], "num_assistant_tokens_schedule": "constant",
                    "assistant_confidence_threshold": 0.0} if e["speculate"] else None for d, e in table.items()}
     return {"cost": cost, "by_domain": table, "generation_config": configs}

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from eval import metrics as M
+from eval.harness import rotated
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.engines import llamacpp
@@ -84,25 +85,33 @@ def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
              "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
 
 
-def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
-    """Every request through every method's server, in rotating order (a warm-up request first, untimed)."""
+def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str) -> list[dict]:
+    """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
+    rotating order (eval/harness.py), a seed per request shared by the methods."""
     from tqdm.auto import tqdm
 
+    records = []
+    for k, request in enumerate(tqdm(requests, desc=f"eval ({engine})", unit="req", dynamic_ncols=True)):
+        request_seed = derive_seed(seed, f"eval-{engine}", request["prompt_id"])
+        for method in rotated(methods, k):
+            tokens, seconds, stats = call(method, request, request_seed)
+            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
+                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
+    return records
+
+
+def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
+    """Every request through every method's server (a warm-up request first, untimed); times are the server's."""
     for server in servers.values():
         server.complete(requests[0]["ids"], settings.warmup_tokens, settings.sampling, seed)
-    methods, records = list(plan), []
-    for k, request in enumerate(tqdm(requests, desc="eval (llama.cpp)", unit="req", dynamic_ncols=True)):
-        request_seed = derive_seed(seed, "eval-llamacpp", request["prompt_id"])
-        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
-            out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
-                                                                   settings.sampling, request_seed, stop)
-            timings = out["timings"]
-            stats = EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
-            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
-                            "turn": 0, "tokens": out["tokens"],
-                            "time_s": (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3,
-                            "stats": stats})
-    return records
+
+    def call(method, request, request_seed):
+        out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
+                                                               settings.sampling, request_seed, stop)
+        timings = out["timings"]
+        return out["tokens"], (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3, \
+            EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
+    return engine_records(requests, list(plan), call, seed, "llamacpp")
 
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,

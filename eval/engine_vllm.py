@@ -13,13 +13,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eval.engine_llamacpp import EngineStats, finish, method_metrics, requests_of, write_engine_outputs
+from eval.engine_llamacpp import EngineStats, engine_records, finish, method_metrics, requests_of, write_engine_outputs
 from pipeline.atomic import atomic_dir
 from pipeline.chat import stop_token_ids
 from pipeline.decoding import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, resolve_model
-from pipeline.sampling import derive_seed
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -122,14 +121,9 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
                             str(cfg.runtime.dtype))
     for llm in engines.values():  # warm-up: CUDA graphs and the allocator stay out of the timed requests
         generate(llm, requests[0]["ids"], settings, int(cfg.seed), stop)
-    records, methods = [], list(plan)
-    for k, request in enumerate(requests):
-        request_seed = derive_seed(int(cfg.seed), "eval-vllm", request["prompt_id"])
-        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
-            tokens, seconds, stats = generate(engines[plan[method][request["domain"]]], request["ids"], settings,
-                                              request_seed, stop)
-            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
-                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
+    methods = list(plan)
+    records = engine_records(requests, methods, lambda method, request, request_seed: generate(
+        engines[plan[method][request["domain"]]], request["ids"], settings, request_seed, stop), int(cfg.seed), "vllm")
     greedy = settings.sampling.greedy
     metrics = {"engine": "vllm", "version": __import__("vllm").__version__, "temperature": settings.temperature,
                "methods": methods, "plan": plan, "source": source,

@@ -51,27 +51,16 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
-    from pipeline.prompts import load_prompts, load_split
+    from pipeline.prompts import by_domain, keep_domains, load_prompts, load_split
 
-    wanted = settings.domains
-    if settings.prompts_file:
+    if settings.prompts_file:  # our schema or Spec-Bench's
         source = str(settings.prompts_file)
-        rows = load_prompts(source)  # our schema or Spec-Bench's; raises on an empty or malformed file
-        if wanted:
-            available = sorted({p["domain"] for p in rows})
-            missing = [domain for domain in wanted if domain not in available]
-            if missing:
-                raise PipelineError(f"eval.domains {missing} have no prompts in {source} (available: {available}): "
-                                    "fix eval.domains or the file")
-            rows = [p for p in rows if p["domain"] in wanted]
+        rows = keep_domains(load_prompts(source), settings.domains, f"(eval.domains) have no prompts in {source}",
+                            "fix eval.domains or the file")
     else:
         source = f"{cfg.paths.prompts}/eval.jsonl (held-out split of the prepare stage)"
-        rows = load_split(cfg.paths.prompts, "eval", wanted)
-    by_domain: dict[str, list[dict]] = {}
-    for prompt in rows:
-        by_domain.setdefault(prompt["domain"], []).append(prompt)
-    limit = settings.max_prompts_per_domain
-    return {domain: prompts[:limit] if limit else prompts for domain, prompts in by_domain.items()}, source
+        rows = load_split(cfg.paths.prompts, "eval", settings.domains)
+    return by_domain(rows, settings.max_prompts_per_domain), source
 
 
 # ---------------------------------------------------------------- plans

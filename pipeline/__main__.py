@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, target_step_seconds
 from pipeline.errors import PipelineError
-from pipeline.params import from_params_file, write_params
+from pipeline.params import compose_config, from_params_file, write_params
 from pipeline.tracking import start_run
 
 # One line per stage, in run order: (module with `run(cfg, tracker) -> dict`, module with `check_settings(cfg)`,
@@ -149,30 +149,12 @@ def _precheck_overrides(argv: list[str]) -> None:
     run is one line and nothing is written (Hydra makes its run directory before main); Hydra's own flags skip it."""
     if any(a.startswith("-") or "," in a for a in argv) or _verbose():
         return
-    from hydra import compose, initialize_config_dir
-    from pathlib import Path
-
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
     try:
-        with initialize_config_dir(config_dir=conf, version_base="1.3"):
-            cfg = compose("config", overrides=argv)
-    except Exception as e:
-        text = str(e).strip()
-        first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
-        lines = text.splitlines()
-        start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
-        options = []
-        for line in lines[start + 1:] if start is not None else []:
-            if not line.startswith("\t"):
-                break
-            options.append(line.strip())
-        hint = f" (available: {', '.join(options)})" if options else " (see `python -m pipeline --help`)"
-        _fail(f"bad configuration: {first}{hint}")
-    if not cfg.get("params_file"):  # the file is the config: _main checks it once loaded
-        try:
+        cfg = compose_config(argv)
+        if not cfg.get("params_file"):  # the file is the config: _main checks it once loaded
             check_settings(cfg)
-        except PipelineError as e:
-            _fail(str(e))
+    except PipelineError as e:
+        _fail(str(e))
 
 
 def cli() -> None:
