@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+from distill.calibrate import best_gamma
 from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
@@ -21,17 +22,6 @@ from pipeline.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
 OVERALL = "overall"  # distill's name for the pooled domain (distill/calibrate.py); speculative.json says "default"
-
-
-def best_gamma(per_position, cost: dict, gammas) -> tuple[int, float]:
-    """The γ of `gammas` with the highest predicted speedup at this cost, and that speedup."""
-    usable = [g for g in gammas if g <= len(per_position)]
-    if not usable:
-        raise PipelineError(f"per_position_acceptance has {len(per_position)} positions, fewer than every γ of "
-                            f"{list(gammas)}: calibrate with smaller gammas")
-    priced = [(pass_speedup(sum(per_position[:g]), g, g, cost), g) for g in usable]
-    speedup, gamma = max(priced)
-    return gamma, speedup
 
 
 def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -> dict:
@@ -42,7 +32,8 @@ def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -
              "predicted_speedup_no_host": {}, "break_even": {}}
     for domain, per_position in per_position_by_domain.items():
         name = DEFAULT if domain == OVERALL else domain
-        chosen = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
+        best = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
+        chosen = {size: (gamma, speedups[gamma]) for size, (gamma, speedups) in best.items()}
         block["gamma_if_on"][name] = {size: gamma for size, (gamma, _) in chosen.items()}
         block["predicted_speedup"][name] = {size: round(speedup, 3) for size, (_, speedup) in chosen.items()}
         # what the forwards-only model said of the same γ: how much of the prediction the host work took back

@@ -249,8 +249,9 @@ def profile_sections(alpha: torch.Tensor, heldout: cal.HeldOut, k: int) -> dict[
 
 def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
     """The per-domain table, and the calibration's numbers to MLflow."""
-    print(format_table(spec))
-    acceptance = spec.acceptance
+    cost, acceptance = spec.cost, spec.acceptance
+    print(f"{format_table(spec)}\nc = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target "
+          f"{cost['target_forward_ms']:.1f} ms, {cost['device']} {cost['dtype']}); numbers on the reporting part")
     inputs.tracker.log_metrics({
         **{f"calibrated_acceptance/{k}": v for k, v in acceptance["after_calibrated"].items()},
         **{f"full_head_acceptance/{k}": v for k, v in acceptance["full_head"].items()},
