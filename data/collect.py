@@ -104,8 +104,7 @@ class CollectJob:
 # ----------------------------------------------------------------------------- the stage
 
 def check_settings(cfg: DictConfig) -> None:
-    """`collect.*` checked as run() builds them, before any stage runs; the target and prompts are checked where
-    they load."""
+    """`collect.*` checked as run() builds them, before any stage runs (targets and prompts: where they load)."""
     CollectSettings.from_config(cfg.collect, cfg.seed)
 
 
@@ -177,8 +176,7 @@ def _target_identity(path: Path, tokenizer) -> dict:
 
 
 def _stop_ids(path: Path, tokenizer) -> list[int]:
-    """The chat's stop tokens, the checkpoint's generation_config EOS ids included, without
-    loading the weights (every process needs them for the fingerprint)."""
+    """The chat's stop tokens with the checkpoint's generation_config EOS ids, without loading the weights."""
     from types import SimpleNamespace
 
     from transformers import GenerationConfig
@@ -188,8 +186,8 @@ def _stop_ids(path: Path, tokenizer) -> list[int]:
 
 
 def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
-    """Names the shard directory: any change to how rows are generated starts a fresh one. The prompts are not
-    part of it: each shard's name carries the hash of its own prompts (Shard.name)."""
+    """Names the shard directory: any change to how rows are generated starts a fresh one (the prompts hash into each
+    shard's own name)."""
     target = {k: v for k, v in identity.items() if k != "model"}
     target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
     payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(), "dtype": dtype}
@@ -197,8 +195,7 @@ def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
 
 
 def _plan(prompts: dict[str, list[dict]], shard_size: int) -> list[Shard]:
-    """Shards interleaved across domains (every domain's first shard, then every second one, ...), so a time
-    budget that stops the run early cuts every domain alike."""
+    """Shards interleaved across domains, so a time budget that stops the run early cuts every domain alike."""
     chunks = [(domain, start // shard_size, rows[start:start + shard_size])
               for domain, rows in prompts.items() for start in range(0, len(rows), shard_size)]
     order = {domain: i for i, domain in enumerate(prompts)}
