@@ -241,8 +241,8 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> No
             if job.next_shard_overruns(done):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
                 job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
-                print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: stopping "
-                      f"before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
+                print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
+                      f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
             tokens_per_s = _generate_shard(job, backend, shard, bar.update)
             if not hasattr(backend, "show_rates"):

@@ -294,10 +294,11 @@ def _sweep_lines(metrics: dict) -> list[str]:
                   markdown_table(["tree", "nodes/pass", "mean acc. len", "tok/s", "speedup", "predicted"], rows), ""]
     batches = metrics.get("batch_sweep")
     if batches and batches["by_batch"]:
-        lines += ["## Batch sweep", "", f"Batched speculation (pipeline/decoding/batch.py) against batched plain decoding "
-                  f"on the first turns of {batches['n_prompts']} prompts cut into batches of B, both in rotating order; "
-                  f"predicted = {BATCH_PREDICTIONS[batches['prediction']]}; no host = the same γ priced by its forwards "
-                  "alone.", "", markdown_table(*batch_rows(batches)), "", batch_verdict(batches), ""]
+        lines += ["## Batch sweep", "", "Batched speculation (pipeline/decoding/batch.py) against batched plain "
+                  f"decoding on the first turns of {batches['n_prompts']} prompts cut into batches of B, both in "
+                  f"rotating order; predicted = {BATCH_PREDICTIONS[batches['prediction']]}; no host = the same γ "
+                  "priced by its forwards alone.", "", markdown_table(*batch_rows(batches)), "",
+                  batch_verdict(batches), ""]
     return lines
 
 

@@ -21,7 +21,7 @@ DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.dr
 RESERVED = ("init", "fixed", "confidence", "heuristic", "unguarded", "fixed_tau")  # speculative_<these> name other methods: no extra draft's name
 
 
-# The numeric settings' rules: key (stall.<knob> inside eval.stall) -> (integer?, least, exclusive?, null allowed?, e.g.)
+# The numeric settings' rules: key (stall.<knob>: inside eval.stall) -> (integer?, least, exclusive?, nullable?, e.g.)
 NUMBERS = {"max_new_tokens": (True, 1, False, False, 64), "sweep_prompts_per_domain": (True, 1, False, False, 1),
            "warmup_tokens": (True, 1, False, False, 8), "max_prompts_per_domain": (True, 1, False, True, 8),
            "fidelity_prompts_per_domain": (True, 0, False, True, 1), "min_requests_for_ci": (True, 2, False, False, 8),
@@ -121,7 +121,8 @@ class EvalSettings:
         for key, example in (("gammas", "[1,2,4,6,8]"), ("batch_sizes", "[1,2,4,8]")):
             values = list(getattr(self, key) or [])
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                _bad(key, values, "holds a value < 1", f"list integers >= 1, e.g. eval.{key}={example}, or [] for no sweep")
+                _bad(key, values, "holds a value < 1",
+                     f"list integers >= 1, e.g. eval.{key}={example}, or [] for no sweep")
             self._normalise(key, tuple(values))
         for key in NUMBERS:
             if not key.startswith("stall."):

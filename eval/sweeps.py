@@ -38,7 +38,8 @@ def _interleaved_runs(requests: list[dict], methods: dict, evaluation: Evaluatio
 
 def _against_plain(methods: dict, points: dict) -> dict:
     """{"ar": plain decoding, key: the evaluated draft with that point's keyword arguments}."""
-    return {"ar": methods["autoregressive"], **{key: partial(methods[M.SPECULATIVE], **kw) for key, kw in points.items()}}
+    speculative = methods[M.SPECULATIVE]
+    return {"ar": methods["autoregressive"], **{key: partial(speculative, **kw) for key, kw in points.items()}}
 
 
 def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
@@ -101,7 +102,8 @@ def batch_methods(evaluation: Evaluation, plan: DraftPlan) -> dict:
 
 
 def batch_point(runs: dict, greedy: bool) -> dict:
-    """{plain, speculative: [(tokens, seconds) per batch], acceptance, identical (greedy), accepted, drafting_passes}."""
+    """{plain, speculative: [(tokens, seconds) per batch], acceptance, identical (greedy), accepted, drafting
+    passes}."""
     stats = [s for r in runs["speculative"] for s in r["stats"]]
     accepted, drafted = sum(s.n_accepted for s in stats), sum(s.n_drafted for s in stats)
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["speculative"]))
@@ -175,8 +177,9 @@ def batch_sweep(contexts: list[dict], evaluation: Evaluation, seed: int) -> dict
     rows = [c["ids"][0] for c in first_prompts(contexts, settings.sweep_prompts_per_domain) if c["turn"] == 0]
     sizes = [size for size in settings.batch_sizes if size <= len(rows)]
     if len(sizes) < len(settings.batch_sizes):
-        print(f"[eval] batch sweep: {len(rows)} prompts make no batch of {sorted(set(settings.batch_sizes) - set(sizes))}"
-              ": raise eval.sweep_prompts_per_domain")
+        missing = sorted(set(settings.batch_sizes) - set(sizes))
+        print(f"[eval] batch sweep: {len(rows)} prompts make no batch of {missing}: raise "
+              "eval.sweep_prompts_per_domain")
     batching = draft.spec.batching if draft.spec is not None and draft.spec.sampling == evaluation.sampling else None
     calibrated = predict_calibrated(batching, sizes) if batching and set(map(str, sizes)) <= set(
         map(str, batching["batch_sizes"])) else None

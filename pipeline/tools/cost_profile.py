@@ -2,7 +2,7 @@
 (distill.calibration.cost). Step times depend on shapes, dtype and hardware, not on weight values, so
 `tool.*_config` builds random weights and a serving machine can be profiled before any training.
 
-    python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> tool.draft_config=<...|preset:draft>
+    python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> tool.draft_config=<...>
     python -m pipeline.tools cost-profile tool.target=<model dir> tool.draft=<model dir>
 """
 from __future__ import annotations
