@@ -2,8 +2,9 @@
 
 `python -m pipeline stage=collect` renders each train prompt with the target's chat template and samples
 completions with the serving settings in `collect.*` (later turns conditioned on sample 0's earlier answer),
-optionally with white-box labels from the very forward that produced each token. The dataset's columns and the
-manifest are the contract in docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
+optionally with white-box labels from the very forward that produced each token (collect.onpolicy: a share answered
+by the draft instead, data/collect_onpolicy.py). The dataset's columns and the manifest are the contract in
+docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend, onpolicy_record
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
@@ -34,8 +36,8 @@ def _save_shard(final: Path, rows: list[dict], settings: CollectSettings, meta: 
 
     with atomic_dir(final) as tmp, quiet_datasets():
         if rows:  # a shard whose every request was skipped (collect.backend=server) is its meta.json alone
-            Dataset.from_list(rows, features=features(settings.label_topk, settings.stores_hidden)).save_to_disk(
-                str(tmp / "data"))
+            columns = features(settings.label_topk, settings.stores_hidden, bool(settings.onpolicy.share))
+            Dataset.from_list(rows, features=columns).save_to_disk(str(tmp / "data"))
         write_json(tmp / "meta.json", meta)
 
 
@@ -131,7 +133,8 @@ def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[
     from pipeline.prompts import by_domain, load_split
 
     rows = load_split(cfg.paths.prompts, "train", settings.domains)  # refuses unknown or empty domains
-    return by_domain(rows, settings.max_prompts_per_domain, settings.domains or ())
+    return mark_onpolicy(by_domain(rows, settings.max_prompts_per_domain, settings.domains or ()),
+                         settings.onpolicy.share, cfg)
 
 
 def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, list[dict]],
@@ -154,6 +157,8 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
             device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
     identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
+    if settings.onpolicy.share:
+        identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
                                else str(dtype).removeprefix("torch."))
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
@@ -225,10 +230,13 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
     if not mine:
         return
     with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
-        _generate_shards(job, tracker, mine, _make_backend(job, stack))
+        backend = _make_backend(job, stack)
+        onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
+                                    job.dtype) if job.settings.onpolicy.share else None
+        _generate_shards(job, tracker, mine, backend, onpolicy)
 
 
-def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> None:
+def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend, onpolicy) -> None:
     from tqdm.auto import tqdm
 
     turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
@@ -244,7 +252,7 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend) -> No
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
                       f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
-            tokens_per_s = _generate_shard(job, backend, shard, bar.update)
+            tokens_per_s = _generate_shard(job, backend, shard, bar.update, onpolicy)
             if not hasattr(backend, "show_rates"):
                 bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
             tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
@@ -277,16 +285,16 @@ def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
     return HFBackend(model, job.tokenizer.pad_token_id, stop_ids, settings)
 
 
-def _generate_shard(job: CollectJob, backend, shard: Shard, progress) -> float:
+def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=None) -> float:
     """Generate one shard and write it atomically; returns its generation speed in tokens/s."""
-    start = time.perf_counter()
+    start, spent = time.perf_counter(), {}
     rows = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
-                         derive_seed(job.settings.seed, shard.domain, shard.index), progress)
+                         derive_seed(job.settings.seed, shard.domain, shard.index), progress, onpolicy, spent)
     seconds = time.perf_counter() - start
     tokens = sum(len(row["completion_ids"]) for row in rows)
     meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,
             "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
-            "process_index": job.state.process_index}
+            "process_index": job.state.process_index, "label_cost": spent}
     if hasattr(backend, "take_stats"):  # the server backend: skipped requests, where the ids came from, which server
         meta.update(backend.take_stats(), server=backend.describe())
     _save_shard(job.shard_dir / shard.name, rows, job.settings, meta)
@@ -348,7 +356,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "seed": settings.seed,
         "topk": settings.label_topk,
         "hidden_states": settings.stores_hidden,
-        "labels": _labels_source(settings),
+        "labels": settings.labels_source,
         "backend": settings.backend,
         "dtype": str(job.dtype).removeprefix("torch.") if settings.backend != "server" else None,
         "num_processes": job.state.num_processes,
@@ -361,20 +369,13 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "generate_s": round(generate_s, 3),
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
+        "label_cost": label_cost(dataset, shard_metas),
+        **onpolicy_record(settings.onpolicy, identity),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),
         **(server_record(shard_metas) if settings.backend == "server" else {}),
     }
-
-
-def _labels_source(settings: CollectSettings) -> str:
-    """Where the rows' top-k labels come from (distill/labels.py computes them for rows that have none)."""
-    if not settings.topk:
-        return "none"
-    if settings.backend == "server":
-        return "server" if settings.server.logprobs else "distill"  # distill: its own target pass labels the rows
-    return "target-forward"
 
 
 def _report(job: CollectJob, tracker, manifest: dict) -> dict:

@@ -1,14 +1,17 @@
 """The collect stage's Hugging Face backend: batched, left-padded `generate` on CPU or CUDA, with the
 target's top-k log-probabilities taken from the raw logits (before any sampling filter) and, with
-collect.hidden_states, the output head's input at each step (the final hidden state)."""
+collect.hidden_states, the output head's input at each step (the final hidden state). OnPolicyBackend
+(collect.onpolicy): the draft samples, the target labels its samples in one forward pass."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from data.collect_rows import CollectSettings, Completion
 from pipeline.errors import PipelineError
+from pipeline.heads import head_logits, head_rows
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -16,14 +19,16 @@ def _is_oom(e: BaseException) -> bool:
 
 
 class HFBackend:
-    """Batched `generate` with left padding; halves the batch on CUDA out-of-memory and retries."""
+    """Batched `generate` with left padding; halves the batch on CUDA out-of-memory and retries. labels=False: the
+    tokens alone (no top-k, no hidden states), for a model whose distribution is not the label (collect.onpolicy)."""
 
-    def __init__(self, model, pad_id: int, stop_ids: list[int], settings: CollectSettings):
+    def __init__(self, model, pad_id: int, stop_ids: list[int], settings: CollectSettings, labels: bool = True):
         from transformers import GenerationConfig
 
         self.model, self.pad_id, self.stop_ids = model, pad_id, set(stop_ids)
         # batch_size is this backend's own copy: an out-of-memory retry halves it for the rest of the run.
-        self.topk, self.batch_size, self.hidden = settings.topk, settings.batch_size, settings.stores_hidden
+        self.topk, self.hidden = (settings.topk, settings.stores_hidden) if labels else (0, False)
+        self.batch_size = settings.batch_size
         self.device = next(model.parameters()).device
         # The stage's settings are the only sampling settings: the checkpoint's generation_config
         # defaults (e.g. a repetition_penalty) would otherwise fill every field left unset here.
@@ -117,6 +122,51 @@ class HFBackend:
                                           top_ids[row, :n] if top_ids is not None else None,
                                           top_lp[row, :n] if top_lp is not None else None,
                                           hidden[row, :n] if hidden is not None else None))
+        return completions
+
+
+class OnPolicyBackend(HFBackend):
+    """Rows of the draft's tokens with the target's labels (DistillSpec's on-policy data, Zhou et al. 2023): the
+    draft samples each batch (HFBackend's batching, seeding and out-of-memory retry, without labels), then the target
+    labels it in one forward pass over prompt + completion, a prefill instead of a token-by-token generation."""
+
+    def __init__(self, draft, target, pad_id: int, stop_ids: list[int], settings: CollectSettings):
+        super().__init__(draft, pad_id, stop_ids, settings, labels=False)
+        self.target, self.label_topk, self.label_hidden = target, settings.topk, settings.stores_hidden
+        self.draft_cpu_s = 0.0  # process CPU seconds of the draft's sampling, until take_draft_cpu_s
+
+    def take_draft_cpu_s(self) -> float:
+        spent, self.draft_cpu_s = self.draft_cpu_s, 0.0
+        return spent
+
+    def _generate_batch(self, contexts: list[list[int]]) -> list[Completion]:
+        cpu = time.process_time()
+        completions = super()._generate_batch(contexts)
+        self.draft_cpu_s += time.process_time() - cpu
+        return self._label(contexts, completions)
+
+    @torch.inference_mode()
+    def _label(self, contexts: list[list[int]], completions: list[Completion]) -> list[Completion]:
+        """The target's top-k T = 1 log-probs (and final hidden states) at each completion position, as a
+        target-generated row carries them. Right padding: positions count from 0 in every row without position ids;
+        the head runs on the completion positions alone."""
+        sequences = [context + completion.ids[:-1] for context, completion in zip(contexts, completions)]
+        input_ids = torch.full((len(sequences), max(map(len, sequences))), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, :len(sequence)] = torch.tensor(sequence)
+            attention_mask[row, :len(sequence)] = 1
+        device = next(self.target.parameters()).device
+        hidden = self.target.get_decoder()(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                           use_cache=False).last_hidden_state
+        head = head_rows(self.target)
+        for row, (context, completion) in enumerate(zip(contexts, completions)):
+            states = hidden[row, len(context) - 1:len(context) - 1 + len(completion.ids)]  # state j predicts ids[j]
+            top = head_logits(states, head).log_softmax(-1).topk(self.label_topk, dim=-1)
+            completion.topk_ids = top.indices.to(torch.int32).cpu().numpy()
+            completion.topk_logprobs = top.values.to(torch.float16).cpu().numpy()
+            if self.label_hidden:
+                completion.final_hidden = states.to(torch.float16).cpu().numpy()
         return completions
 
 

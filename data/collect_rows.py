@@ -3,6 +3,7 @@ dataset's columns (the output contract in data/collect.py), one shard's rows, an
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
@@ -25,8 +26,9 @@ _FIX = "fix the override or conf/collect/default.yaml"
 class CollectSettings:
     """`collect.*`, declared once and validated in one place (as eval/settings.py): one field per key of
     conf/collect/default.yaml, but `temperature`, `top_k` and `top_p` are the one `sampling`. Built by
-    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key; what needs the target or the process
-    group is checked where those are known. Validation also normalises (idempotent, so `dataclasses.replace` works)."""
+    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key (`server` and `onpolicy` alone have
+    defaults); what needs the target or the process group is checked where those are known. Validation also
+    normalises (idempotent, so `dataclasses.replace` works)."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
@@ -41,9 +43,10 @@ class CollectSettings:
     max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
     max_minutes: float | None           # no shard starts that would end past this many minutes; None = no limit
     vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
-    # collect.backend=server only (data/collect_server.py): a mapping is checked; the one field with a default,
-    # None = no servers, so code that builds settings for the in-process backends need not name it
+    # collect.backend=server only (data/collect_server.py): a mapping is checked; the two fields with a default,
+    # None = no servers / no on-policy rows, so code that builds settings for other uses need not name them
     server: "ServerSettings | Mapping | None" = None
+    onpolicy: "OnPolicySettings | Mapping | None" = None  # the draft's samples labelled by the target
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
 
@@ -64,6 +67,8 @@ class CollectSettings:
             self._normalise("server", ServerSettings.none())
         elif not isinstance(self.server, ServerSettings):
             self._normalise("server", ServerSettings.from_mapping(self.server))
+        if not isinstance(self.onpolicy, OnPolicySettings):
+            self._normalise("onpolicy", OnPolicySettings.from_mapping(self.onpolicy))
         checks = [
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
@@ -87,7 +92,11 @@ class CollectSettings:
             (self.max_prompts_per_domain is not None and self.max_prompts_per_domain < 0,
              f"collect.max_prompts_per_domain={self.max_prompts_per_domain} must be ≥ 0 (null = all): {_FIX}"),
             (self.max_minutes is not None and self.max_minutes <= 0,
-             f"collect.max_minutes={self.max_minutes} must be > 0 (null = no limit): {_FIX}")]
+             f"collect.max_minutes={self.max_minutes} must be > 0 (null = no limit): {_FIX}"),
+            (self.onpolicy.share and self.backend != "hf", f"collect.onpolicy.share={self.onpolicy.share} needs "
+             "collect.backend=hf: the target labels the draft's samples in process"),
+            (self.onpolicy.share and not self.topk, f"collect.onpolicy.share={self.onpolicy.share} needs "
+             "collect.topk > 0: on-policy rows are worth only the target's labels")]
         for bad, message in checks:
             if bad:
                 raise PipelineError(message)
@@ -125,6 +134,8 @@ class CollectSettings:
         if self.backend == "server":  # the urls, concurrency and fault handling decide where and how fast, not what
             key["server"] = {"model": self.server.model, "endpoint": self.server.endpoint,
                              "logprobs": self.server.logprobs}
+        if self.onpolicy.share:  # which prompts the draft answers is in each shard's name (their `origin`)
+            key["onpolicy"] = {"share": self.onpolicy.share, "draft": self.onpolicy.draft}
         return key
 
     @property
@@ -138,6 +149,37 @@ class CollectSettings:
         """Whether the rows carry `final_hidden`: only the in-process HF backend sees the target's hidden states
         (a server or vLLM returns tokens and log-probs), and only with collect.hidden_states."""
         return self.hidden_states and self.backend == "hf"
+
+    @property
+    def labels_source(self) -> str:
+        """Where the rows' top-k labels come from (distill/labels.py computes them for rows that have none)."""
+        if not self.topk:
+            return "none"
+        if self.backend == "server":
+            return "server" if self.server.logprobs else "distill"  # distill: its own target pass labels the rows
+        return "target-forward"
+
+
+@dataclass(frozen=True)
+class OnPolicySettings:
+    """`collect.onpolicy.*` (what each key does: conf/collect/default.yaml); checked whatever the backend."""
+    share: float        # of each domain's train prompts, answered by the draft and labelled by the target
+    draft: str | None   # a draft model directory; None = model.draft, the draft distill starts from
+
+    @classmethod
+    def from_mapping(cls, values) -> "OnPolicySettings":
+        if values is None:
+            return cls(0.0, None)
+        if not isinstance(values, Mapping):
+            raise PipelineError(f"collect.onpolicy={values!r} is not a group of settings: {_FIX}")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.onpolicy", "conf/collect/default.yaml")
+        settings = cls(_config_number("onpolicy.share", values["share"], float), values["draft"])
+        if not 0.0 <= settings.share <= 1.0:
+            raise PipelineError(f"collect.onpolicy.share={settings.share} must be in [0, 1] (0 = off): {_FIX}")
+        if settings.draft is not None and not isinstance(settings.draft, str):
+            raise PipelineError(f"collect.onpolicy.draft={settings.draft!r} must be a draft directory or null "
+                                f"(model.draft): {_FIX}")
+        return settings
 
 
 ENDPOINTS = ("completions", "chat")
@@ -227,13 +269,15 @@ class Completion:
     final_hidden: np.ndarray | None = None   # [len(ids), hidden] float16: the head's input that produced each token
 
 
-def features(topk: int, hidden: bool = False):
+def features(topk: int, hidden: bool = False, origin: bool = False):
     from datasets import Features, List, Value
 
     columns = {"id": Value("string"), "prompt_id": Value("string"), "domain": Value("string"),
                "turn": Value("int32"), "sample": Value("int32"),
                "prompt_ids": List(Value("int32")), "completion_ids": List(Value("int32")),
                "text": Value("string"), "finish_reason": Value("string")}
+    if origin:
+        columns["origin"] = Value("string")
     if topk:
         columns["topk_ids"] = List(List(Value("int32")))
         columns["topk_logprobs"] = List(List(Value("float16")))
@@ -243,10 +287,13 @@ def features(topk: int, hidden: bool = False):
 
 
 def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: int, seed: int,
-                  progress=None) -> list[dict]:
+                  progress=None, onpolicy=None, spent: dict | None = None) -> list[dict]:
     """Rows for one shard: every turn of every prompt, samples_per_prompt completions each, one `backend.generate`
     call per turn seeded from (shard seed, turn); turn t+1 follows sample 0's answer to turn t. A request the backend
-    skipped (None) is left out, with the later turns of a prompt whose sample 0 was skipped."""
+    skipped (None) is left out, with the later turns of a prompt whose sample 0 was skipped. With an `onpolicy`
+    backend (collect.onpolicy) the prompts marked `origin: onpolicy` are its, in a call of their own seeded from
+    (shard seed, turn, "onpolicy"), and every row carries its `origin`; `spent` gathers per origin the CPU and wall
+    seconds of the calls (the manifest's label cost)."""
     answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
     rows = []
     for turn in range(max(len(prompt["turns"]) for prompt in prompts)):
@@ -257,20 +304,41 @@ def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: i
         contexts = [encode_chat(tokenizer, chat)[0].tolist() for chat in messages]
         requests = [(prompt, context, sample, chat) for prompt, context, chat in zip(active, contexts, messages)
                     for sample in range(samples_per_prompt)]
-        wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
-            else {}  # a server's chat endpoint renders the messages with its own template
-        completions = backend.generate([context for _, context, _, _ in requests], derive_seed(seed, turn), progress,
-                                       **wants_messages)
+        completions = [None] * len(requests)
+        for origin, chosen, turn_seed in (("target", backend, derive_seed(seed, turn)),
+                                          ("onpolicy", onpolicy, derive_seed(seed, turn, "onpolicy"))):
+            picked = [i for i, (prompt, *_) in enumerate(requests) if prompt.get("origin", "target") == origin]
+            if picked:
+                done = _generate(chosen, [requests[i] for i in picked], turn_seed, progress, spent, origin)
+                for i, completion in zip(picked, done):
+                    completions[i] = completion
         for (prompt, context, sample, _), completion in zip(requests, completions):
             if completion is None:
                 continue
             row = _row(tokenizer, prompt, turn, sample, context, completion)
+            if onpolicy is not None:
+                row["origin"] = prompt.get("origin", "target")
             if sample == 0:
                 answers[prompt["id"]].append(row["text"])
             rows.append(row)
     position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
     rows.sort(key=lambda row: (position[row["prompt_id"]], row["turn"], row["sample"]))
     return rows
+
+
+def _generate(backend, requests: list[tuple], seed: int, progress, spent: dict | None, origin: str) -> list:
+    """One `backend.generate` call for `requests`; its process CPU and wall seconds are added to spent[origin]."""
+    wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
+        else {}  # a server's chat endpoint renders the messages with its own template
+    cpu, wall = time.process_time(), time.perf_counter()
+    completions = backend.generate([context for _, context, _, _ in requests], seed, progress, **wants_messages)
+    if spent is not None:
+        entry = spent.setdefault(origin, {"cpu_s": 0.0, "wall_s": 0.0})
+        entry["cpu_s"] += time.process_time() - cpu
+        entry["wall_s"] += time.perf_counter() - wall
+        if hasattr(backend, "take_draft_cpu_s"):  # an on-policy call: the draft's sampling, part of cpu_s
+            entry["draft_cpu_s"] = entry.get("draft_cpu_s", 0.0) + backend.take_draft_cpu_s()
+    return completions
 
 
 def _row(tokenizer, prompt: dict, turn: int, sample: int, context: list[int], completion: Completion) -> dict:

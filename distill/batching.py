@@ -7,7 +7,9 @@ the draft step c(B) and the verify r(B) of γ + 1 tokens per row, from a batch c
 beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off": batched plain decoding). The
 break-even batch is the smallest measured B from which no γ pays at any larger one. A batch size between two
 measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour
-would not. Runs in the calibrate stage when `distill.calibration.batch_sizes` is non-empty.
+would not. Runs in the calibrate stage when `distill.calibration.batch_sizes` is non-empty; where the export has
+engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that engine's draft length per batch
+size (below).
 """
 from __future__ import annotations
 
@@ -72,19 +74,35 @@ def vllm_schedule(gammas_by_batch: dict, k_max: int) -> list[list[int]]:
     return schedule
 
 
-def with_vllm_schedule(engines: dict, block: dict) -> dict:
-    """engines with each vLLM speculative_config (a domain that drafts there) given its per-batch-size K.
-    The key exists since vLLM 0.24 (PR #32374, docs/features/speculative_decoding/dynamic_speculative_decoding.md;
-    vllm/config/speculative.py `num_speculative_tokens_per_batch_size`); older versions refuse unknown keys."""
-    vllm = engines.get("vllm")
-    if not vllm:
-        return engines
-    configs = {}
-    for domain, config in vllm["speculative_config"].items():
-        table = block["by_domain"].get(domain, block["by_domain"].get(DEFAULT))
-        configs[domain] = config if config is None or table is None else {
-            **config, "num_speculative_tokens_per_batch_size": vllm_schedule(table, config["num_speculative_tokens"])}
-    return {**engines, "vllm": {**vllm, "speculative_config": configs}}
+def trtllm_schedule(gammas_by_batch: dict, k: int) -> dict[str, int] | None:
+    """TensorRT-LLM's draft_len_schedule: {largest batch size of a range: draft length ≤ k}, no drafts above its
+    largest key (llmapi/llm_args.py DecodingBaseConfig; the module docstring's rule up to there). Its smallest key
+    must map to max_draft_len (k): a domain whose smallest calibrated batch size drafts less gets none (None)."""
+    schedule = {str(b): min(int(g), k) for b, g in sorted(gammas_by_batch.items(), key=lambda item: int(item[0]))}
+    return schedule if next(iter(schedule.values())) == k else None
+
+
+# engine: (the speculative_config key of its per-batch-size draft length, that value from {B: γ} and the domain's k)
+SCHEDULES = {"vllm": ("num_speculative_tokens_per_batch_size", lambda table, config: vllm_schedule(
+                 table, config["num_speculative_tokens"])),
+             "trtllm": ("draft_len_schedule", lambda table, config: trtllm_schedule(table, config["max_draft_len"]))}
+
+
+def with_engine_schedules(engines: dict, block: dict) -> dict:
+    """engines with each vLLM and TensorRT-LLM speculative_config (a domain that drafts there) given its draft
+    length per batch size. vLLM 0.34.0 takes its key for every method (vllm/config/speculative.py; the scheduler
+    applies it, vllm/v1/core/sched/scheduler.py; added by PR #32374, and refused as unknown before it)."""
+    out = dict(engines)
+    for name, (key, schedule) in SCHEDULES.items():
+        if not engines.get(name):
+            continue
+        configs = {}
+        for domain, config in engines[name]["speculative_config"].items():
+            table = block["by_domain"].get(domain, block["by_domain"].get(DEFAULT))
+            value = None if config is None or table is None else schedule(table, config)
+            configs[domain] = config if value is None else {**config, key: value}
+        out[name] = {**engines[name], "speculative_config": configs}
+    return out
 
 
 def with_batching(spec: SpeculativeSpec, profile: dict, gammas, margin: float) -> SpeculativeSpec:
@@ -92,7 +110,7 @@ def with_batching(spec: SpeculativeSpec, profile: dict, gammas, margin: float) -
     if not spec.per_position_acceptance:
         raise PipelineError("speculative.json has no per_position_acceptance: re-export the draft with stage=distill")
     block = choose(spec.per_position_acceptance, profile, gammas, margin)
-    return replace(spec, batching=block, engines=with_vllm_schedule(spec.engines, block))
+    return replace(spec, batching=block, engines=with_engine_schedules(spec.engines, block))
 
 
 def calibrate_batching(inputs, split, spec: SpeculativeSpec, log) -> SpeculativeSpec:

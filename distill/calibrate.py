@@ -78,14 +78,17 @@ def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampli
 
 
 @torch.no_grad()
-def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.Tensor | None = None) -> torch.Tensor:
-    """α per held-out position for each draft temperature τ: [len(temperatures), N]."""
+def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.Tensor | None = None,
+               filtered: bool = True) -> torch.Tensor:
+    """α per held-out position for each draft temperature τ: [len(temperatures), N]; filtered=False: q without the
+    serving top-k/top-p (an engine that applies only the temperature to its draft, pipeline/engines/rules.py)."""
     was_training = draft.training
     draft.eval()
     device = _device(draft)
     vocab = None if vocab is None else vocab.to(device)
     column_of = column_map(vocab, draft.config.vocab_size)
     rows = head_rows(draft, vocab)
+    draft_sampling = heldout.sampling if filtered else Sampling(heldout.sampling.temperature)
     out, start = [], 0
     for batch, mask in heldout.batches(device):
         logits = head_logits(completion_hidden(draft, batch)[mask], rows)
@@ -95,7 +98,7 @@ def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.
         cols = p_ids if column_of is None else column_of[p_ids]
         alphas = []
         for tau in temperatures:
-            q = heldout.sampling.with_temperature(tau).probs(logits)
+            q = draft_sampling.with_temperature(tau).probs(logits)
             q_at = q.gather(-1, cols.clamp_min(0)) * (cols >= 0)  # q is 0 outside the subset
             alphas.append(expected_acceptance(p, q_at).cpu())
         out.append(torch.stack(alphas))

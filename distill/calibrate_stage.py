@@ -29,10 +29,9 @@ from distill import calibrate as cal
 from distill.batching import calibrate_batching
 from distill.engines import calibrate_engines
 from distill.export import exported_weights, format_table, model_card, save_draft
-from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance
+from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
-from distill.split import split_by_prompt
 from distill.stage import read_record
 from pipeline import speculation_profile as sp
 from pipeline.cost_profile import FILENAME
@@ -116,10 +115,7 @@ def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split
     """distill.calibration.draft=<dir> (a published draft, another run's export) to ${paths.draft}, alone, on the
     held-out rows distill.split chooses; its FR-Spec head and provenance from its speculative.json if it has one."""
     own = SpeculativeSpec.read(weights)
-    split_settings = inputs.settings.split
-    _, heldout_idx = split_by_prompt(inputs.collected["prompt_id"], inputs.collected["domain"],
-                                     float(split_settings.heldout_fraction),
-                                     split_settings.heldout_max_prompts_per_domain, int(inputs.cfg.seed))
+    _, heldout_idx = split_collected(inputs.collected, inputs.settings.split, int(inputs.cfg.seed))
     vocab = torch.tensor(own.vocab_subset, dtype=torch.long) if own and own.vocab_subset else None
     name = hashlib.sha256(str(weights.resolve()).encode()).hexdigest()[:16]  # names its engine files
     source = DraftSource(weights, Path(inputs.cfg.paths.draft), "calibrated", bool(own and own.distilled),

@@ -1,5 +1,7 @@
 """Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own:
-llama.cpp (`distill.calibration.engines=[llamacpp]`).
+`distill.calibration.engines=[hf, llamacpp, vllm, sglang, trtllm]`. Each is planned under the draft sampling and
+verification it runs at the version named (pipeline/engines/rules.py): the rule the export selects where the engine
+can switch, else its default, recorded per engine (`rules`) and per domain (`rule`).
 
 llama.cpp drafts greedily and stops *before* a token whose draft probability (softmax over the draft's top-10
 logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the target samples its own token
@@ -25,6 +27,7 @@ from distill.export import exported_weights
 from distill.policy import simulate
 from pipeline.decoding.cost import pass_speedup, verify_cost
 from pipeline.engines import hf, llamacpp
+from pipeline.engines.rules import UNFILTERED_DRAFT, VERSIONS, candidate_rules, rule_record
 from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
@@ -109,7 +112,8 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
 
     def keys(best, shown):  # and the prediction for llama-server's own defaults beside the chosen setting
         defaults = predict("reporting", shown, (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min))
-        return {"n_max": best[0], "p_min": best[1], "predicted_speedup_server_defaults": round(defaults[0], 3)}
+        return {"rule": "greedy", "n_max": best[0], "p_min": best[1],
+                "predicted_speedup_server_defaults": round(defaults[0], 3)}
     return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
 
 
@@ -154,11 +158,11 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
     ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for."""
     settings = inputs.settings.calibration
-    if {"vllm", "sglang"} & set(settings.engines):
+    gpu_engines = [name for name in GPU_CONFIGS if name in settings.engines]
+    if gpu_engines:
         weights = exported_weights(inputs.draft, split.vocab_list, head_fill)
-        gpu = calibrate_gpu_engines(inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, log)
-        spec = replace(spec, engines={**spec.engines, **{name: gpu[name] for name in ("vllm", "sglang")
-                                                         if name in settings.engines}})
+        spec = replace(spec, engines={**spec.engines, **calibrate_gpu_engines(
+            inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, gpu_engines, log)})
     if "hf" in settings.engines:  # HF runs the exported checkpoint's full head, in the serving dtype
         weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
         spec = replace(spec, engines={**spec.engines, "hf": calibrate_hf(inputs, weights, heldouts, settings.hf, log)})
@@ -182,19 +186,19 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     cost["host"] = server_host(root, target, gguf, prompts, cost, engine.threads)
     table = choose_llamacpp(inputs.draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
                             list(chosen.n_max), list(chosen.p_min), chosen.margin)
-    flags = {domain: ["-md", "draft.gguf", "--spec-type", "draft-simple",
-                      *llamacpp.DraftSettings(entry["n_max"], entry["p_min"]).flags()] if entry["speculate"] else []
-             for domain, entry in table.items()}
+    flags = {domain: llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(entry["n_max"], entry["p_min"]))
+             if entry["speculate"] else [] for domain, entry in table.items()}
     log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}, server host work per pass: plain {:.2f}, drafting {}): {}".format(
         cost["c"], cost["verify_ratio"][1], cost["host"]["plain"],
         ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()),
         describe_table(table, lambda e: f"n_max {e['n_max']} p_min {e['p_min']:g}")))
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
-             "cost": cost, "by_domain": table, "flags": flags}
+             "cost": cost, "by_domain": table, "flags": flags,
+             "rules": {"greedy": rule_record("llamacpp", "greedy", inputs.sampling.temperature)}}
     return replace(spec, engines={**spec.engines, "llamacpp": entry}), {"draft.gguf": gguf}
 
 
-# ---------------------------------------------------------------- vLLM and SGLang
+# ---------------------------------------------------------------- vLLM, SGLang and TensorRT-LLM
 
 def weights_read_per_step(model) -> int:
     """Parameters a batch-1 decoding step reads: all but the input embedding, of which it reads one row (a tied
@@ -205,7 +209,7 @@ def weights_read_per_step(model) -> int:
 
 
 def gpu_cost(exported_draft, target, settings) -> dict:
-    """The cost summary vLLM and SGLang are planned with: measured on the GPU that serves them when the user gives
+    """The cost summary the GPU engines are planned with: measured on the GPU that serves them when the user gives
     `distill.calibration.gpu.c`, else the memory-bound model of batch-1 GPU decoding (a step costs the weights it
     reads; a verify of a few tokens costs one step, Leviathan et al. 2023 §3.4)."""
     measured = settings.c is not None
@@ -215,40 +219,64 @@ def gpu_cost(exported_draft, target, settings) -> dict:
             "assumed: memory-bound batch-1 decoding (c = weights read per step, draft / target; verify = 1 step)"}
 
 
-def choose_fixed(draft, heldouts, vocab, cost: dict, gammas: list[int], margin: float, tau: float = 0.0,
-                 key: str = "num_speculative_tokens") -> dict[str, dict]:
-    """Per domain (and default): the γ (written under `key`) of a fixed-length chain with the best predicted speedup
-    on the calibration part, "off" below 1 + margin; α = Σ min(p, q) with the draft at `tau` (τ = 0: the engines
-    that draft the argmax and accept it with the target's probability of it, q one-hot)."""
-    parts = {name: (cal.acceptance(draft, heldout, [tau], vocab)[0], heldout)
-             for name, heldout in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting))}
+def rule_alpha(draft, heldouts, vocab, rule: str, filtered: bool = True) -> dict[str, torch.Tensor]:
+    """α per position of both held-out parts under an engine's rule (pipeline/engines/rules.py): "greedy" is
+    Σ min(p_T, one-hot argmax q) = p_T(argmax q); "tau" is Σ min(p_T, q) with the draft at the serving T."""
+    tau = 0.0 if rule == "greedy" else float(heldouts.calibration.sampling.temperature)
+    return {part: cal.acceptance(draft, getattr(heldouts, part), [tau], vocab, filtered)[0]
+            for part in ("calibration", "reporting")}
 
-    def predict(part, mask, gamma):
-        alpha, heldout = parts[part]
-        drafted, accepted = simulate(alpha, None, heldout, mask, gamma)
+
+def choose_fixed(alphas: dict[str, dict], heldouts, cost: dict, gammas: list[int], margin: float,
+                 key: str = "num_speculative_tokens") -> dict[str, dict]:
+    """Per domain (and default): the rule (`alphas`: {rule: rule_alpha}) and γ (written under `key`) of a
+    fixed-length chain with the best predicted speedup on the calibration part, "off" below 1 + margin."""
+    def predict(part, mask, option):
+        rule, gamma = option
+        drafted, accepted = simulate(alphas[rule][part], None, getattr(heldouts, part), mask, gamma)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
-    return choose_per_domain(heldouts.calibration, heldouts.reporting, gammas, predict, margin,
-                             lambda best, _: {key: best})
+    return choose_per_domain(heldouts.calibration, heldouts.reporting, [(r, g) for r in alphas for g in gammas],
+                             predict, margin, lambda best, _: {"rule": best[0], key: best[1]})
 
 
-def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, log) -> dict[str, dict]:
-    """speculative.json `engines.vllm` (speculative_config per domain; null = serve that domain without a draft)
-    and `engines.sglang` (its STANDALONE server arguments per domain). Both engines draft greedily, a fixed number
-    of tokens per pass, and route per domain only by running two servers: the tables say which domain goes where.
-    The draft directory is this export ("." in the files: replace with where it is served from)."""
-    cost = gpu_cost(exported_draft, target, settings)
-    table = choose_fixed(draft, heldouts, vocab, cost, list(settings.gammas), settings.margin)
-    log("vLLM/SGLang calibration (c = {:.3f}, {}): {}".format(cost["c"], cost["source"].split(":")[0], describe_table(
-        table, lambda e: f"k {e['num_speculative_tokens']}")))
-    vllm = {domain: {"model": ".", "method": "draft_model", "num_speculative_tokens": e["num_speculative_tokens"]}
-            if e["speculate"] else None for domain, e in table.items()}
-    sglang = {domain: ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ".",
-                       "--speculative-num-steps", str(k := e["num_speculative_tokens"]), "--speculative-eagle-topk", "1",
-                       "--speculative-num-draft-tokens", str(k + 1)] if e["speculate"] else []
-              for domain, e in table.items()}
-    return {"vllm": {"cost": cost, "by_domain": table, "speculative_config": vllm},
-            "sglang": {"cost": cost, "by_domain": table, "args": sglang}}
+# engine: (its key in speculative.json, the config of k drafts with a rule's settings, the config of "off")
+GPU_CONFIGS = {
+    "vllm": ("speculative_config", lambda k, rule: {"model": ".", "method": "draft_model", "num_speculative_tokens": k,
+                                                    **rule}, None),
+    "sglang": ("args", lambda k, rule: ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ".",
+                                        "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+                                        "--speculative-num-draft-tokens", str(k + 1),
+                                        *(x for kv in rule.items() for x in kv)], []),
+    "trtllm": ("speculative_config", lambda k, rule: {"decoding_type": "Draft_Target", "max_draft_len": k,
+                                                      "speculative_model": ".", **rule}, None),
+}
+
+
+def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, engines, log) -> dict[str, dict]:
+    """speculative.json `engines.<engine>` for the GPU engines named: vLLM's speculative_config (method
+    draft_model), SGLang's STANDALONE server arguments and TensorRT-LLM's DraftTargetDecodingConfig per domain
+    ("off": null or [] = serve that domain without a draft), each with the rule (pipeline/engines/rules.py) and
+    fixed k predicted fastest. Each engine routes per domain only by running two servers: the tables say which
+    domain goes where. The draft directory is this export ("." in the configs: replace with where it is served)."""
+    cost, sampling = gpu_cost(exported_draft, target, settings), heldouts.calibration.sampling
+    alphas, out = {}, {}
+    for engine in engines:
+        rules = candidate_rules(engine, sampling.greedy)
+        keys = {r: (r, r == "greedy" or engine not in UNFILTERED_DRAFT) for r in rules}  # a one-hot q has no filters
+        for rule, key in keys.items():
+            if key not in alphas:  # each α once for every engine
+                alphas[key] = rule_alpha(draft, heldouts, vocab, *key)
+        table = choose_fixed({r: alphas[key] for r, key in keys.items()}, heldouts, cost, list(settings.gammas),
+                             settings.margin)
+        key, config, off = GPU_CONFIGS[engine]
+        out[engine] = {"version": VERSIONS[engine], "cost": cost, "by_domain": table,
+                       "rules": {r: rule_record(engine, r, sampling.temperature) for r in rules},
+                       key: {d: config(e["num_speculative_tokens"], rules[e["rule"]]) if e["speculate"] else off
+                             for d, e in table.items()}}
+        described = describe_table(table, lambda e: f"{e['rule']} k {e['num_speculative_tokens']}")
+        log(f"{engine} calibration (c = {cost['c']:.3f}, {cost['source'].split(':')[0]}): {described}")
+    return out
 
 
 # ---------------------------------------------------------------- HF assisted generation
@@ -256,19 +284,22 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
 def calibrate_hf(inputs, exported_draft, heldouts, settings, log) -> dict:
     """speculative.json `engines.hf`: per domain the num_assistant_tokens (constant schedule, no confidence stop)
     HF assisted generation is predicted fastest with, or "off", priced by HF's own passes timed here
-    (pipeline/engines/hf.py pass_costs: its per-pass host work included). HF's draft samples at the serving
-    temperature and HF verifies by rejection sampling (greedy: argmax match), so α is Σ min(p, q) at τ = T."""
+    (pipeline/engines/hf.py pass_costs: its per-pass host work included). HF's draft samples with the target's
+    generation config and HF verifies by rejection sampling (greedy: argmax match): the "tau" rule at τ = T."""
+    import transformers
+
     rows = heldouts.calibration.rows[:settings.prompts]
     device = next(inputs.target.parameters()).device
     prompts = [torch.tensor([row["prompt_ids"]], device=device) for row in rows]
     cost = hf.pass_costs(inputs.target, exported_draft, prompts, list(settings.gammas), inputs.sampling, inputs.stops,
                          int(settings.max_new_tokens))
-    tau = 0.0 if inputs.sampling.greedy else float(inputs.sampling.temperature)
-    table = choose_fixed(exported_draft, heldouts, None, cost, list(settings.gammas), settings.margin, tau,
-                         key="num_assistant_tokens")
+    rules = candidate_rules("hf", inputs.sampling.greedy)
+    table = choose_fixed({r: rule_alpha(exported_draft, heldouts, None, r) for r in rules}, heldouts, cost,
+                         list(settings.gammas), settings.margin, key="num_assistant_tokens")
     log("HF assisted calibration (a pass of γ = {}: {} plain steps): {}".format(
         ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()),
         describe_table(table, lambda e: f"γ {e['num_assistant_tokens']}")))
     configs = {d: {"num_assistant_tokens": e["num_assistant_tokens"], "num_assistant_tokens_schedule": "constant",
                    "assistant_confidence_threshold": 0.0} if e["speculate"] else None for d, e in table.items()}
-    return {"cost": cost, "by_domain": table, "generation_config": configs}
+    return {"version": f"transformers {transformers.__version__}", "cost": cost, "by_domain": table,
+            "rules": {r: rule_record("hf", r, inputs.sampling.temperature) for r in rules}, "generation_config": configs}

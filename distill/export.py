@@ -12,6 +12,7 @@ import torch
 
 from distill.batching import format_batching
 from pipeline.atomic import atomic_dir, write_json
+from pipeline.engines.rules import EXPRESSES
 from pipeline.heads import bake_subset
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
@@ -102,8 +103,8 @@ def _recipe_lines(recipe: dict | None, steps: int) -> list[str]:
         why = "distill.trainer.learning_rate, not probed (distill.trainer.lr_probe=null)"
     else:
         tried = ", ".join(f"{name} {_fmt(acceptance)}" for name, acceptance in probe.items())
-        why = (f"the best held-out acceptance (calibration part) after {recipe['probe_steps']} steps from the initial "
-               f"weights at each rate tried: {tried}")
+        why = (f"the largest rate whose held-out acceptance (calibration part) after {recipe['probe_steps']} steps "
+               f"from the initial weights beat theirs, tried largest first: {tried}")
     lines = [f"- learning rate: {rate:.3g}, {why}" if rate else
              f"- learning rate: none, no training: no rate tried beat the initial weights ({why.split(': ', 1)[1]})"]
     if recipe.get("stop_patience"):
@@ -155,7 +156,8 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
         lines += ["", "```", format_batching(spec.batching), "```"]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
-              "with vLLM: `speculative_config={\"model\": <dir>, \"num_speculative_tokens\": γ}`.", ""]
+              "with vLLM, SGLang or TensorRT-LLM: each domain's config in speculative.json `engines` "
+              "(distill.calibration.engines; \".\" = <dir>).", ""]
     return "\n".join(lines)
 
 
@@ -174,17 +176,34 @@ def format_table(spec: SpeculativeSpec) -> str:
     return "\n".join(lines)
 
 
+def _rule_line(name: str, rule: dict) -> str:
+    """One rule an engine was calibrated for (pipeline/engines/rules.py rule_record)."""
+    draft = ("its argmax" if rule["draft_sampling"] == "greedy" else f"a token sampled at T = {rule['draft_temperature']:g}"
+             + ("" if rule["draft_top_k_top_p"] else ", without top-k/top-p"))
+    how = _kv(rule["settings"]) if rule["settings"] else rule["set_by"]
+    return f"rule {name}: the draft proposes {draft}, {rule['verification']} verification ({how})"
+
+
 def _engine_lines(spec: SpeculativeSpec) -> list[str]:
-    """Per serving engine calibrated for (speculative.json `engines`): what each domain runs there."""
+    """Per serving engine calibrated for (speculative.json `engines`): the rules it was planned under, what each
+    domain runs there, and what each engine's config can and cannot express."""
     lines = []
     for name, entry in spec.engines.items():
         table, cost = entry.get("by_domain", {}), entry.get("cost", {})
         settings = {d: (f"n_max {e['n_max']}, p_min {e['p_min']:g}" if "n_max" in e else
                         f"num_assistant_tokens {e['num_assistant_tokens']}" if "num_assistant_tokens" in e else
-                        f"num_speculative_tokens {e['num_speculative_tokens']}") for d, e in table.items()}
+                        f"num_speculative_tokens {e['num_speculative_tokens']}") + (f", rule {e['rule']}" if "rule" in e else "")
+                    for d, e in table.items()}
         source = cost.get("source") or f"measured in the engine on {cost.get('device_name')}"
-        lines += ["", f"In **{name}** (c = {_fmt(cost.get('c'))}; {source}), per domain:"]
+        lines += ["", f"In **{name}** ({entry.get('version', 'version not recorded')}; c = {_fmt(cost.get('c'))}; "
+                      f"{source}), per domain:"]
         lines += [f"- {d}: " + (f"{settings[d]} (predicted {e['predicted_speedup']:.2f}×)" if e["speculate"] else
                                 f"off, serve without the draft ({e['predicted_speedup_if_on']:.2f}× if on)")
                   for d, e in table.items()]
+        lines += [f"- {_rule_line(r, rule)}" for r, rule in entry.get("rules", {}).items()]
+    known = [name for name in spec.engines if name in EXPRESSES]
+    if known:
+        lines += ["", "What each engine's config can express (its version above):", "",
+                  "| engine | T, top-k/top-p | draft τ apart from T | off per domain | draft length per batch size |",
+                  "|---|---|---|---|---|", *(f"| {name} | " + " | ".join(EXPRESSES[name]) + " |" for name in known)]
     return lines

@@ -5,6 +5,7 @@ keep_best, τ and γ are chosen on the same calibration part and reported on the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,12 +13,12 @@ from omegaconf import DictConfig
 
 from distill import calibrate as cal
 from distill.job import HeldOuts, Inputs
-from distill.settings import DistillSettings, ServingSettings
-from distill.split import split_heldout
+from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
 from pipeline.chat import stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.models import load_role, model_identity
 from pipeline.sampling import Sampling
+from pipeline.split import split_by_prompt, split_heldout
 
 
 def log(msg: str) -> None:
@@ -60,6 +61,9 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     settings = DistillSettings.from_config(cfg.distill)
     state = PartialState()
     dataset, manifest = load_collected(cfg.paths.collect)
+    sampling = serving_sampling(settings.serving, manifest)
+    settings = replace(settings, objective=replace(
+        settings.objective, loss_temperature=loss_temperature(settings.objective, sampling.temperature)))
     target, tokenizer, target_path = load_role(cfg, "target")
     if state.num_processes > 1 and state.device.type == "cuda":
         target = target.to(state.device)
@@ -69,9 +73,17 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     if largest_id >= target.config.vocab_size:
         raise PipelineError(f"collected token id {largest_id} is outside the target's {target.config.vocab_size:,}-token "
                             "vocabulary: the data was collected with another tokenizer; rerun stage=collect")
-    return Inputs(cfg, settings, tracker, state, dataset, manifest, serving_sampling(settings.serving, manifest),
+    return Inputs(cfg, settings, tracker, state, dataset, manifest, sampling,
                   target, tokenizer, {**model_identity(target_path), "name": cfg.model.target.get("name")}, None,
                   None, None, stop_token_ids(tokenizer, target))
+
+
+def split_collected(collected, split: SplitSettings, seed: int) -> tuple[list[int], list[int]]:
+    """Row indices (train, held-out) of the collected rows by distill.split; rows of the draft's tokens
+    (collect.onpolicy) are never held out."""
+    origins = collected["origin"] if "origin" in collected.column_names else None
+    return split_by_prompt(collected["prompt_id"], collected["domain"], float(split.heldout_fraction),
+                           split.heldout_max_prompts_per_domain, seed, origins)
 
 
 def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:

@@ -36,12 +36,30 @@ def _tuple(group, where: str, *keys: str) -> None:
         object.__setattr__(group, key, tuple(value))
 
 
+SERVING = "serving"  # loss_temperature: the serving temperature the draft is tuned for (distill.serving)
+
+
+def _positive(value) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def loss_temperature(objective: "ObjectiveSettings", serving_temperature: float) -> float:
+    """The loss temperature as a number: `serving` is the serving T, and 1 (the models' own distributions) for
+    greedy serving, whose acceptance (argmax agreement) has no temperature to match."""
+    if objective.loss_temperature != SERVING:
+        return float(objective.loss_temperature)
+    return float(serving_temperature) if serving_temperature > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """`distill.objective`: what the draft learns (distill/losses.py); the DistillConfig knobs of that name."""
     loss: str                          # one of distill.losses.LOSSES
     beta: float                        # JSD(β) interpolation (loss=jsd)
-    loss_temperature: float            # softmax temperature of both models inside the loss
+    loss_temperature: float | str      # softmax temperature of both models inside the loss; "serving" = the serving T
     teacher: str                       # topk (cached labels) | online (a target forward per batch)
     topk: int                          # k of the labels when the stage computes them
     topk_tail: str                     # bucket | renormalize
@@ -125,7 +143,7 @@ class LlamaCppCalibrationSettings:
 
 @dataclass(frozen=True)
 class GpuCalibrationSettings:
-    """`distill.calibration.gpu`: how vLLM and SGLang are planned (distill/engines.py calibrate_gpu_engines)."""
+    """`distill.calibration.gpu`: how vLLM, SGLang and TensorRT-LLM are planned (distill/engines.py calibrate_gpu_engines)."""
     gammas: tuple[int, ...]            # num_speculative_tokens values compared
     margin: float                      # "off" unless the best is predicted above 1 + margin
     c: float | None                    # draft step / target step measured on the serving GPU; null = weights ratio
@@ -153,7 +171,7 @@ class HfCalibrationSettings:
                                 f"{self.prompts} >= 1, max_new_tokens={self.max_new_tokens} >= 2: use e.g. gammas=[1,2,4]")
 
 
-ENGINES = ("hf", "llamacpp", "vllm", "sglang")  # engines distill can calibrate the export for, beside this project's decoder
+ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can calibrate the export for, beside this project's decoder
 
 
 @dataclass(frozen=True)
@@ -173,7 +191,7 @@ class CalibrationSettings:
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
     batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batching.py); () = skip
     hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
-    gpu: GpuCalibrationSettings        # vLLM and SGLang (engines=[vllm] / [sglang])
+    gpu: GpuCalibrationSettings        # vLLM, SGLang, TensorRT-LLM (engines=[vllm] / [sglang] / [trtllm])
     llamacpp: LlamaCppCalibrationSettings
 
     def __post_init__(self):
@@ -239,9 +257,9 @@ class DistillSettings:
         if float(objective.lmbda) > 0 and objective.loss == "ce":
             raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
                                 "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
-        if float(objective.loss_temperature) <= 0:
-            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature} must be > 0: "
-                                "use e.g. 1.0")
+        if objective.loss_temperature != SERVING and not _positive(objective.loss_temperature):
+            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature!r} is neither "
+                                f"a temperature > 0 nor {SERVING!r}: use e.g. 1.0 or serving")
 
     def _check_split(self) -> None:
         split = self.split

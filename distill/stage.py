@@ -26,16 +26,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill import calibrate as cal
-from distill.draft import build_draft, vocab_subset
+from distill.draft import vocab_subset
 from distill.export import save_draft
-from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance
+from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
-from distill.split import nested_subset, split_by_prompt
 from distill.training import TrainingResult, generation_length, train_draft
 from pipeline.atomic import atomic_dir, write_json
+from pipeline.draft_init import build_draft
 from pipeline.errors import PipelineError
 from pipeline.models import check_compatible
+from pipeline.split import nested_subset
 from pipeline.timing import Laps
 
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
@@ -103,9 +104,10 @@ def load_inputs(cfg: DictConfig, tracker) -> Inputs:
 
 
 # ---------------------------------------------------------------- split
-def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int) -> str:
+def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int, loss_temperature: float) -> str:
     """Names the checkpoint directory: what decides the trained weights, nothing that only watches training."""
     settings = {group: OmegaConf.to_container(cfg.distill[group], resolve=True) for group in FINGERPRINTED}
+    settings["objective"]["loss_temperature"] = loss_temperature  # `serving` resolved: the serving T decides it
     for (group, key), off in ADDED_LATER.items():
         if settings[group].get(key, off) == off:
             settings[group].pop(key, None)
@@ -125,8 +127,12 @@ def split_rows(inputs: Inputs) -> Split:
     FR-Spec subset and the checkpoint fingerprint."""
     collected, split = inputs.collected, inputs.settings.split
     seed = int(inputs.cfg.seed)
-    train_idx, held_idx = split_by_prompt(collected["prompt_id"], collected["domain"], float(split.heldout_fraction),
-                                          split.heldout_max_prompts_per_domain, seed)
+    train_idx, held_idx = split_collected(collected, split, seed)
+    origins = collected.unique("origin") if "origin" in collected.column_names else ["target"]
+    if inputs.settings.objective.loss == "ce" and "onpolicy" in origins:
+        raise PipelineError("distill.objective.loss=ce learns the target's sampled tokens, but this collect has "
+                            "on-policy rows (the draft's tokens, collect.onpolicy.share > 0): use a divergence loss "
+                            "(fkl, tvd, ...) or a collect with collect.onpolicy.share=0")
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")
@@ -146,7 +152,8 @@ def split_rows(inputs: Inputs) -> Split:
         share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx],
                               float(split.train_fraction), seed)
         all_train, train = train, train.select(share)
-    name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected))
+    name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected),
+                       inputs.settings.objective.loss_temperature)
     scratch = Path(inputs.cfg.paths.cache) / "distill"
     scratch.mkdir(parents=True, exist_ok=True)
     # datasets' cache files must not land in collect's folder (DVC would see its output as modified)

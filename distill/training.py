@@ -78,32 +78,33 @@ def training_arguments(job: Inputs, n_rows: int, out_dir: Path, **overrides) -> 
 
 # ---------------------------------------------------------------- the step size fitted to the draft
 def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progress: RunProgress, log) -> dict:
-    """{"learning_rate", "configured", "probe_steps", "probe": {rate: calibration-part acceptance, "0": the initial
-    weights'}}: the best of lr_probe.factors × learning_rate after lr_probe.steps constant-rate steps from the initial
-    weights, or 0 (no training) when none beats the initial weights. The draft ends with its initial weights; the
-    probe's steps and tokens count as training (the time budget, the token count)."""
+    """{"learning_rate", "configured", "probe_steps", "probe": {"initial": the initial weights' calibration-part
+    acceptance, rate: after the probe's steps}}: lr_probe.factors × learning_rate tried largest first, lr_probe.steps
+    constant-rate steps each from the initial weights; the first whose held-out acceptance beats the initial weights
+    is chosen and training continues from its steps (a stub pays one held-out pass for the probe); when none does,
+    the rate is 0 (no training) and the draft keeps its initial weights. Larger rates train a draft that tolerates them
+    faster, and the stop rule catches a rate that gains early and loses later. The probe's steps count as training."""
     configured, probe = float(job.settings.trainer["learning_rate"]), job.settings.trainer["lr_probe"]
     initial, patched = _snapshot(job.draft), vars(job.draft).get("forward")
-    scores = {0.0: judge(job.draft) if job.is_main else 0.0}
-    trained_seconds = 0.0
-    for factor in probe["factors"]:
-        rate = configured * float(factor)
+    scores, chosen = {0.0: judge(job.draft) if job.is_main else 0.0}, 0.0
+    for factor in sorted((float(f) for f in probe["factors"]), reverse=True):
+        rate = configured * factor
         arguments = training_arguments(job, len(split.train), out_dir / "probe", learning_rate=rate,
                                        max_steps=int(probe["steps"]), warmup_steps=0, lr_scheduler_type="constant",
                                        save_strategy="no", logging_strategy="no", disable_tqdm=True)
         trainer, started = _trainer(job, split, arguments, callbacks=[]), time.time()
         trainer.train()
-        trained_seconds += time.time() - started  # held-out passes watch training: the budget counts the steps only
+        progress.seconds0 += time.time() - started  # held-out passes watch training: the budget counts the steps only
         restore_forward(job.draft, patched)  # accelerate's autocast wrapper: the next trainer adds its own
         progress.tokens0 += _run_tokens(job, trainer, RunProgress(None, job.state.num_processes))
         scores[rate] = judge(job.draft) if job.is_main else 0.0
+        if _broadcast_choice(int(scores[rate] > scores[0.0]), job):
+            chosen = rate
+            break
         job.draft.load_state_dict(initial)
-    progress.seconds0 += trained_seconds
-    rates = list(scores)  # the initial weights first: a rate must beat them, not tie
-    chosen = rates[_broadcast_choice(max(range(len(rates)), key=lambda i: (scores[rates[i]], -i)), job)]
     log(f"learning-rate probe (held-out acceptance on the calibration part after {probe['steps']} steps from the "
         "initial weights): " + ", ".join(f"{_rate_name(r)} {a:.3f}" for r, a in scores.items())
-        + (f" -> training at {chosen:.1e}" if chosen else " -> no rate beats the initial weights: no training"))
+        + (f" -> training on at {chosen:.1e}" if chosen else " -> no rate beats the initial weights: no training"))
     return {"learning_rate": chosen, "configured": configured, "probe_steps": int(probe["steps"]),
             "probe": {_rate_name(r): round(a, 4) for r, a in scores.items()}}
 

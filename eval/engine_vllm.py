@@ -3,7 +3,9 @@
 Methods: `autoregressive`, `speculative` (speculative.json `engines.vllm` speculative_config per domain, else a fixed
 k of its decoder calibration; "off" answered by the plain engine) and `speculative_init` at the same k. One engine per
 distinct config shares the GPU; each request is a first user turn as token ids, one at a time (batch 1), engines in
-rotating order; times are wall-clock, acceptance vLLM's spec-decode counters read around each request.
+rotating order; times are wall-clock, acceptance vLLM's spec-decode counters read around each request. Each
+speculative_config carries the draft and rejection sampling of the rule distill's calibration simulated
+(pipeline/engines/rules.py); the fallback drafts the argmax, vLLM's default.
 """
 from __future__ import annotations
 

@@ -328,7 +328,7 @@ def _preset_config(preset: Path, role: str):
         for key, value in sizes.items():
             if value:
                 setattr(config, key, int(value))
-        if init == "fresh":  # as distill/draft.py builds a fresh draft
+        if init == "fresh":  # as pipeline/draft_init.py builds a fresh draft
             config.head_dim = config.hidden_size // config.num_attention_heads
             if getattr(config, "layer_types", None):
                 config.layer_types = config.layer_types[:1] * config.num_hidden_layers

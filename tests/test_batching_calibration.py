@@ -106,6 +106,22 @@ def test_vllm_gets_the_same_schedule_as_inclusive_ranges_from_one():
     assert all(a[1] + 1 == b[0] for a, b in zip(schedule, schedule[1:]))  # vLLM: sorted, non-overlapping
 
 
+def test_tensorrt_llm_gets_thresholds_and_none_where_its_smallest_key_would_not_be_max_draft_len():
+    from pipeline.engines.rules import unknown_keys
+
+    assert batching.trtllm_schedule({"4": 1, "1": 3, "2": 3, "8": 0}, 3) == {"1": 3, "2": 3, "4": 1, "8": 0}
+    assert batching.trtllm_schedule({"1": 3, "2": 1}, 2) == {"1": 2, "2": 1}  # clamped to max_draft_len
+    assert batching.trtllm_schedule({"1": 1, "2": 0}, 3) is None  # TensorRT-LLM would refuse schedule[1] != 3
+    engines = {"trtllm": {"speculative_config": {"code": {"decoding_type": "Draft_Target", "max_draft_len": 4,
+                                                          "speculative_model": ".", "use_rejection_sampling": True},
+                                                 "default": None}}}
+    spec = batching.with_batching(spec_with(engines=engines), constructed_profile(), GAMMAS, MARGIN)
+    configs, table = spec.engines["trtllm"]["speculative_config"], spec.batching["by_domain"]["code"]
+    assert configs["default"] is None and int(table["1"]) >= 4  # B = 1 drafts at least k here: the schedule is written
+    assert configs["code"]["draft_len_schedule"] == batching.trtllm_schedule(table, 4)
+    assert unknown_keys("trtllm", configs["code"]) == []
+
+
 def test_a_profile_measured_on_tiny_models_prices_every_batch_size(target, close_draft):
     profile = measure_batch_profile(target, close_draft, [1, 2], [2, 3], time.perf_counter,
                                     repeats=1, context=8)

@@ -130,7 +130,7 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
         for (group, key), off in ADDED_LATER.items():
             del older.distill[group][key]  # the config as it was before the knob existed
             cfg.distill[group][key] = off  # and with the knob at its "off" value (a default may turn it on)
-    args = ({"path": "t"}, {"fingerprint": "c"}, 10)
+    args = ({"path": "t"}, {"fingerprint": "c"}, 10, 1.0)
     assert fingerprint(cfg, *args) == fingerprint(older, *args)
     for group, key, value in (("trainer", "lr_probe", {"factors": [1.0], "steps": 5}), ("trainer", "stop_patience", 2),
                               ("objective", "adaspec_reference", "some/draft")):
@@ -155,7 +155,7 @@ def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_leng
     def print_with(**objective):
         c = cfg.copy()
         c.distill.objective.update(objective)
-        return fingerprint(c, ident, manifest, 10)
+        return fingerprint(c, ident, manifest, 10, 1.0)
 
     # off-policy: nothing is generated, so the length names nothing (older checkpoints keep their name)
     assert print_with(max_new_tokens=64) == print_with()
@@ -182,3 +182,23 @@ def test_a_resume_from_the_last_step_trains_no_further_step(setup, tmp_path, mon
     run_stage(setup, tmp_path, "distill.checkpoint.save_steps=12")
     spec = read_spec(tmp_path / "draft")
     assert not calls and spec["training"]["steps"] == 40
+
+
+def test_loss_temperature_serving_resolves_to_the_serving_temperature_and_names_the_checkpoint_by_it():
+    from omegaconf import OmegaConf
+
+    from distill.settings import DistillSettings, loss_temperature
+    from distill.stage import fingerprint
+    from tests.conftest import REPO
+
+    conf = OmegaConf.load(REPO / "conf/distill/default.yaml")
+    conf.objective.loss_temperature = "serving"
+    objective = DistillSettings.from_config(conf).objective
+    assert loss_temperature(objective, 0.7) == 0.7
+    assert loss_temperature(objective, 0.0) == 1.0  # greedy: argmax agreement has no temperature to match
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}}, "distill": conf})
+    args = ({"path": "t"}, {"fingerprint": "c"}, 10)
+    assert fingerprint(cfg, *args, 0.7) != fingerprint(cfg, *args, 1.0)
+    cfg.distill.objective.loss_temperature = 1.0  # an explicit 1.0 trains as `serving` at greedy serving does
+    assert fingerprint(cfg, *args, 1.0) == fingerprint(OmegaConf.merge(cfg, {"distill": {"objective": {
+        "loss_temperature": "serving"}}}), *args, 1.0)

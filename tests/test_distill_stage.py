@@ -146,7 +146,7 @@ def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
     """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
     comes from the reporting part, so no number is measured on the rows that chose it."""
-    from distill.split import split_heldout
+    from pipeline.split import split_heldout
 
     prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(6) for _turn in range(2)]
     domains = [p.split("-")[0] for p in prompt_ids]
@@ -402,7 +402,7 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     as HF `assistant_model`: greedy output equals the target's own."""
     from transformers import AutoModelForCausalLM
 
-    from distill.draft import build_draft
+    from pipeline.draft_init import build_draft
     from distill.export import save_draft
     from pipeline.heads import restore_full_head, use_subset_head
     from pipeline.sampling import Sampling
@@ -457,6 +457,13 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     assert "Δ" in capsys.readouterr().out
     with pytest.raises(PipelineError, match="two or more different"):
         main(overrides(setup, tmp_path, f"tool.drafts=[{run / 'draft'}]"))
+    # a distill stage's own output (paths.trained), before any calibration: the same weights as their export
+    trained = f"tool.drafts=[{run / 'draft_init'},{run / 'trained' / 'draft_init'}]"
+    delta, _ = main(overrides(setup, tmp_path, trained))["domains"]["overall"]["difference"][
+        str(run / "trained" / "draft_init")]
+    assert abs(delta) < 1e-3
+    with pytest.raises(PipelineError, match="not a draft export"):
+        main(overrides(setup, tmp_path, trained, "tool.temperature=calibrated"))
 
 
 def test_acceptance_gap_puts_the_plan_beside_the_decoder_on_the_reporting_rows(setup, distilled, tmp_path):

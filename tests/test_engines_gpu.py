@@ -1,6 +1,7 @@
-"""vLLM and SGLang as serving engines: distill's calibration for their drafting rule (greedy draft, fixed k,
-acceptance p_T(argmax q)) written into speculative.json, the eval.engine=vllm plan built from it, and one-line
-errors where vLLM or CUDA is missing. The engine run itself needs CUDA and vllm (skipped elsewhere, with why)."""
+"""vLLM, SGLang and TensorRT-LLM as serving engines: distill's calibration for each under the rules it can run
+(pipeline/engines/rules.py) written into speculative.json, every exported config checked against the engine's own
+config fields (pipeline/engines/fields.json), the eval.engine=vllm plan built from it, and one-line errors where vLLM
+or CUDA is missing. The engine run itself needs CUDA and vllm (skipped elsewhere, with why)."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,31 +28,68 @@ def test_weights_read_per_step_count_a_tied_head_once_and_skip_an_untied_input_e
 def gpu_calibrated(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
     cheap, dear = out / "cheap", out / "dear"
-    run_distill_stage(setup, cheap, "distill.calibration.engines=[vllm,sglang]", "distill.calibration.gpu.c=0.01")
+    run_distill_stage(setup, cheap, "distill.calibration.engines=[hf,vllm,sglang,trtllm]", "distill.calibration.gpu.c=0.01",
+                      "distill.calibration.batch_sizes=[1,2]", "distill.calibration.hf.prompts=2",
+                      "distill.calibration.hf.max_new_tokens=8", "distill.calibration.hf.gammas=[1,2]")
     run_distill_stage(setup, dear, "distill.calibration.engines=[vllm]", "distill.calibration.gpu.c=1.5")
     return (read_spec(cheap / "draft"), cheap / "draft",
             read_spec(dear / "draft"))
 
 
-def test_vllm_and_sglang_settings_follow_one_per_domain_table(gpu_calibrated):
+def test_each_gpu_engine_serves_each_domain_under_the_rule_and_k_it_was_planned_for(gpu_calibrated):
+    from pipeline.engines.rules import RULES, VERSIONS
+
     spec, export, _ = gpu_calibrated
-    vllm, sglang = spec["engines"]["vllm"], spec["engines"]["sglang"]
-    assert vllm["by_domain"] == sglang["by_domain"] and vllm["cost"]["c"] == 0.01
-    assert "given" in vllm["cost"]["source"]
-    for domain, entry in vllm["by_domain"].items():
-        k = entry["num_speculative_tokens"]
-        assert k in (1, 2, 3, 4, 5, 6, 8) and 0.0 <= entry["predicted_acceptance"] <= 1.0
-        config, args = vllm["speculative_config"][domain], sglang["args"][domain]
-        if entry["speculate"]:
-            assert config == {"model": ".", "method": "draft_model", "num_speculative_tokens": k}
-            assert args[args.index("--speculative-num-steps") + 1] == str(k)
-            assert args[args.index("--speculative-num-draft-tokens") + 1] == str(k + 1)
-        else:
-            assert config is None and args == []
-    # at c = 0.01 a draft that agrees with the target at all pays somewhere; the card says what runs where
-    assert any(e["speculate"] for e in vllm["by_domain"].values())
+    engines = spec["engines"]
+    assert engines["sglang"]["cost"]["c"] == 0.01 and "given" in engines["vllm"]["cost"]["source"]
+    assert list(engines["sglang"]["rules"]) == ["greedy"] and set(engines["vllm"]["rules"]) == {"greedy", "tau"}  # T = 1
+    for name in ("vllm", "sglang", "trtllm"):
+        entry = engines[name]
+        assert entry["version"] == VERSIONS[name]
+        for domain, e in entry["by_domain"].items():
+            k, rule = e["num_speculative_tokens"], e["rule"]
+            assert k in (1, 2, 3, 4, 5, 6, 8) and rule in entry["rules"] and 0.0 <= e["predicted_acceptance"] <= 1.0
+            config = entry["args" if name == "sglang" else "speculative_config"][domain]
+            if not e["speculate"]:
+                assert config in (None, [])
+            elif name == "sglang":
+                assert config[config.index("--speculative-num-steps") + 1] == str(k)
+                assert config[config.index("--speculative-num-draft-tokens") + 1] == str(k + 1)
+                assert config[config.index("--speculative-accept-threshold-acc") + 1] == "1"
+            else:
+                length = "num_speculative_tokens" if name == "vllm" else "max_draft_len"
+                assert config[length] == k and all(config[key] == value for key, value in RULES[name][rule].items())
+    # at c = 0.01 a draft that agrees with the target at all pays somewhere; the card says what runs where and how
+    assert all(any(e["speculate"] for e in engines[name]["by_domain"].values()) for name in ("vllm", "trtllm"))
     card = (export / "README.md").read_text()
-    assert "In **vllm**" in card and "num_speculative_tokens" in card
+    assert "In **trtllm**" in card and "rule greedy: the draft proposes its argmax" in card
+    assert "What each engine's config can express" in card and "num_speculative_tokens_per_batch_size" in card
+
+
+def test_every_exported_gpu_config_passes_its_engines_field_check_and_a_renamed_key_fails(gpu_calibrated):
+    from pipeline.engines.rules import unknown_keys
+
+    engines, checked = gpu_calibrated[0]["engines"], 0
+    for name, key in (("vllm", "speculative_config"), ("sglang", "args"), ("trtllm", "speculative_config")):
+        for config in engines[name][key].values():
+            if config:
+                assert unknown_keys(name, config) == [], (name, config)
+                checked += 1
+    vllm = next(c for c in engines["vllm"]["speculative_config"].values() if c)
+    assert "num_speculative_tokens_per_batch_size" in vllm  # batch_sizes given: vLLM gets its schedule
+    assert unknown_keys("vllm", {**vllm, "num_speculative_token": 1}) == ["num_speculative_token"]
+    trtllm = next(c for c in engines["trtllm"]["speculative_config"].values() if c)
+    assert unknown_keys("trtllm", {**trtllm, "draft_length_schedule": {}}) == ["draft_length_schedule"]
+    assert checked >= 3
+
+
+def test_hf_is_planned_under_its_one_rule_with_fields_of_the_installed_transformers(gpu_calibrated):
+    from transformers import GenerationConfig  # HF's config code, live: its own fields
+
+    entry = gpu_calibrated[0]["engines"]["hf"]
+    assert all(set(c) <= set(GenerationConfig().to_dict()) for c in entry["generation_config"].values() if c)
+    assert list(entry["rules"]) == ["tau"] and entry["rules"]["tau"]["draft_temperature"] == 1.0  # T = 1 here
+    assert {e["rule"] for e in entry["by_domain"].values()} == {"tau"} and entry["version"].startswith("transformers")
 
 
 def test_a_draft_costing_more_than_a_target_step_is_off_in_vllm_everywhere(gpu_calibrated):

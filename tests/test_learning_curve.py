@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from distill.split import nested_subset
+from pipeline.split import nested_subset
 from pipeline.tools.learning_curve import doubling_gains
 from pipeline.tools.__main__ import main as tools_main
 from pipeline.sampling import Sampling

@@ -24,7 +24,7 @@ def gguf_pair(llamacpp_root, real_target, tmp_path_factory):
     converted and quantised by llama.cpp to the target's family."""
     from omegaconf import OmegaConf
 
-    from distill.draft import build_draft
+    from pipeline.draft_init import build_draft
     from distill.engines import draft_gguf
     from pipeline.engines import llamacpp
     from pipeline.heads import bake_subset
@@ -142,7 +142,7 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
 
     from hydra import compose, initialize_config_dir
 
-    from distill.draft import build_draft
+    from pipeline.draft_init import build_draft
     from distill.export import save_draft
     from eval.stage import run
     from pipeline.decoding import DraftLength

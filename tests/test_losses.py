@@ -175,7 +175,7 @@ def test_subset_head_is_full_vocab_on_save(tmp_path):
 
 
 def test_narrower_derived_draft_runs():
-    from distill.draft import narrow_hidden
+    from pipeline.draft_init import narrow_hidden
     from pipeline.models import derive_draft
 
     target = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, tie=True)

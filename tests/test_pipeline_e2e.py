@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.engines.rules import unknown_keys
 from tests.conftest import read_spec, REPO, assert_headlines_match_requests
 
 pytestmark = [pytest.mark.smoke, pytest.mark.slow]
@@ -194,4 +195,6 @@ def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(qui
     for domain, entry in llama["by_domain"].items():
         assert entry["predicted_speedup"] == (entry["predicted_speedup_if_on"] if entry["speculate"] else 1.0)
         assert (entry["predicted_speedup_if_on"] > 1.05) == entry["speculate"]  # the 5% margin of conf/distill
-        assert ("-md" in llama["flags"][domain]) == entry["speculate"]
+        assert ("-md" in llama["flags"][domain]) == entry["speculate"] and entry["rule"] == "greedy"
+        assert unknown_keys("llamacpp", llama["flags"][domain]) == []  # flags of the pinned llama-server only
+    assert llama["rules"]["greedy"]["verification"] == "strict"

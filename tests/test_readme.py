@@ -18,7 +18,7 @@ def serving_snippet() -> str:
 @pytest.mark.smoke
 def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target, real_target_path, tmp_path,
                                                                       capsys):
-    from distill.draft import build_draft
+    from pipeline.draft_init import build_draft
     from distill.export import save_draft
     from pipeline.decoding import DraftLength, autoregressive_generate
     from pipeline.sampling import Sampling

@@ -168,6 +168,11 @@ class DraftSettings:
 SERVER_DEFAULTS = DraftSettings(n_max=3, p_min=0.0)
 
 
+def draft_flags(draft: str | Path, settings: DraftSettings) -> list[str]:
+    """llama-server's flags for a draft model under the draft-simple rule (pipeline/engines/rules.py)."""
+    return ["-md", str(draft), "--spec-type", "draft-simple", *settings.flags()]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,7 +194,7 @@ class Server:
                    "-c", str(context), "-np", str(int(parallel)), "-t", str(threads or os.cpu_count() or 1),
                    "--no-webui"]  # parallel > 1: that many slots decoded as one batch (collect throughput)
         if draft is not None:
-            command += ["-md", str(draft), "--spec-type", "draft-simple", *settings.flags()]
+            command += draft_flags(draft, settings)
         self.command, self.start_timeout, self.process = command, start_timeout, None
 
     def __enter__(self) -> "Server":

@@ -3,7 +3,7 @@
 Comparisons the eval stage can make are eval runs (conf/experiment/compare-*.yaml); what is left lives here, one
 module per subcommand, its settings declared once in conf/tools/<subcommand>.yaml (`tool.*`, beside the whole
 pipeline config: paths, runtime.dtype, model). One argument convention, Hydra overrides, and the pipeline's rule
-for bad input: one line on stderr, exit 2, nothing written.
+for bad input: one line on stderr, exit 2, nothing written. A subcommand whose result says `passed: false` exits 1.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "acceptance-gap": "pipeline.tools.acceptance_gap",
     "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
+    "gpu-check": "pipeline.tools.gpu_check",
 }
 
 
@@ -66,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     try:
-        run(argv)
+        result = run(argv)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if isinstance(result, dict) and result.get("passed") is False else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The harness of the subcommands that time (collect-throughput): eval's rotating order and clock (eval/harness.py
-`rotated` and `timed` on pipeline/timing.py's clock), so a tool's figures are measured the way eval measures its."""
+"""The harness of the subcommands that time (collect-throughput, gpu-check): eval's rotating order and clock
+(eval/harness.py `rotated` and `timed` on pipeline/timing.py's clock), so a tool's figures are measured the way eval
+measures its."""
 from __future__ import annotations
 
 from eval.harness import rotated, timed

@@ -1,7 +1,8 @@
 """Drafts side by side on one collect's held-out rows: held-out acceptance Σ min(p, q) per domain at the serving
 distribution, and each draft's difference from the first with a paired bootstrap CI over the rows, so drafts
 trained on different rows (e.g. a server collect against an HF one) meet the same rows and target distribution.
-Each runs with its own FR-Spec head, at the serving temperature or (tool.temperature=calibrated) its own τ.
+Each runs with its own FR-Spec head, at the serving temperature or (tool.temperature=calibrated, exports only) its
+own τ; a draft is an export or a distill stage's trained draft (`${paths.trained}/draft`, before any calibration).
 
     python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]'
 """
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
+from distill.stage import RECORD, read_record
 from eval.intervals import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
@@ -22,12 +24,19 @@ from pipeline.spec import SpeculativeSpec
 
 
 def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibrated: bool) -> torch.Tensor:
-    """α per held-out position [N] of the export at `path`, through its own FR-Spec head."""
-    if not (Path(path) / "speculative.json").is_file():
-        raise PipelineError(f"{path} is not a draft export (no speculative.json): pass paths.draft of a distill run")
-    spec = SpeculativeSpec.read(path)
+    """α per held-out position [N] of the draft at `path` (an export, or draft/ or draft_init/ of a distill stage's
+    ${paths.trained}, uncalibrated), through its own FR-Spec head."""
+    record = Path(path).parent / RECORD
+    if (Path(path) / "speculative.json").is_file():
+        spec = SpeculativeSpec.read(path)
+        subset = spec.vocab_subset
+    elif record.is_file() and not calibrated:
+        spec, subset = None, read_record(Path(path).parent)["vocab_subset"]
+    else:
+        raise PipelineError(f"{path} is not a draft export (no speculative.json) nor, at the serving temperature, a "
+                            "trained draft (no training.json beside it): pass paths.draft or paths.trained/draft")
     draft = load_model(path, dtype=dtype).eval()
-    vocab = torch.tensor(spec.vocab_subset) if spec.vocab_subset else None
+    vocab = torch.tensor(subset) if subset else None
     if calibrated:
         taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
         return cal.acceptance_at(draft, heldout, taus, vocab)

@@ -1,4 +1,5 @@
-"""Which collected prompts train the draft, which calibrate it and which report on it.
+"""Which collected prompts train the draft, which calibrate it and which report on it, and which train prompts collect
+answers with the draft (collect.onpolicy): distill's rule, in the core so that collect applies the same one.
 
 All turns and samples of a prompt stay on one side, and the split depends only on the prompt ids and the seed
 (not on row order), so a resumed or re-collected run splits the same way.
@@ -9,15 +10,19 @@ import hashlib
 
 
 def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, max_heldout: int | None,
-                    seed: int) -> tuple[list[int], list[int]]:
+                    seed: int, origins: list[str] | None = None) -> tuple[list[int], list[int]]:
     """Row indices (train, held-out): per domain, the prompts with the smallest hash(seed, prompt_id) are
     held out (at least one where the domain has two or more prompts), so all turns and samples of a prompt
-    stay on one side and the split does not depend on row order."""
+    stay on one side and the split does not depend on row order. A prompt with a row whose `origins` entry is not
+    "target" (the draft's tokens, collect.onpolicy) is never held out: held-out rows are the target's own; the count
+    is still a share of all the domain's prompts, so the held-out prompts are those of a collect without them."""
+    drafted = {p for p, origin in zip(prompt_ids, origins or ()) if origin != "target"}
     held = set()
     for pids in _prompts_by_domain(prompt_ids, domains).values():
         order = sorted(pids, key=lambda p: _hash(seed, p))
         n = 0 if len(order) < 2 else max(1, round(fraction * len(order)))
-        held.update(order[:min(n, int(max_heldout))] if max_heldout else order[:n])
+        n = min(n, int(max_heldout)) if max_heldout else n
+        held.update([p for p in order if p not in drafted][:n])
     train = [i for i, p in enumerate(prompt_ids) if p not in held]
     heldout = [i for i, p in enumerate(prompt_ids) if p in held]
     return train, heldout
@@ -32,6 +37,18 @@ def nested_subset(prompt_ids: list[str], domains: list[str], fraction: float, se
         order = sorted(pids, key=lambda p: _hash(f"{seed}/train", p))
         kept.update(order[:max(1, round(fraction * len(order)))])
     return [i for i, p in enumerate(prompt_ids) if p in kept]
+
+
+def onpolicy_prompts(prompt_ids: list[str], domains: list[str], share: float, fraction: float,
+                     max_heldout: int | None, seed: int) -> set[str]:
+    """The prompts collect answers with the draft: per domain a `share` of those split_by_prompt keeps for training
+    (so held-out prompts stay the target's), first in a hash order of their own, so a smaller share's prompts are
+    among a larger one's."""
+    train, _ = split_by_prompt(prompt_ids, domains, fraction, max_heldout, seed)
+    chosen = set()
+    for pids in _prompts_by_domain([prompt_ids[i] for i in train], [domains[i] for i in train]).values():
+        chosen.update(sorted(pids, key=lambda p: _hash(f"{seed}/onpolicy", p))[:round(share * len(pids))])
+    return chosen
 
 
 def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed: int) -> tuple[list[int], list[int], bool]:

@@ -1,0 +1,243 @@
+"""What a GPU changes, checked on one device through the product's own code: collect (data/collect_hf.py), a few
+distill steps (distill/trainer.py) and the export (distill/export.py), our decoder's greedy exactness and speed
+(pipeline/decoding, timed by the tools' harness), and HF assisted generation with the export.
+
+    python -m pipeline.tools gpu-check [tool.device=cuda] [tool.target=<dir> tool.random_weights=true] [tool.out=...]
+
+Exactness (our decoder against our plain decoding, HF assisted against HF plain `generate`): greedy outputs equal
+token for token. In fp32 any difference fails; in bf16 the verify pass and the 1-token step round differently, so a
+difference must sit at a near-tie of the target's top two logits (eval/fidelity.py) and vanish in fp32. A failure
+makes the result `passed: false` (exit 1). Imports neither MLflow, DVC nor gguf (what a GPU machine needs: README).
+"""
+from __future__ import annotations
+
+import copy
+import platform
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from eval.fidelity import divergence
+from eval.intervals import bootstrap_ci, speedup_stat
+from pipeline.atomic import write_json
+from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
+from pipeline.engines.hf import hf_generate
+from pipeline.errors import PipelineError
+from pipeline.machine import cpu_name
+from pipeline.models import load_model, load_tokenizer, resolve_device
+from pipeline.timing import synced_clock
+from pipeline.prompts import load_prompts
+from pipeline.tools.common import measure
+
+
+# ---------------------------------------------------------------- the decoders, fn(models, ids, n) -> (tokens, stats)
+def ours_plain(m, ids, n):
+    out = autoregressive_generate(m.target, ids, max_new_tokens=n, eos_token_id=m.stop)
+    return out.tokens.tolist(), out.stats
+
+
+def ours_speculative(m, ids, n):
+    out = speculative_generate(m.target, m.draft, ids, plan=DraftPlan(m.gamma), max_new_tokens=n, eos_token_id=m.stop)
+    return out.tokens.tolist(), out.stats
+
+
+def hf_plain(m, ids, n):
+    return hf_generate(m.target, ids, n, GREEDY, m.stop)
+
+
+def hf_assisted(m, ids, n):  # the export's own generation_config, as `generate(assistant_model=...)` reads it
+    return hf_generate(m.target, ids, n, GREEDY, m.stop, m.draft, m.export_config)
+
+
+# ---------------------------------------------------------------- the checks
+def exactness(reference, candidate, m, prompts: list, n: int) -> dict:
+    """Greedy outputs of two decoders on every prompt; each difference located (target's top-2 gap there) and, below
+    fp32, both rerun in fp32 copies of the models."""
+    mismatches = []
+    for k, ids in enumerate(prompts):
+        a, b = reference(m, ids, n)[0], candidate(m, ids, n)[0]
+        if a != b:
+            mismatches.append({"prompt": k} | divergence(m.target, ids, a, b))
+    result = {"prompts": len(prompts), "identical": len(prompts) - len(mismatches), "mismatches": mismatches}
+    if m.dtype == torch.float32 or not mismatches:
+        return result | {"passed": not mismatches}
+    fp32 = fp32_models(m)
+    persisting = [d["prompt"] for d in mismatches
+                  if reference(fp32, prompts[d["prompt"]], n)[0] != candidate(fp32, prompts[d["prompt"]], n)[0]]
+    return result | {"fp32_persisting": persisting, "passed": all(d["near_tie"] for d in mismatches) and not persisting}
+
+
+def speed(m, prompts: list, n: int, repeats: int) -> dict:
+    """Plain and speculative tokens/s on the same requests, interleaved in eval's rotating order."""
+    methods = {"plain": lambda ids, _d, k, _s: ours_plain(m, ids, k),
+               "speculative": lambda ids, _d, k, _s: ours_speculative(m, ids, k)}
+    requests = [{"ids": ids, "domain": "all", "seed": r * len(prompts) + k}
+                for r in range(repeats) for k, ids in enumerate(prompts)]
+    records = measure(methods, requests, n, synced_clock(m.device))
+    tok = {name: np.array([len(r["tokens"]) for r in recs], float) for name, recs in records.items()}
+    sec = {name: np.array([r["time_s"] for r in recs]) for name, recs in records.items()}
+    samples = (tok["speculative"], sec["speculative"], tok["plain"], sec["plain"])
+    stats = [r["stats"] for r in records["speculative"]]
+    drafted, accepted = sum(s.n_drafted for s in stats), sum(s.n_accepted for s in stats)
+    return {"requests": len(requests), "plain_tokens_per_s": float(tok["plain"].sum() / sec["plain"].sum()),
+            "speculative_tokens_per_s": float(tok["speculative"].sum() / sec["speculative"].sum()),
+            "speedup": float(speedup_stat(*samples)), "speedup_ci95": bootstrap_ci(samples, speedup_stat),
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": float(tok["speculative"].sum()) / max(1, sum(s.target_passes for s in stats))}
+
+
+# ---------------------------------------------------------------- collect, distill, export
+def collect(cfg, m, prompts: list[dict], tokens: int) -> tuple[list[dict], dict]:
+    """The collect stage's rows (HF backend, collect.* sampling and top-k labels) for the prompts, on the device."""
+    from data.collect_hf import HFBackend
+    from data.collect_rows import CollectSettings, collect_shard
+
+    settings = replace(CollectSettings.from_config(cfg.collect, cfg.seed), max_new_tokens=tokens, samples_per_prompt=1,
+                       hidden_states=False)
+    clock = synced_clock(m.device)
+    started = clock()
+    rows = collect_shard(HFBackend(m.target, m.tokenizer.pad_token_id, m.stop, settings), m.tokenizer, prompts, 1,
+                         seed=int(cfg.seed))
+    seconds, n = clock() - started, sum(len(r["completion_ids"]) for r in rows)
+    return rows, {"rows": len(rows), "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
+                  "batch_size": settings.batch_size, "topk": settings.topk}
+
+
+def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict]:
+    """model.draft built from the target, `steps` DistillTrainer steps on the rows (distill.objective and .trainer,
+    as the stage passes them), exported as the stage writes a draft; returns the export's directory."""
+    from datasets import Dataset
+    from omegaconf import OmegaConf
+
+    from distill.export import save_draft
+    from distill.settings import OUR_TRAINER_KEYS
+    from distill.trainer import DistillConfig, DistillTrainer
+    from distill.training import mixed_bf16
+    from pipeline.draft_init import build_draft
+
+    rows = [r for r in rows if r["completion_ids"]]
+    draft = build_draft(cfg.model.draft, m.target, m.tokenizer, cfg.paths, seed=int(cfg.seed))[0].train()
+    training = {k: v for k, v in OmegaConf.to_container(cfg.distill.trainer, resolve=True).items()
+                if k not in OUR_TRAINER_KEYS}
+    objective = OmegaConf.to_container(cfg.distill.objective, resolve=True)
+    if "topk_ids" not in rows[0]:  # collect.topk=0: no cached labels, the target labels each batch
+        objective["teacher"] = "online"
+    args = DistillConfig(output_dir=str(out / "checkpoints"), **training | {
+        "max_steps": steps, "warmup_steps": 0, "bf16": mixed_bf16(training["bf16"], m.target)}, **objective,
+        save_strategy="no", logging_steps=1, report_to="none", remove_unused_columns=False,
+        length_column_name="length", use_cpu=m.device.type == "cpu", seed=int(cfg.seed), disable_tqdm=True)
+    dataset = Dataset.from_list(rows).add_column("length", [len(r["prompt_ids"]) + len(r["completion_ids"])
+                                                            for r in rows])
+    trainer = DistillTrainer(draft, args, dataset, teacher_model=m.target, stop_ids=m.stop, processing_class=m.tokenizer)
+    started = time.time()
+    steps_done = trainer.train().global_step
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    export = save_draft(draft.eval(), m.tokenizer, out / "draft", None, None, m.target.generation_config)
+    return export, {"steps": steps_done, "seconds": time.time() - started, "train_tokens": trainer.train_tokens,
+                    "first_loss": losses[0], "last_loss": losses[-1], "bf16_autocast": bool(args.bf16),
+                    "loss": objective["loss"], "teacher": objective["teacher"]}
+
+
+# ---------------------------------------------------------------- the run
+def first_turns(path: str | Path, n: int) -> list[dict]:
+    """{domain, text}: the first user turn of n prompts spread over the file (Spec-Bench groups its categories)."""
+    if not Path(path).is_file():
+        raise PipelineError(f"tool.prompts={path} is not a file: pass a prompt JSONL")
+    rows = load_prompts(Path(path))
+    step = max(1, len(rows) // n)
+    return [{"domain": row.get("domain", "default"), "text": row["turns"][0]} for row in rows[::step]][:n]
+
+
+def target_dir(cfg) -> Path:
+    """tool.target, else the model preset's (converted) target."""
+    from pipeline.models import resolve_model
+
+    if cfg.tool.target is None:
+        return resolve_model(cfg.model.target, "target", cfg.paths)
+    if not (Path(cfg.tool.target) / "config.json").is_file():
+        raise PipelineError(f"tool.target={cfg.tool.target} is not an HF model directory (no config.json)")
+    return Path(cfg.tool.target)
+
+
+def options(cfg) -> SimpleNamespace:
+    args = SimpleNamespace(**cfg.tool)
+    for key in ("n_prompts", "collect_tokens", "distill_steps", "max_new_tokens", "gamma", "repeats"):
+        if getattr(args, key) < 1:
+            raise PipelineError(f"tool.{key}={getattr(args, key)} is not an integer >= 1")
+    return args
+
+
+def load(cfg, args) -> SimpleNamespace:
+    """The target on tool.device in runtime.dtype (random weights of its config with tool.random_weights)."""
+    from pipeline.cost_profile import random_model
+
+    path = target_dir(cfg)
+    device, dtype = resolve_device({"device": args.device, "dtype": cfg.runtime.dtype},
+                                   None if args.random_weights else path, cfg.paths.models)
+    target = random_model(path, dtype, device, cfg.seed) if args.random_weights else load_model(path, device, dtype)
+    tokenizer = load_tokenizer(path)
+    return SimpleNamespace(target=target, draft=None, tokenizer=tokenizer, stop=stop_token_ids(tokenizer, target),
+                           device=device, dtype=dtype, gamma=int(args.gamma), path=path, export_config=None, fp32=None)
+
+
+def fp32_models(m) -> SimpleNamespace:
+    """float32 copies of both models (made once): where greedy decoders must agree exactly."""
+    if m.fp32 is None:
+        m.fp32 = SimpleNamespace(**vars(m) | {"target": copy.deepcopy(m.target).float(), "dtype": torch.float32,
+                                              "draft": copy.deepcopy(m.draft).float()})
+    return m.fp32
+
+
+def table(r: dict) -> str:
+    c, d, s, e = r["collect"], r["distill"], r["speed"], r["exactness"]
+    ci = "[n<2]" if s["speedup_ci95"] is None else "[{:.2f}, {:.2f}]".format(*s["speedup_ci95"])
+    lines = [f"gpu-check on {r['device']} ({r['device_name']}), {r['dtype']}, torch {r['torch']}, transformers "
+             f"{r['transformers']}; target {r['target']}" + (" (random weights)" if r["random_weights"] else ""),
+             f"{'collect':<22}{'ok':<6}{c['rows']} rows, {c['tokens']} tokens in {c['seconds']:.1f} s "
+             f"({c['tokens_per_s']:.0f} tokens/s, batch {c['batch_size']})",
+             f"{'distill':<22}{'ok':<6}{d['steps']} steps, {d['loss']} loss {d['first_loss']:.3f} -> "
+             f"{d['last_loss']:.3f}, {d['seconds']:.1f} s"]
+    for name, check in e.items():
+        ties = sum(d["near_tie"] for d in check["mismatches"])
+        lines.append(f"{'exactness ' + name:<22}{'PASS' if check['passed'] else 'FAIL':<6}{check['identical']}/"
+                     f"{check['prompts']} identical" + (f", {ties} of {len(check['mismatches'])} differences at "
+                                                        "near-ties" if check["mismatches"] else "")
+                     + (f", persisting in fp32: {check['fp32_persisting']}" if "fp32_persisting" in check else ""))
+    lines.append(f"{'speed':<22}{'-':<6}plain {s['plain_tokens_per_s']:.1f} tokens/s, speculative "
+                 f"{s['speculative_tokens_per_s']:.1f}: {s['speedup']:.2f}x {ci} over {s['requests']} requests, "
+                 f"acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_length']:.2f} tokens per pass")
+    return "\n".join(lines)
+
+
+def run(cfg) -> dict:
+    import transformers
+
+    args, started = options(cfg), time.time()
+    turns = first_turns(args.prompts, args.n_prompts)
+    m = load(cfg, args)
+    prompts = [encode_chat(m.tokenizer, [{"role": "user", "content": t["text"]}]).to(m.device) for t in turns]
+    rows, collected = collect(cfg, m, [{"id": f"p{k}", "domain": t["domain"], "turns": [t["text"]]}
+                                       for k, t in enumerate(turns)], args.collect_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        export, distilled = distill(cfg, m, rows, args.distill_steps, Path(tmp))
+        m.draft = load_model(export, m.device, m.dtype)  # the export as a user loads it, in the serving dtype
+    m.export_config = copy.deepcopy(m.draft.generation_config)
+    n = args.max_new_tokens
+    checks = {"decoder": exactness(ours_plain, ours_speculative, m, prompts, n),
+              "hf_assisted": exactness(hf_plain, hf_assisted, m, prompts, n)}
+    name = torch.cuda.get_device_name(m.device) if m.device.type == "cuda" else cpu_name()
+    result = {"device": str(m.device), "device_name": name, "torch": torch.__version__,
+              "transformers": transformers.__version__, "python": platform.python_version(),
+              "dtype": str(m.dtype).removeprefix("torch."), "target": str(m.path), "random_weights": args.random_weights,
+              "settings": dict(vars(args)), "collect": collected, "distill": distilled, "exactness": checks,
+              "speed": speed(m, prompts, n, args.repeats)}
+    result |= {"seconds": time.time() - started, "passed": all(check["passed"] for check in checks.values())}
+    write_json(args.out, result)
+    print(table(result) + f"\nwrote {args.out}")
+    return result
