@@ -1,68 +1,10 @@
 """Collect stage: the target's own generations on the train prompts (same-source distillation data).
 
-`python -m pipeline stage=collect` renders each train prompt with the target's chat template and
-samples completions with the serving settings in `collect.*` (later turns of a multi-turn prompt
-are conditioned on the target's own earlier answer, sample 0's). Optionally it stores white-box
-labels: per completion position the target's top-k ids and log-probs at temperature 1, taken from
-the very forward pass that produced the token.
-
-Output contract (distill reads exactly this):
-  {paths.collect}/dataset/      a `datasets.Dataset` (save_to_disk), one row per completion:
-    id             str        "{prompt_id}/t{turn}/s{sample}", unique
-    prompt_id      str
-    domain         str
-    turn           int32      0-based user turn of the prompt
-    sample         int32      0 .. samples_per_prompt-1
-    prompt_ids     [int32]    the full chat-templated context, earlier turns included
-    completion_ids [int32]    generated tokens, the stop token included when finish_reason is
-                              "eos", nothing after it, no padding
-    text           str        completion decoded without special tokens
-    finish_reason  str        "eos" | "length"
-    origin         str        (collect.onpolicy.share > 0) "target" | "onpolicy": completion_ids sampled by the
-                              draft, the labels still the target's (data/collect_onpolicy.py); never a held-out prompt
-    topk_ids       [[int32]]  (collect.topk > 0) row j: top-k ids of the distribution that
-                              produced completion_ids[j], most likely first
-    topk_logprobs  [[float16]] their log-probs (log_softmax of the raw logits, temperature 1)
-    final_hidden   [[float16]] (collect.hidden_states, hf backend) row j: the target's final hidden state (its
-                              output head's input) that produced completion_ids[j]; distill computes the FR-Spec
-                              subset's mass from it with the head alone instead of a target pass over the rows
-  {paths.collect}/manifest.json written last: its presence marks a complete dataset. Keys:
-    format_version, fingerprint
-    target                pipeline.models.model_identity (path, architecture, sizes, ...) + name, weights_sha256
-    tokenizer_sha256, chat_template_sha256, chat_template, stop_token_ids
-    sampling              exactly pipeline.sampling.Sampling.to_dict(): {temperature, top_k, top_p};
-                          read it back with Sampling.from_dict
-    max_new_tokens, samples_per_prompt, seed
-    topk                  the label width the rows carry (0 when a server collect left them to distill)
-    hidden_states         whether the rows carry final_hidden
-    labels                target-forward | server | distill (rows without labels: distill/labels.py computes
-                          them) | none
-    backend, dtype (null for a server), num_processes, shard_size, shards
-    server, skipped, skipped_total, token_ids   collect.backend=server only (data/collect_server.py)
-    domains               per domain: prompts, completions, tokens, mean_length, eos_share
-    rows, total_tokens, generate_s, tokens_per_s, wall_s
-    label_cost            per origin: rows, tokens, cpu_s and wall_s spent producing them (+ draft_cpu_s, onpolicy)
-    onpolicy              collect.onpolicy.share > 0: {share, draft (null = model.draft), draft_identity}
-    disk_bytes, disk_bytes_per_million_tokens, columns
-
-collect.backend=server (data/collect_server.py) generates the same rows on OpenAI-compatible servers; a request it
-had to skip (a context longer than the server's, ...) is left out and counted in the manifest.
-
-Resume and scale-out: prompts are cut into shards (collect.shard_size prompts per domain) under
-{paths.collect}/shards/<fingerprint>/; each finished shard is written atomically and skipped on a
-rerun. The fingerprint hashes the target (weights, tokenizer, chat template), the sampling
-settings, seed, top-k and shard size, so old shards never mix into a new setup; a shard's name
-carries the hash of its own prompts, so more prompts per domain later only add shards. Each
-shard's RNG is seeded from (seed, domain, shard index, turn), so a resumed run, or one split over
-`accelerate launch --num_processes N` (shard i goes to process i % N), reproduces an
-uninterrupted single-process run row for row on CPU (given the same batch size).
-
-Disk (Arrow, uncompressed; `python -m pipeline.tools collect-throughput` measures it): the top-k columns cost
-k x (4 B id + 2 B log-prob) + 8 B of list offsets per completion token, i.e. 200 B/token or
-~201 MB per million completion tokens at topk=32 (measured: 200.7); final_hidden costs 2 B x the target's hidden
-size (+ 8 B of offsets) per token, 1.2 KB for the embedded 576-wide target. Without them a row costs
-4 B per completion token + 4 B per prompt token + its text: ~13 B per completion token for
-128-token answers to MT-Bench-length prompts.
+`python -m pipeline stage=collect` renders each train prompt with the target's chat template and samples
+completions with the serving settings in `collect.*` (later turns conditioned on sample 0's earlier answer),
+optionally with white-box labels from the very forward that produced each token (collect.onpolicy: a share answered
+by the draft instead, data/collect_onpolicy.py). The dataset's columns and the manifest are the contract in
+docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
 """
 from __future__ import annotations
 
@@ -77,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
+from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend, onpolicy_record
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
@@ -142,22 +84,14 @@ class CollectJob:
     def shard_dir(self) -> Path:
         return self.out_dir / "shards" / self.fingerprint
 
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
     def finished(self, shard: Shard) -> bool:
         return (self.shard_dir / shard.name / "meta.json").exists()
-
-    @property
-    def max_minutes(self) -> float | None:
-        return self.settings.max_minutes
 
     def next_shard_overruns(self, done: int) -> bool:
         """The next shard would end past collect.max_minutes at this run's mean shard time; the first round (a
         shard per domain, plan order interleaves them) always runs."""
         first_round = max(1, len(self.prompts) // self.state.num_processes)
-        return would_overrun(self.started, done, self.max_minutes, first_round)
+        return would_overrun(self.started, done, self.settings.max_minutes, first_round)
 
     @property
     def stop_marker(self) -> Path:
@@ -172,8 +106,7 @@ class CollectJob:
 # ----------------------------------------------------------------------------- the stage
 
 def check_settings(cfg: DictConfig) -> None:
-    """`collect.*` checked as run() builds them first, without a prompt or the target (pipeline/__main__.py runs it
-    before any stage); what needs those (top-k against the vocabulary, unknown domains) is checked where they load."""
+    """`collect.*` checked as run() builds them, before any stage runs (targets and prompts: where they load)."""
     CollectSettings.from_config(cfg.collect, cfg.seed)
 
 
@@ -190,21 +123,17 @@ def run(cfg: DictConfig, tracker) -> dict:
         return {}
     dataset, shard_metas = _merge_shards(job)
     manifest = _write_dataset_and_manifest(job, dataset, shard_metas)
-    _remove_shards_unless_kept(job)
+    if not settings.keep_shards:
+        shutil.rmtree(job.shard_dir, ignore_errors=True)
     return _report(job, tracker, manifest)
 
 
 def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[dict]]:
     """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
-    from pipeline.prompts import load_split
+    from pipeline.prompts import by_domain, load_split
 
-    domains = list(settings.domains) if settings.domains is not None else None
-    rows = load_split(cfg.paths.prompts, "train", domains)
-    by_domain: dict[str, list[dict]] = {domain: [] for domain in (domains or [])}
-    for row in rows:
-        by_domain.setdefault(row["domain"], []).append(row)
-    cap = settings.max_prompts_per_domain  # load_split already refused unknown/empty domains
-    return mark_onpolicy({domain: prompts[:cap] if cap else prompts for domain, prompts in by_domain.items()},
+    rows = load_split(cfg.paths.prompts, "train", settings.domains)  # refuses unknown or empty domains
+    return mark_onpolicy(by_domain(rows, settings.max_prompts_per_domain, settings.domains or ()),
                          settings.onpolicy.share, cfg)
 
 
@@ -236,10 +165,6 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
                       _plan(prompts, settings.shard_size), state, started)
 
 
-def _sha256_text(text: str | None) -> str | None:
-    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
-
-
 def _target_identity(path: Path, tokenizer) -> dict:
     """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
     from pipeline.models import model_identity
@@ -250,13 +175,13 @@ def _target_identity(path: Path, tokenizer) -> dict:
     return {"model": model_identity(path),
             "weights_sha256": {p.name: sha256_of(p) for p in weights},
             "tokenizer_sha256": sha256_of(tokenizer_file) if tokenizer_file.exists() else None,
-            "chat_template_sha256": _sha256_text(tokenizer.chat_template),
+            "chat_template_sha256": None if tokenizer.chat_template is None else
+            hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
             "chat_template": tokenizer.chat_template}
 
 
 def _stop_ids(path: Path, tokenizer) -> list[int]:
-    """The chat's stop tokens, the checkpoint's generation_config EOS ids included, without
-    loading the weights (every process needs them for the fingerprint)."""
+    """The chat's stop tokens with the checkpoint's generation_config EOS ids, without loading the weights."""
     from types import SimpleNamespace
 
     from transformers import GenerationConfig
@@ -266,8 +191,8 @@ def _stop_ids(path: Path, tokenizer) -> list[int]:
 
 
 def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
-    """Names the shard directory: any change to how rows are generated starts a fresh one. The prompts are not
-    part of it: each shard's name carries the hash of its own prompts (Shard.name)."""
+    """Names the shard directory: any change to how rows are generated starts a fresh one (the prompts hash into each
+    shard's own name)."""
     target = {k: v for k, v in identity.items() if k != "model"}
     target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
     payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(), "dtype": dtype}
@@ -275,8 +200,7 @@ def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
 
 
 def _plan(prompts: dict[str, list[dict]], shard_size: int) -> list[Shard]:
-    """Shards interleaved across domains (every domain's first shard, then every second one, ...), so a time
-    budget that stops the run early cuts every domain alike."""
+    """Shards interleaved across domains, so a time budget that stops the run early cuts every domain alike."""
     chunks = [(domain, start // shard_size, rows[start:start + shard_size])
               for domain, rows in prompts.items() for start in range(0, len(rows), shard_size)]
     order = {domain: i for i, domain in enumerate(prompts)}
@@ -325,8 +249,8 @@ def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend, onpol
             if job.next_shard_overruns(done):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
                 job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
-                print(f"[collect] collect.max_minutes={job.max_minutes} would be passed by the next shard: stopping "
-                      f"before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
+                print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
+                      f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
             tokens_per_s = _generate_shard(job, backend, shard, bar.update, onpolicy)
             if not hasattr(backend, "show_rates"):
@@ -367,8 +291,6 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=N
     rows = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
                          derive_seed(job.settings.seed, shard.domain, shard.index), progress, onpolicy, spent)
     seconds = time.perf_counter() - start
-    if "onpolicy" in spent:
-        spent["onpolicy"]["draft_cpu_s"] = onpolicy.take_draft_cpu_s()
     tokens = sum(len(row["completion_ids"]) for row in rows)
     meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,
             "generate_s": seconds, "batch_size": getattr(backend, "batch_size", None),
@@ -434,11 +356,12 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "seed": settings.seed,
         "topk": settings.label_topk,
         "hidden_states": settings.stores_hidden,
-        "labels": _labels_source(settings),
-        "backend": settings.backend, "dtype": job.dtype_name if settings.backend != "server" else None,
+        "labels": settings.labels_source,
+        "backend": settings.backend,
+        "dtype": str(job.dtype).removeprefix("torch.") if settings.backend != "server" else None,
         "num_processes": job.state.num_processes,
         "shard_size": settings.shard_size, "shards": len(job.plan),
-        "budget": {"max_minutes": job.max_minutes, "shards_done": len(shard_metas),
+        "budget": {"max_minutes": settings.max_minutes, "shards_done": len(shard_metas),
                    "stopped_early": len(shard_metas) < len(job.plan)},
         "domains": summary,
         "rows": len(dataset),
@@ -447,27 +370,12 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
         "label_cost": label_cost(dataset, shard_metas),
-        **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
-                         "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
+        **onpolicy_record(settings.onpolicy, identity),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),
         **(server_record(shard_metas) if settings.backend == "server" else {}),
     }
-
-
-def _labels_source(settings: CollectSettings) -> str:
-    """Where the rows' top-k labels come from (distill/labels.py computes them for rows that have none)."""
-    if not settings.topk:
-        return "none"
-    if settings.backend == "server":
-        return "server" if settings.server.logprobs else "distill"  # distill: its own target pass labels the rows
-    return "target-forward"
-
-
-def _remove_shards_unless_kept(job: CollectJob) -> None:
-    if not job.settings.keep_shards:
-        shutil.rmtree(job.shard_dir, ignore_errors=True)
 
 
 def _report(job: CollectJob, tracker, manifest: dict) -> dict:

@@ -64,6 +64,14 @@ def onpolicy_backend(cfg: DictConfig, settings, target, tokenizer, stop_ids: lis
     return OnPolicyBackend(draft.to(dtype).eval(), target, tokenizer.pad_token_id, stop_ids, settings)
 
 
+def onpolicy_record(onpolicy, identity: dict) -> dict:
+    """The manifest's `onpolicy` entry: the share, the draft asked for and what it was; none without on-policy rows."""
+    if not onpolicy.share:
+        return {}
+    return {"onpolicy": {"share": onpolicy.share, "draft": onpolicy.draft,
+                         "draft_identity": identity["onpolicy_draft"]}}
+
+
 def label_cost(dataset, shard_metas: list[dict]) -> dict[str, dict]:
     """Per origin (target | onpolicy): rows, completion tokens and the process CPU and wall seconds spent producing
     them, summed over the shards whichever run or process made each. Target rows cost the target's generation with

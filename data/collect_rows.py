@@ -24,18 +24,11 @@ _FIX = "fix the override or conf/collect/default.yaml"
 
 @dataclass(frozen=True)
 class CollectSettings:
-    """`collect.*` of the composed config, declared once and validated in one place (`__post_init__`, TRL's
-    `XConfig` pattern, as eval/settings.py and distill/settings.py): one field per key of
-    conf/collect/default.yaml, except that `temperature`, `top_k` and `top_p` are the one `sampling` (the
-    core's Sampling, which checks them itself). What each setting does and why its default: that file's comments.
-
-    No field but `server` and `onpolicy` has a default: the stage builds it with `from_config(cfg.collect, cfg.seed)`,
-    which refuses a missing or an unknown key; direct construction (tests) names every other field. Checks raise a
-    one-line PipelineError before anything is loaded or written; what needs the target or the process group (top-k
-    against the vocabulary, vllm under accelerate, unknown domains) is checked where those are known (data/collect.py,
-    pipeline/prompts.py). Validation also normalises (numbers to their type, `domains` to a tuple, a single domain
-    string a 1-tuple, `vllm` to a read-only mapping, `server` and `onpolicy` to their settings); it is idempotent, so
-    `dataclasses.replace` works on a built instance."""
+    """`collect.*`, declared once and validated in one place (as eval/settings.py): one field per key of
+    conf/collect/default.yaml, but `temperature`, `top_k` and `top_p` are the one `sampling`. Built by
+    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key (`server` and `onpolicy` alone have
+    defaults); what needs the target or the process group is checked where those are known. Validation also
+    normalises (idempotent, so `dataclasses.replace` works)."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
     samples_per_prompt: int             # completions per prompt turn
@@ -156,6 +149,15 @@ class CollectSettings:
         """Whether the rows carry `final_hidden`: only the in-process HF backend sees the target's hidden states
         (a server or vLLM returns tokens and log-probs), and only with collect.hidden_states."""
         return self.hidden_states and self.backend == "hf"
+
+    @property
+    def labels_source(self) -> str:
+        """Where the rows' top-k labels come from (distill/labels.py computes them for rows that have none)."""
+        if not self.topk:
+            return "none"
+        if self.backend == "server":
+            return "server" if self.server.logprobs else "distill"  # distill: its own target pass labels the rows
+        return "target-forward"
 
 
 @dataclass(frozen=True)
@@ -286,16 +288,12 @@ def features(topk: int, hidden: bool = False, origin: bool = False):
 
 def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: int, seed: int,
                   progress=None, onpolicy=None, spent: dict | None = None) -> list[dict]:
-    """Rows for one shard: every turn of every prompt, samples_per_prompt completions each.
-
-    Turn t+1 of a prompt is conditioned on sample 0's answer to turn t. Each turn is one
-    `backend.generate` call seeded from (shard seed, turn). A backend may return None for a request it had to
-    skip (collect.backend=server: a context longer than the server's): that row is left out, and so are the
-    later turns of a prompt whose sample 0 was skipped (they would have no answer to follow).
-    With an `onpolicy` backend (collect.onpolicy), the prompts marked `origin: onpolicy` are answered by it, in a
-    call of their own seeded from (shard seed, turn, "onpolicy"), and every row carries its `origin`. `spent`
-    gathers per origin the process CPU and wall seconds of the calls (the label cost the manifest reports).
-    """
+    """Rows for one shard: every turn of every prompt, samples_per_prompt completions each, one `backend.generate`
+    call per turn seeded from (shard seed, turn); turn t+1 follows sample 0's answer to turn t. A request the backend
+    skipped (None) is left out, with the later turns of a prompt whose sample 0 was skipped. With an `onpolicy`
+    backend (collect.onpolicy) the prompts marked `origin: onpolicy` are its, in a call of their own seeded from
+    (shard seed, turn, "onpolicy"), and every row carries its `origin`; `spent` gathers per origin the CPU and wall
+    seconds of the calls (the manifest's label cost)."""
     answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
     rows = []
     for turn in range(max(len(prompt["turns"]) for prompt in prompts)):
@@ -338,6 +336,8 @@ def _generate(backend, requests: list[tuple], seed: int, progress, spent: dict |
         entry = spent.setdefault(origin, {"cpu_s": 0.0, "wall_s": 0.0})
         entry["cpu_s"] += time.process_time() - cpu
         entry["wall_s"] += time.perf_counter() - wall
+        if hasattr(backend, "take_draft_cpu_s"):  # an on-policy call: the draft's sampling, part of cpu_s
+            entry["draft_cpu_s"] = entry.get("draft_cpu_s", 0.0) + backend.take_draft_cpu_s()
     return completions
 
 

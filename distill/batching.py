@@ -1,30 +1,22 @@
-"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`).
+"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`, whose
+schema is docs/architecture.md's).
 
-A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass (P_k = `per_position_acceptance`, the chance the first k
-drafts of a block are accepted) whatever the batch size; what B changes is the price: the draft step c(B) and the
-verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device (pipeline/batch_profile.py).
-Per domain and measured B the γ with the highest predicted speedup (pipeline/decoding/cost.py) is kept when it
+A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass whatever the batch size; what B changes is the price:
+the draft step c(B) and the verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device
+(pipeline/batch_profile.py). Per domain and measured B the γ with the highest predicted speedup is kept when it
 beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off": batched plain decoding). The
-break-even batch is the smallest measured B from which no γ is predicted to beat plain decoding at any larger
-measured B. A batch size between two measured ones takes the larger one's setting: costs grow with B, so this
-never drafts where a measured neighbour would not.
-
-In the distill stage it runs when `distill.calibration.batch_sizes` is non-empty; `python -m pipeline.tools batching`
-calibrates an existing export without retraining.
-
-speculative.json `batching` = {batch_sizes, margin, by_domain {domain: {B: γ or 0}}, gamma_if_on {domain: {B: γ}},
-predicted_speedup {domain: {B: of gamma_if_on}}, predicted_speedup_no_host {domain: {B: the same γ priced by its
-forwards alone}}, break_even {domain: B or null}, cost {machine, context, host_settings, by_batch {B: {c,
-target_step_ms, verify_ratio, host {plain, chain {γ}}}}}}: by_batch is each B's cost summary as priced, the batched
-loop's host work per pass included (pipeline/batch_profile.py). Where the export has engines.vllm or engines.trtllm,
-each drafting domain's speculative_config gains vLLM's `num_speculative_tokens_per_batch_size` or TensorRT-LLM's
-`draft_len_schedule` (below).
+break-even batch is the smallest measured B from which no γ pays at any larger one. A batch size between two
+measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour
+would not. Runs in the calibrate stage when `distill.calibration.batch_sizes` is non-empty; where the export has
+engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that engine's draft length per batch
+size (below).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import replace
 
+from distill.calibrate import best_gamma
 from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
@@ -32,17 +24,6 @@ from pipeline.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
 OVERALL = "overall"  # distill's name for the pooled domain (distill/calibrate.py); speculative.json says "default"
-
-
-def best_gamma(per_position, cost: dict, gammas) -> tuple[int, float]:
-    """The γ of `gammas` with the highest predicted speedup at this cost, and that speedup."""
-    usable = [g for g in gammas if g <= len(per_position)]
-    if not usable:
-        raise PipelineError(f"per_position_acceptance has {len(per_position)} positions, fewer than every γ of "
-                            f"{list(gammas)}: calibrate with smaller gammas")
-    priced = [(pass_speedup(sum(per_position[:g]), g, g, cost), g) for g in usable]
-    speedup, gamma = max(priced)
-    return gamma, speedup
 
 
 def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -> dict:
@@ -53,7 +34,8 @@ def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -
              "predicted_speedup_no_host": {}, "break_even": {}}
     for domain, per_position in per_position_by_domain.items():
         name = DEFAULT if domain == OVERALL else domain
-        chosen = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
+        best = {str(size): best_gamma(per_position, costs[size], gammas) for size in sizes}
+        chosen = {size: (gamma, speedups[gamma]) for size, (gamma, speedups) in best.items()}
         block["gamma_if_on"][name] = {size: gamma for size, (gamma, _) in chosen.items()}
         block["predicted_speedup"][name] = {size: round(speedup, 3) for size, (_, speedup) in chosen.items()}
         # what the forwards-only model said of the same γ: how much of the prediction the host work took back

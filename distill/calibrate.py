@@ -21,6 +21,7 @@ import torch
 
 from distill.batch import Truncation, batches, completion_hidden
 from pipeline.decoding.cost import pass_speedup
+from pipeline.errors import PipelineError
 from pipeline.heads import column_map, head_logits, head_rows
 from pipeline.sampling import Sampling, expected_acceptance
 
@@ -29,11 +30,8 @@ OVERALL = "overall"
 
 @dataclass
 class HeldOut:
-    """Held-out rows with the target's serving distribution at each completion position (computed once).
-
-    p_ids/p_probs [N, m]: the m most likely tokens of p_T and their probabilities (T=0: m=1, the argmax);
-    `p_tail` [N] is the mass left out (an upper bound on the error of α from the truncation).
-    """
+    """Held-out rows with the target's serving distribution at each completion position (computed once): p_ids /
+    p_probs [N, m] its m most likely tokens (T=0: the argmax), `p_tail` [N] the mass left out (bounds α's error)."""
     rows: list[dict]
     domains: list[str]
     p_ids: torch.Tensor
@@ -232,16 +230,15 @@ def calibrate_temperature(draft, heldout: HeldOut, ratios: list[float], vocab=No
     return result
 
 
-def chain_speedup(per_position: list[float], cost: Mapping, gamma: int) -> float:
-    """The cost model (pipeline/decoding/cost.py) for a fixed γ: A = Σ_{k≤γ} P_k accepted drafts per pass,
-    γ draft forwards, the verify pass over γ drafts and the host work as the cost summary `cost` prices them
-    ({"c": c} alone: free verification and host work, Leviathan et al. Thm 3.8)."""
-    return pass_speedup(sum(per_position[:gamma]), gamma, gamma, cost)
-
-
-def best_gamma(per_position: list[float], cost: Mapping, gammas: list[int]) -> tuple[int, dict[int, float]]:
-    """γ maximising `chain_speedup`; returns (γ, {γ: speedup})."""
-    speedups = {int(g): chain_speedup(per_position, cost, int(g)) for g in gammas if int(g) <= len(per_position)}
+def best_gamma(per_position: list[float], cost: Mapping, gammas) -> tuple[int, dict[int, float]]:
+    """(γ, {γ: speedup}): the fixed chain of `gammas` with the highest predicted speedup by the one cost model, A =
+    Σ_{k≤γ} P_k accepted drafts per pass, γ draft forwards and the verify of γ drafts as `cost` prices them ({"c": c}
+    alone: free verification, Leviathan et al. Thm 3.8)."""
+    speedups = {int(g): pass_speedup(sum(per_position[:int(g)]), int(g), int(g), cost)
+                for g in gammas if int(g) <= len(per_position)}
+    if not speedups:
+        raise PipelineError(f"per_position_acceptance has {len(per_position)} positions, fewer than every γ of "
+                            f"{list(gammas)}: calibrate with smaller gammas")
     return max(speedups, key=speedups.get), speedups
 
 

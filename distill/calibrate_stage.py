@@ -1,23 +1,18 @@
 """Calibrate stage: `python -m pipeline stage=calibrate`. It turns a draft's weights, the held-out rows and a cost
 profile into the draft's serving recipe, and writes the exports eval and users read.
 
-    inputs      = load_target_inputs(cfg)                 settings, collected rows, target
-    drafts      = drafts_to_calibrate(inputs)             ${paths.trained}'s draft and draft_init, or any draft
-                                                          directory (distill.calibration.draft)
-    heldouts    = build_heldouts(inputs, ...)             the rows distill held out (training.json), same parts
-    before      = the initial draft's held-out acceptance (a given draft's own)
-    profile     = cost_profile(...)                       this device's pass costs (or a given profile)
-    calibration = calibrate(...)                          τ, γ, draft-length policy and tree per domain
-    spec        = build_spec(...)                         speculative.json: every number on the reporting part
-    spec, files = calibrate_engines(...)                  + the engines asked for (llama.cpp) and draft.gguf
-    spec        = calibrate_batching(...)                 + γ per batch size (distill.calibration.batch_sizes)
-    save_calibrated(...)                                  ${paths.draft} + model card + the per-domain table
-                                                          + speculation_profile.json (per-position acceptance)
+    inputs      = load_target_inputs(cfg)          settings, collected rows, target
+    drafts      = trained_drafts | given_draft     ${paths.trained}'s draft and draft_init, or distill.calibration.draft
+    heldouts    = build_heldouts(inputs, ...)      the rows distill held out (training.json), same parts
+    profile     = cost_profile(...)                this device's pass costs (or a given profile)
+    spec        = calibrate_draft(...)             τ, γ, policy and tree per domain; speculative.json's numbers
+    spec, files = calibrate_engines(...)           + the engines asked for (llama.cpp) and draft.gguf
+    spec        = calibrate_batching(...)          + γ per batch size (distill.calibration.batch_sizes)
+    save_calibrated(...)                           ${paths.draft}, its card and speculation_profile.json
     and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
 
-Each draft is loaded here from disk in fp32 (the dtype distill trained and keep_best judged it in), and exported
-as a copy in the serving dtype: no step changes a model another step uses. A calibration setting therefore reruns
-this stage and eval, never training.
+Each draft is loaded from disk in fp32 and exported as a copy in the serving dtype: no step changes a model another
+step uses, so a calibration setting reruns this stage and eval, never training.
 """
 from __future__ import annotations
 
@@ -250,8 +245,9 @@ def profile_sections(alpha: torch.Tensor, heldout: cal.HeldOut, k: int) -> dict[
 
 def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
     """The per-domain table, and the calibration's numbers to MLflow."""
-    print(format_table(spec))
-    acceptance = spec.acceptance
+    cost, acceptance = spec.cost, spec.acceptance
+    print(f"{format_table(spec)}\nc = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target "
+          f"{cost['target_forward_ms']:.1f} ms, {cost['device']} {cost['dtype']}); numbers on the reporting part")
     inputs.tracker.log_metrics({
         **{f"calibrated_acceptance/{k}": v for k, v in acceptance["after_calibrated"].items()},
         **{f"full_head_acceptance/{k}": v for k, v in acceptance["full_head"].items()},

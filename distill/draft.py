@@ -1,10 +1,7 @@
-"""The FR-Spec vocabulary subset and the parameters a draft trains (its construction: pipeline/draft_init.py).
-
-FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked
-Speculative Sampling"): the draft's head is restricted to the K target tokens most frequent in the
-collected completions (stop tokens always included). The exported weights keep the full vocabulary, so
-the draft stays an ordinary HF model; the id list travels in speculative.json and the project's decoder
-slices the head at load time. Training and evaluation here use the same sliced head (pipeline/heads.py).
+"""The FR-Spec vocabulary subset (Zhao et al. 2025) and the parameters a draft trains (its construction:
+pipeline/draft_init.py). The subset is the K target tokens most frequent in the collected completions, stop tokens
+included. The exported weights keep the full vocabulary with the subset baked in (pipeline/heads.py); the id list
+travels in speculative.json.
 """
 from __future__ import annotations
 

@@ -8,11 +8,10 @@ logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the
 and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So the held-out simulator
 (distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
 τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
-the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens after a held-out-sized
-context and the draft GGUF's 1-token step, and llama-server's own timings of a few greedy decodes price the
-server's work between those forwards (`server_host`: the plain server spent 47 ms a token where llama-bench's
-forward took 29 ms for the real pair, docs/results.md). Per domain the (n_max, p_min) with the highest predicted speedup on
-the calibration part wins; "off" (plain decoding) when even that does not beat 1 + margin.
+the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens and the draft GGUF's
+step, and llama-server's own timings of a few greedy decodes price its work between those forwards
+(`server_host`). Per domain the (n_max, p_min) with the highest predicted speedup on the calibration part wins;
+"off" (plain decoding) when even that does not beat 1 + margin.
 """
 from __future__ import annotations
 
@@ -106,25 +105,39 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
         parts[name] = (cal.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
             draft, heldout, thresholds, vocab))), heldout)
 
-    def predict(part, mask, n_max, p_min):
+    def predict(part, mask, setting):
         alpha, keep, heldout = parts[part]
-        drafted, accepted = simulate(alpha, keep[p_min], heldout, mask, n_max, stop_before=True)
+        drafted, accepted = simulate(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
-    out = {}
-    reporting_masks = cal.domain_index(reporting)
+    def keys(best, shown):  # and the prediction for llama-server's own defaults beside the chosen setting
+        defaults = predict("reporting", shown, (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min))
+        return {"rule": "greedy", "n_max": best[0], "p_min": best[1],
+                "predicted_speedup_server_defaults": round(defaults[0], 3)}
+    return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
+
+
+def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options: list, predict, margin: float,
+                      keys) -> dict[str, dict]:
+    """Per domain (and default): the option with the best predicted speedup on `calibration` ("off" below 1 + margin)
+    and its speedup and acceptance on `reporting`; predict(part, mask, option) -> (speedup, acceptance), keys(option,
+    reporting mask) the engine's own keys for it."""
+    out, reporting_masks = {}, cal.domain_index(reporting)
     for domain, mask in cal.domain_index(calibration).items():
-        best = max(((n, p) for n in n_maxes for p in p_mins), key=lambda s: predict("calibration", mask, *s)[0])
-        chosen = predict("calibration", mask, *best)[0]
+        best = max(options, key=lambda option: predict("calibration", mask, option)[0])
+        on = predict("calibration", mask, best)[0] > 1 + margin
         shown = reporting_masks.get(domain, reporting_masks[cal.OVERALL])
-        speedup, acceptance = predict("reporting", shown, *best)
-        defaults = predict("reporting", shown, llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)[0]
+        speedup, acceptance = predict("reporting", shown, best)
         out[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": chosen > 1 + margin, "rule": "greedy", "n_max": best[0], "p_min": best[1],
-            "predicted_speedup": round(speedup if chosen > 1 + margin else 1.0, 3),
-            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4),
-            "predicted_speedup_server_defaults": round(defaults, 3)}
+            "speculate": on, **keys(best, shown), "predicted_speedup": round(speedup if on else 1.0, 3),
+            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
     return out
+
+
+def describe_table(table: dict, setting) -> str:
+    """A chosen table in one log line: per domain setting(entry) and its predicted speedup, or "off"."""
+    return "; ".join(f"{d} " + (f"{setting(e)} → {e['predicted_speedup']:.2f}×" if e["speculate"] else
+                                f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())
 
 
 def draft_gguf(root: Path, draft, tokenizer, out: Path, quant: str | None) -> Path:
@@ -177,9 +190,8 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
              if entry["speculate"] else [] for domain, entry in table.items()}
     log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}, server host work per pass: plain {:.2f}, drafting {}): {}".format(
         cost["c"], cost["verify_ratio"][1], cost["host"]["plain"],
-        ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()), "; ".join(
-        f"{d} " + (f"n_max {e['n_max']} p_min {e['p_min']:g} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                   else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+        ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()),
+        describe_table(table, lambda e: f"n_max {e['n_max']} p_min {e['p_min']:g}")))
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
              "cost": cost, "by_domain": table, "flags": flags,
              "rules": {"greedy": rule_record("llamacpp", "greedy", inputs.sampling.temperature)}}
@@ -219,19 +231,13 @@ def choose_fixed(alphas: dict[str, dict], heldouts, cost: dict, gammas: list[int
                  key: str = "num_speculative_tokens") -> dict[str, dict]:
     """Per domain (and default): the rule (`alphas`: {rule: rule_alpha}) and γ (written under `key`) of a
     fixed-length chain with the best predicted speedup on the calibration part, "off" below 1 + margin."""
-    def predict(rule, part, mask, gamma):
+    def predict(part, mask, option):
+        rule, gamma = option
         drafted, accepted = simulate(alphas[rule][part], None, getattr(heldouts, part), mask, gamma)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
-    out, reporting_masks = {}, cal.domain_index(heldouts.reporting)
-    for domain, mask in cal.domain_index(heldouts.calibration).items():
-        rule, best = max(((r, g) for r in alphas for g in gammas), key=lambda s: predict(s[0], "calibration", mask, s[1])[0])
-        on = predict(rule, "calibration", mask, best)[0] > 1 + margin
-        speedup, acceptance = predict(rule, "reporting", reporting_masks.get(domain, reporting_masks[cal.OVERALL]), best)
-        out[DEFAULT if domain == cal.OVERALL else domain] = {
-            "speculate": on, "rule": rule, key: best, "predicted_speedup": round(speedup if on else 1.0, 3),
-            "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
-    return out
+    return choose_per_domain(heldouts.calibration, heldouts.reporting, [(r, g) for r in alphas for g in gammas],
+                             predict, margin, lambda best, _: {"rule": best[0], key: best[1]})
 
 
 # engine: (its key in speculative.json, the config of k drafts with a rule's settings, the config of "off")
@@ -240,7 +246,8 @@ GPU_CONFIGS = {
                                                     **rule}, None),
     "sglang": ("args", lambda k, rule: ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ".",
                                         "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-                                        "--speculative-num-draft-tokens", str(k + 1), *(x for kv in rule.items() for x in kv)], []),
+                                        "--speculative-num-draft-tokens", str(k + 1),
+                                        *(x for kv in rule.items() for x in kv)], []),
     "trtllm": ("speculative_config", lambda k, rule: {"decoding_type": "Draft_Target", "max_draft_len": k,
                                                       "speculative_model": ".", **rule}, None),
 }
@@ -267,9 +274,8 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
                        "rules": {r: rule_record(engine, r, sampling.temperature) for r in rules},
                        key: {d: config(e["num_speculative_tokens"], rules[e["rule"]]) if e["speculate"] else off
                              for d, e in table.items()}}
-        log("{} calibration (c = {:.3f}, {}): {}".format(engine, cost["c"], cost["source"].split(":")[0], "; ".join(
-            f"{d} " + (f"{e['rule']} k {e['num_speculative_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                       else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+        described = describe_table(table, lambda e: f"{e['rule']} k {e['num_speculative_tokens']}")
+        log(f"{engine} calibration (c = {cost['c']:.3f}, {cost['source'].split(':')[0]}): {described}")
     return out
 
 
@@ -291,9 +297,8 @@ def calibrate_hf(inputs, exported_draft, heldouts, settings, log) -> dict:
     table = choose_fixed({r: rule_alpha(exported_draft, heldouts, None, r) for r in rules}, heldouts, cost,
                          list(settings.gammas), settings.margin, key="num_assistant_tokens")
     log("HF assisted calibration (a pass of γ = {}: {} plain steps): {}".format(
-        ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()), "; ".join(
-            f"{d} " + (f"γ {e['num_assistant_tokens']} → {e['predicted_speedup']:.2f}×" if e["speculate"]
-                       else f"off ({e['predicted_speedup_if_on']:.2f}× if on)") for d, e in table.items())))
+        ", ".join(map(str, settings.gammas)), ", ".join(f"{r:.2f}" for r in cost["verify_ratio"].values()),
+        describe_table(table, lambda e: f"γ {e['num_assistant_tokens']}")))
     configs = {d: {"num_assistant_tokens": e["num_assistant_tokens"], "num_assistant_tokens_schedule": "constant",
                    "assistant_confidence_threshold": 0.0} if e["speculate"] else None for d, e in table.items()}
     return {"version": f"transformers {transformers.__version__}", "cost": cost, "by_domain": table,

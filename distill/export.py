@@ -1,10 +1,6 @@
-"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/spec.py) and a README model card,
-written atomically.
-
-A draft trained with an FR-Spec subset head is exported with that subset written into its weights
-(`pipeline.heads.bake_subset`): HF assisted generation, vLLM and llama.cpp run the checkpoint's full head, and
-the rows outside the subset, never trained, would otherwise outscore the trained ones (the default run's
-draft: greedy agreement 0.054 through its full head against 0.215 through the subset).
+"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/spec.py) and a README model card, written
+atomically. An FR-Spec subset draft is exported with the subset baked into its full head (pipeline.heads.bake_subset):
+engines run the full head, whose never-trained rows would otherwise outscore the trained ones.
 """
 from __future__ import annotations
 
@@ -148,14 +144,7 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              "Held-out expected acceptance Σ min(p, q) (teacher-forced on held-out collected rows; τ, γ and the "
              "exported weights were chosen on the calibration part, every number here is from the reporting part) "
              f"and predicted mean accepted length at γ={length.get('gamma')}, before and after distillation:", "",
-             "| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
-             "| draft τ | best fixed γ | drafting | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for domain in domains + ["overall"]:
-        lines.append(f"| {domain} | {_fmt(acceptance['before'].get(domain))} | {_fmt(acceptance['after'].get(domain))} | "
-                     f"{_fmt(acceptance['after_calibrated'].get(domain))} | {_fmt(length['before'].get(domain), 2)} | "
-                     f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.for_domain('draft_temperature', domain), 2)} | "
-                     f"{spec.for_domain('gamma', domain)} | {_describe(spec, domain)} | "
-                     f"{_fmt(spec.predicted_speedup.get(domain), 2)} |")
+             format_table(spec)]
     verify = cost.get("verify_ratio")
     lines += ["", "Predicted speedup = (1 + A) / (c·D + r) for the domain's drafting, with A the expected accepted "
               "tokens per target pass simulated on held-out rows, D the draft forwards per pass (a tree: its depth), "
@@ -173,20 +162,17 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
 
 
 def format_table(spec: SpeculativeSpec) -> str:
-    """Per-domain before/after table (reporting part) with the calibration chosen on the calibration part."""
+    """Per domain (reporting part): acceptance and mean accepted length before and after, and the calibration chosen
+    on the calibration part; the model card's table, printed by the calibrate stage too."""
     acceptance, length = spec.acceptance, spec.mean_accepted_length
-    g = length["gamma"]
-    lines = [f"\n{'domain':<16}{'acc before':>11}{'acc after':>11}{'calibrated':>11}{f'len@γ{g} bef':>12}"
-             f"{f'len@γ{g} aft':>12}{'τ':>7}{'γ':>4}{'pred. speedup':>15}  draft length"]
-    for domain in [d for d in acceptance["after"] if d != "overall"] + ["overall"]:
-        lines.append(f"{domain:<16}{acceptance['before'][domain]:>11.3f}{acceptance['after'][domain]:>11.3f}"
-                     f"{acceptance['after_calibrated'][domain]:>11.3f}{length['before'][domain]:>12.2f}"
-                     f"{length['after'][domain]:>12.2f}{spec.for_domain('draft_temperature', domain):>7.2f}"
-                     f"{spec.for_domain('gamma', domain):>4}{spec.predicted_speedup[domain]:>14.2f}×  "
-                     f"{_describe(spec, domain)}")
-    cost = spec.cost
-    lines.append(f"c = {cost['c']:.3f} (draft {cost['draft_forward_ms']:.1f} ms, target {cost['target_forward_ms']:.1f} "
-                 f"ms, {cost['device']} {cost['dtype']}); numbers on the reporting part of the held-out prompts\n")
+    lines = ["| domain | acceptance before | after | after (calibrated τ) | mean acc. length before | after "
+             "| draft τ | best fixed γ | drafting | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for domain in [d for d in acceptance["after"] if d not in (DEFAULT, "overall")] + ["overall"]:
+        lines.append(f"| {domain} | {_fmt(acceptance['before'].get(domain))} | {_fmt(acceptance['after'].get(domain))} | "
+                     f"{_fmt(acceptance['after_calibrated'].get(domain))} | {_fmt(length['before'].get(domain), 2)} | "
+                     f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.for_domain('draft_temperature', domain), 2)} | "
+                     f"{spec.for_domain('gamma', domain)} | {_describe(spec, domain)} | "
+                     f"{_fmt(spec.predicted_speedup.get(domain), 2)} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,6 @@
-"""What the distill and calibrate stages both read: the collected rows, the target, the serving sampling, and
-the held-out parts with the target's serving distribution.
-
-Both stages build the held-out parts from the same row indices (distill records them in training.json, calibrate
-reads them there), the same target and the same settings, so the rows distill chose keep_best on are the rows
-calibrate chooses τ and γ on, and the numbers it reports come from the same reporting part.
+"""What the distill and calibrate stages both read: the collected rows, the target, the serving sampling, and the
+held-out parts with the target's serving distribution, built by both from the same row indices (training.json), so
+keep_best, τ and γ are chosen on the same calibration part and reported on the same reporting part.
 """
 from __future__ import annotations
 

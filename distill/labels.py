@@ -1,13 +1,8 @@
-"""Teacher labels for the cached-teacher path (distill.objective.teacher=topk).
-
-Collect stores the target's top-k ids and T=1 log-probs per completion token. What it cannot store is the
-target's mass on the draft's FR-Spec subset, which is chosen here from the collected data: without it the
-"other" class of a subset draft would have to guess how much of the tail the subset holds (a frequency-ranked
-subset holds most of it), and the cached teacher would disagree with the online one (distill/losses.py).
-One target pass over the train rows computes it, together with the top-k labels when collect stored none;
-rows that carry the target's final hidden state (collect.hidden_states) need only the target's output head.
-Collect labels a row on its full prompt; the draft trains on the prompt's last max_prompt_length tokens, so a row
-that truncation cuts is relabelled by that target pass over the tokens the draft sees (train_labels).
+"""Teacher labels for the cached-teacher path (distill.objective.teacher=topk): the target's mass on the draft's
+FR-Spec subset per position, which collect cannot store because the subset is chosen here (without it a subset
+draft's "other" class would guess how much of the tail the subset holds, distill/losses.py), with the top-k labels
+where collect stored none and for rows prompt truncation cuts. One target pass over the train rows, or the target's
+head alone over the rows' stored final hidden states (collect.hidden_states).
 """
 from __future__ import annotations
 

@@ -1,52 +1,26 @@
-"""Distillation losses between the target (teacher, p) and the draft (q), per completion position.
-
-Convention as in pipeline/sampling.py: **p is the target distribution, q is the draft distribution.**
-
-Every loss returns one value per position ([N]); the trainer masks and averages. All math is in fp32.
-- `fkl`  forward KL(p ‖ q) = Σ p log(p/q) (mass-covering; the classic KD loss, Hinton et al. 2015)
+"""Distillation losses between the target (teacher, p) and the draft (q), one value per completion position ([N];
+the trainer masks and averages), in fp32. **p is the target distribution, q the draft's** (pipeline/sampling.py).
+- `fkl`  forward KL(p ‖ q) (mass-covering; the classic KD loss, Hinton et al. 2015)
 - `rkl`  reverse KL(q ‖ p) (mode-seeking; MiniLLM, Gu et al. 2024)
-- `jsd`  generalised JSD(β) = β KL(p ‖ m) + (1−β) KL(q ‖ m), m = β p + (1−β) q
-         (GKD, Agarwal et al. 2024, eq. 1; same convention as TRL's `generalized_jsd_loss`)
-- `tvd`  total variation ½ Σ |p − q| = 1 − Σ min(p, q): one minus the acceptance rate itself
-         (Leviathan et al. 2023; DistillSpec, Zhou et al. 2024)
-- `ce`   cross-entropy −log q(y) on the target's sampled token y (sequence-level KD, Kim & Rush 2016);
-         needs no teacher distribution. The loss temperature does not apply to it.
-- `lk_alpha`, `lk_lambda`  the LK losses (Samarin et al. 2026, "LK Losses: Direct Acceptance Rate Optimization for
-         Speculative Decoding", arXiv 2602.23881), with α = Σ min(p, q) the per-position acceptance rate:
-         `lk_alpha`  = −log α  (TV's target, its gradient scaled by 1/α so it trains from a cold start);
-         `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV(p, q),  λ = exp(−η · sg(ᾱ)), η = `LK_ETA` = 3, one λ per call from
-         the mean ᾱ over the call's positions, detached (sg = stop-gradient).
-         The paper's own text could not be retrieved here (only its abstract and summaries), so no equation numbers
-         are cited. The definitions are those of two implementations that cite the paper: vLLM speculators'
-         `nla` (−log α) and `lk_hybrid` (λ KL + (1 − λ) TV, λ = exp(−3α)), docs.vllm.ai/projects/speculators
-         user_guide/loss_functions; and NVIDIA Model-Optimizer's `masked_lk_lambda_loss` (paper §4.2 and §4.4:
-         "one detached blend weight per call", eta = 3.0, eta = 0 is pure KL), modelopt.torch.speculative.losses.
+- `jsd`  generalised JSD(β) = β KL(p ‖ m) + (1−β) KL(q ‖ m), m = β p + (1−β) q (GKD, Agarwal et al. 2024, eq. 1;
+         TRL's `generalized_jsd_loss`, which the dense path uses)
+- `tvd`  ½ Σ |p − q| = 1 − Σ min(p, q): one minus the acceptance rate itself (Leviathan et al. 2023; DistillSpec)
+- `ce`   −log q(y) on the target's sampled token (sequence-level KD, Kim & Rush 2016); no teacher distribution,
+         no loss temperature
+- `lk_alpha` = −log α and `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV, λ = exp(−η·sg(ᾱ)), η = `LK_ETA` = 3, one detached
+         λ per call (LK losses, Samarin et al. 2026, arXiv 2602.23881; the paper's text could not be retrieved, so
+         the definitions are those of vLLM speculators' `nla` / `lk_hybrid` and NVIDIA Model-Optimizer's
+         `masked_lk_lambda_loss`, which cite it)
+`adaspec_mask` is AdaSPEC's token filter (Hu et al. 2025, arXiv 2510.19779). The loss temperature divides both
+models' logits before the softmax (no T² factor, as TRL).
 
-Dense JSD(β) is TRL's own `GKDTrainer.generalized_jsd_loss`; the sparse teacher uses `jsd` below (same formula).
-`adaspec_mask` is AdaSPEC's token filter (Hu et al. 2025, arXiv 2510.19779), applied by the trainer.
-
-The loss temperature divides both teacher and draft logits before the softmax (no T² factor, as TRL).
-
-Two teacher forms:
-- **dense**: teacher logits over the draft's output classes (online target forward). When the draft
-  predicts over a vocabulary subset (FR-Spec), the target logits are sliced to the same rows, i.e. the
-  teacher is renormalised over the subset: tokens outside it can never be drafted, so their mass is
-  unreachable for any draft, and the renormalised p is an optimum of both TVD and FKL under that limit.
-- **top-k** (`SparseTeacher`, cached by the collect stage at T=1): k ids and log-probs per position,
-  the tail (all other tokens) handled explicitly by `tail`:
-  * `bucket` (default): the tail is one extra "other" class holding the teacher's remaining *reachable*
-    mass, compared against the draft's mass on every unlisted class. For a full-vocabulary draft that is
-    1 − Σ top-k; for a subset draft it is P(S) − Σ listed-in-S, where P(S), the target's mass on the
-    subset, is computed once per position by the distill stage (a frequency-ranked subset holds most of
-    the tail, so no even-spread guess can stand in for it). The result is exactly the online teacher's
-    subset-renormalised distribution projected onto the k+1 classes. The "other" mass is floored at
-    `TAIL_FLOOR` (fp16 log-probs can sum past 1), which keeps reverse KL finite and sane. At T=1 this is
-    exact on k+1 classes (a lower bound of the full divergence, by data processing). At T≠1 the tail is
-    assumed spread evenly over the unlisted classes (the only per-token value the cache allows); that
-    overstates the tail for T>1 (Jensen), so use teacher=online when the loss temperature is not 1.
-  * `renormalize`: the teacher is its top-k renormalised, zero elsewhere; the draft is still
-    penalised (TVD, JSD) for mass on unlisted tokens. Reverse KL is infinite under it (q > 0 where
-    p = 0) and is refused.
+Two teacher forms. **Dense** (online target forward): teacher logits over the draft's classes; under an FR-Spec
+subset the target is sliced to the same rows, i.e. renormalised over the subset (mass outside it is unreachable for
+any draft). **Top-k** (`SparseTeacher`, cached at T=1) with its tail as `tail`: `bucket` (default) makes the tail one
+"other" class holding the teacher's remaining *reachable* mass (1 − Σ top-k, or P(S) − Σ listed-in-S for a subset
+draft, P(S) computed by distill/labels.py), floored at `TAIL_FLOOR`: exactly the online teacher projected onto k+1
+classes at T=1 (at T≠1 the tail is assumed even, which overstates it for T>1: use teacher=online there);
+`renormalize` makes the teacher its top-k renormalised (reverse KL is infinite under it and is refused).
 """
 from __future__ import annotations
 

@@ -112,12 +112,10 @@ def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, p
 
 
 def visit_weights(at_least: list[torch.Tensor]) -> torch.Tensor:
-    """v [rows, T]: the chance that the decoder starts a pass at each position of a row, starting at its first.
-    A pass from t that accepts k drafts starts the next at t + k + 1, so a stretch the draft gets wrong is covered
-    one token per pass and visited at every position, an easy one every few: the decoder's acceptance counts are
-    averages over these visits, not over positions (default export, 46 held-out rows, γ = 3: every start 0.162,
-    visited starts 0.145, the decoder 0.146 [0.133, 0.161]; python -m pipeline.tools acceptance-gap).
-    at_least[k] [rows, T]: P(at least k + 1 drafts accepted) from each start."""
+    """v [rows, T]: the chance that the decoder starts a pass at each position of a row, starting at its first: a pass
+    from t that accepts k drafts starts the next at t + k + 1, so the decoder's acceptance is an average over these
+    visits, not over positions (docs/results.md; `python -m pipeline.tools acceptance-gap`). at_least[k] [rows, T]:
+    P(at least k + 1 drafts accepted) from each start."""
     rows, width = at_least[0].shape
     ge = torch.stack([torch.ones_like(at_least[0]), *at_least, torch.zeros_like(at_least[0])])
     exactly = (ge[:-1] - ge[1:]).permute(2, 1, 0)  # [T, rows, k]: P(exactly k accepted) from each start

@@ -1,11 +1,7 @@
-"""Training progress that survives a resume: completion tokens and training seconds of the whole run, the
-held-out learning curve, and the time budget, all counted across interruptions.
-
-Each checkpoint carries `progress.json` ({step, train_tokens, train_seconds, curve, recipe, best}); a resumed run
-starts its counters from the checkpoint it resumes, so the curve and the budget continue instead of restarting, the
-step size the probe chose is not probed again, and the stop rule keeps its best and its count of drops (with the
-best weights, BEST_WEIGHTS, where they are older than the checkpoint's). Training seconds exclude the held-out
-evaluations (they watch training; they are not part of it)."""
+"""Training progress that survives a resume: completion tokens, training seconds (held-out evaluations excluded),
+the held-out learning curve, the chosen step size and the stop rule's state, carried in each checkpoint's
+`progress.json` ({step, train_tokens, train_seconds, curve, recipe, best}), with the best weights (BEST_WEIGHTS).
+"""
 from __future__ import annotations
 
 import json

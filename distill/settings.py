@@ -1,21 +1,11 @@
 """The distill stage's settings (`distill.*`), declared once: one frozen dataclass per group of
-conf/distill/default.yaml, one field per key, built from the composed config and validated in one place
-(`DistillSettings.__post_init__`, TRL's `XConfig` pattern; the eval stage's eval/settings.py is the model).
+conf/distill/default.yaml (whose comments say what each key does), one field per key, built by
+`DistillSettings.from_config(cfg.distill)`, which refuses a missing or an unknown key, and checked in one place before
+anything loads (TRL's `XConfig` pattern, as eval/settings.py); what needs files or models is checked where they load.
 
-What each setting does and why its default is what it is: the comments in conf/distill/default.yaml. Nothing here
-has a default: every value comes from the composed config (`DistillSettings.from_config(cfg.distill)`), which
-refuses a missing or an unknown key. Checks raise a one-line PipelineError before anything is loaded, so bad input
-fails fast and writes nothing; what needs the file system or the models (does the AdaSPEC reference or the cost
-profile exist and fit the draft?) is checked where those load (distill/trainer.py, distill/serving.py).
-
-`trainer` is passed to `transformers.TrainingArguments` by name, so it stays a read-only mapping of whatever
-TrainingArguments names conf sets (TrainingArguments validates them); only the keys the stage itself reads must be
-there (`TRAINER_READ`), the keys that are not TrainingArguments names (`OUR_TRAINER_KEYS`: max_epochs, the
-learning-rate probe and the stop patience) among them. The lists of `calibration` become
-tuples. Normalising is idempotent, so `dataclasses.replace` (which validates again) works on a built instance.
-
-The checkpoint fingerprint (distill/stage.py `fingerprint`) hashes the composed config's groups, not these
-values, so checkpoints keep their names whatever the types here.
+`trainer` goes to `transformers.TrainingArguments` by name, so it stays a read-only mapping (TrainingArguments
+validates it); only the keys the stage reads must be there (`TRAINER_READ`), `OUR_TRAINER_KEYS` among them. The
+checkpoint fingerprint (distill/stage.py) hashes the composed config's groups, not these values.
 """
 from __future__ import annotations
 

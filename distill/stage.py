@@ -1,18 +1,16 @@
 """Distill stage: `python -m pipeline stage=distill` (or `accelerate launch -m pipeline stage=distill`). It trains;
 the calibrate stage (distill/calibrate_stage.py) turns its weights into serving recipes.
 
-    inputs      = load_inputs(cfg)                        settings, collected rows, target, initial draft
-    split       = split_rows(inputs)                      train rows, held-out rows, FR-Spec subset, fingerprint
-    heldouts    = build_heldouts(inputs, split)           the target's serving p on the calibration and reporting parts
-    before      = measure_before(...)                     held-out acceptance of the undistilled draft
-    initial     = a copy of the initial draft             never trained: draft_init's weights and keep_best's fallback
-    split       = attach_teacher_labels(inputs, split)    the train rows with their teacher labels
-    training    = train_draft(inputs, split, ...)         distillation (distill/trainer.py), resumable
-    selected    = select_weights(...)                     keep_best on the calibration part
-    save_trained(...)                                     ${paths.trained}: draft/, draft_init/, training.json
+    inputs   = load_inputs(cfg)                      settings, collected rows, target, initial draft
+    split    = split_rows(inputs)                    train rows, held-out rows, FR-Spec subset, fingerprint
+    heldouts = build_heldouts(inputs, split)         the target's serving p on the calibration and reporting parts
+    before   = measure_before(...)                   held-out acceptance of the undistilled draft
+    split    = attach_teacher_labels(inputs, split)  the train rows with their teacher labels
+    training = train_draft(inputs, split, ...)       distillation (distill/trainer.py), resumable
+    selected = select_weights(...)                   keep_best on the calibration part
+    save_trained(...)                                ${paths.trained}: draft/, draft_init/, training.json
 
-Every step returns what it produces (distill/job.py holds the frozen types); only training changes the draft's
-weights, in place; the initial draft is a separate copy, so nothing moves a model another step uses.
+Only training changes the draft's weights, in place; the initial draft is a separate copy.
 """
 from __future__ import annotations
 

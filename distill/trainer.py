@@ -1,30 +1,20 @@
 """Distillation on TRL's GKD trainer: `DistillConfig` (GKDConfig + our knobs) and `DistillTrainer` (GKDTrainer).
 
-TRL serves the on-policy share λ (GKDConfig.lmbda: the draw, the generation from the left-padded prompts, the swap
-of the batch and its label masking are GKDTrainer.training_step / generate_on_policy_outputs), sequence-level KD
-(GKDConfig.seq_kd: the target generates instead), dense JSD(β) (GKDTrainer.generalized_jsd_loss, through
-distill/losses.py), the sampling temperature (GKDConfig.temperature), and, through Trainer and accelerate,
-checkpointing, gradient accumulation, mixed precision and `accelerate launch`.
-
-Ours, where TRL has no equivalent or cannot serve:
-- compute_loss. GKDTrainer.compute_loss runs the teacher on every batch and compares full-vocabulary logits over
-  whole sequences; ours runs the target only when the loss needs it (teacher=online, and batches TRL generated,
-  whose cached labels no longer apply), so teacher=topk with λ=0 never runs it per step. It also takes
+TRL serves the on-policy share λ (GKDTrainer.training_step / generate_on_policy_outputs), sequence-level KD
+(seq_kd), dense JSD(β) (generalized_jsd_loss, through distill/losses.py), the sampling temperature, and, through
+Trainer and accelerate, checkpointing, accumulation, mixed precision and `accelerate launch`. Ours, where TRL
+cannot serve:
+- compute_loss: the target runs only when the loss needs it (teacher=online, and batches TRL generated, whose cached
+  labels no longer apply), so teacher=topk with λ=0 never runs it per step; it takes
 - the cached top-k teacher (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
-- the FR-Spec subset head (pipeline/heads.py SubsetHead): the draft's logits are over its K subset columns and the
-  target's are sliced to the same rows. TRL's generation would sample subset *columns*, so for generation the draft
-  gets its full head back (sharing the same weights) with every token outside the subset suppressed
-  (`generation_config.suppress_tokens`): it samples exactly its subset distribution as token ids, and TRL's own
-  generate_on_policy_outputs does the rest;
-- the aligned batch layout for off-policy batches (distill/batch.py: no head over prompts). Batches TRL generated
-  are in its causal layout (labels −100 on prompt and padding, shifted by one); compute_loss reads both;
-- AdaSPEC token selection (`adaspec_keep`, distill/losses.py adaspec_mask) against a frozen reference model, by
-  default the draft as it was when the trainer was built;
+- the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back
+  with every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset
+  distribution as token ids;
+- the aligned batch layout for off-policy batches (distill/batch.py), beside TRL's causal layout for generated ones;
+- AdaSPEC token selection against a frozen reference (by default the draft as the trainer was built);
 - the held-out acceptance callback and the time budget.
-
-The λ draw is TRL's `random.random()`: Trainer seeds Python's `random` with TrainingArguments.seed on every process
-(transformers.set_seed, again in SFTTrainer.__init__), checkpoints its state per process and restores it on resume,
-and nothing else in the distill stage draws from it, so every process makes the same draws, across a resume too.
+The λ draw is TRL's `random.random()`, seeded by Trainer on every process and checkpointed with it, so every process
+makes the same draws, across a resume too.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""One distillation run of the stage: TrainingArguments from conf, the step size fitted to the draft, DistillTrainer,
-the stop rule, resume, token accounting.
-
-The step size (`trainer.lr_probe`): a stub draft gains at a rate that ruins a good one (Adam moves every weight by
-about the learning rate each step, whatever the gradient, so a draft already close to its target can only lose). So
-before training, each share of learning_rate runs a few steps from the initial weights, judged like keep_best
-(held-out acceptance on the calibration part); training runs at the best share, or not at all when none beats the
-initial weights. The stop rule (`trainer.stop_patience`, distill/progress.py BestWeightsCallback) then ends a run
-whose acceptance keeps falling, with its best weights.
+"""One distillation run: TrainingArguments from conf, the step size fitted to the draft (`trainer.lr_probe`: Adam
+moves every weight by about the learning rate each step, so a draft already close to its target can only lose at a
+stub's rate; each share runs a few steps judged like keep_best, and training takes the best or none), the stop rule,
+resume and token accounting.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Peer baselines: Hugging Face `generate` (plain) and HF assisted generation with the same draft
-(pipeline/engines/hf.py runs both and counts HF's passes), and `eval.engine=hf`.
-
-- `hf_assisted`: HF's defaults, as a user gets them.
-- `hf_assisted_fixed`: γ fixed like our decoder: num_assistant_tokens=γ, schedule "constant", and threshold 0,
-  which disables both the early stop (ConfidenceCriteria is only added for a threshold > 0) and its re-fit.
-- `hf_assisted_calibrated`: the HF equivalent of the draft-length policy our decoder runs with on the domain
-  (pipeline/decoding/draft_length.py `hf_generation_config`), as the exported draft's generation_config carries it.
+"""Peer baselines: HF `generate` and HF assisted generation with the same draft (pipeline/engines/hf.py), and
+`eval.engine=hf`. `hf_assisted`: HF's defaults; `hf_assisted_fixed`: num_assistant_tokens=γ, schedule "constant",
+threshold 0 (no early stop, no re-fit); `hf_assisted_calibrated`: the HF equivalent of our policy on the domain.
 """
 from __future__ import annotations
 
@@ -16,12 +11,10 @@ from pipeline.engines.hf import assistant_configs, hf_generate
 
 
 def hf_engine_methods(evaluation) -> dict:
-    """eval.engine=hf: every method inside HF `generate`, so speedups are HF assisted over HF plain on the same
-    requests. `autoregressive` is HF generate; each loaded draft is HF assisted generation with its domain's HF
-    calibration (speculative.json `engines.hf`, distill.calibration.engines=[hf]) where it has one, else its
-    decoder calibration's draft-length policy; HF plain where the domain is calibrated "off" (HF's
-    generation_config cannot say "off": a deployment routes such a domain to the target alone). HF has no token
-    trees: a domain calibrated for a tree runs its chain policy. A γ sweep's `gamma` fixes num_assistant_tokens."""
+    """eval.engine=hf: every method inside HF `generate` (speedups are HF assisted over HF plain): each draft runs its
+    domain's HF calibration (speculative.json `engines.hf`) where it has one, else its decoder calibration's chain
+    policy; HF plain where the domain is "off" (HF's generation_config cannot say "off"). A sweep's `gamma` fixes
+    num_assistant_tokens."""
     sampling, stop, target = evaluation.sampling, evaluation.stop, evaluation.target
 
     def autoregressive(ids, domain, n, seed):

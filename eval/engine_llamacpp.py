@@ -1,17 +1,11 @@
 """`eval.engine=llamacpp`: the drafts measured inside llama.cpp's own server, on the same held-out prompts.
 
-    python -m pipeline stage=eval eval.engine=llamacpp
-
-Methods (metrics.json names): `autoregressive` (llama-server, no draft), `speculative` (the tuned draft with its
-llama.cpp calibration from speculative.json `engines.llamacpp` where it has one, else the server's defaults;
-a domain calibrated "off" is served by the plain server, as a deployment would route it), `speculative_defaults`
-(the tuned draft with llama-server's default draft settings, when a calibration exists), `speculative_init` (the
-undistilled draft, server defaults). Each request is the first user turn of a prompt, chat template applied by the
-target's tokenizer, sent as token ids to every server in rotating order; times are the server's own
-(prompt + generation ms), acceptance its draft counters. Servers run on 127.0.0.1 at free ports and stop with
-the stage. The GGUF files: the target's packaged GGUF as published; each draft converted by llama.cpp's own
-converter and quantised to the target's family (engines.llamacpp.draft_quant to choose), cached under
-${paths.engines}/gguf by the draft's weight hash.
+Methods: `autoregressive` (llama-server, no draft), `speculative` (the tuned draft with speculative.json
+`engines.llamacpp` where it has one, a domain calibrated "off" served plainly; else the server's defaults),
+`speculative_defaults` (server defaults, when a calibration exists), `speculative_init`. Each request is a prompt's
+first user turn as token ids, sent to every server in rotating order; times are the server's own, acceptance its
+draft counters. Drafts are converted by llama.cpp's converter and quantised to the target's family, cached under
+${paths.engines}/gguf by weight hash.
 """
 from __future__ import annotations
 
@@ -24,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from eval import metrics as M
+from eval.harness import rotated
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.engines import llamacpp
@@ -90,25 +85,33 @@ def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
              "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
 
 
-def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
-    """Every request through every method's server, in rotating order (a warm-up request first, untimed)."""
+def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str) -> list[dict]:
+    """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
+    rotating order (eval/harness.py), a seed per request shared by the methods."""
     from tqdm.auto import tqdm
 
+    records = []
+    for k, request in enumerate(tqdm(requests, desc=f"eval ({engine})", unit="req", dynamic_ncols=True)):
+        request_seed = derive_seed(seed, f"eval-{engine}", request["prompt_id"])
+        for method in rotated(methods, k):
+            tokens, seconds, stats = call(method, request, request_seed)
+            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
+                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
+    return records
+
+
+def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
+    """Every request through every method's server (a warm-up request first, untimed); times are the server's."""
     for server in servers.values():
         server.complete(requests[0]["ids"], settings.warmup_tokens, settings.sampling, seed)
-    methods, records = list(plan), []
-    for k, request in enumerate(tqdm(requests, desc="eval (llama.cpp)", unit="req", dynamic_ncols=True)):
-        request_seed = derive_seed(seed, "eval-llamacpp", request["prompt_id"])
-        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
-            out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
-                                                                   settings.sampling, request_seed, stop)
-            timings = out["timings"]
-            stats = EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
-            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
-                            "turn": 0, "tokens": out["tokens"],
-                            "time_s": (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3,
-                            "stats": stats})
-    return records
+
+    def call(method, request, request_seed):
+        out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
+                                                               settings.sampling, request_seed, stop)
+        timings = out["timings"]
+        return out["tokens"], (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3, \
+            EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
+    return engine_records(requests, list(plan), call, seed, "llamacpp")
 
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,

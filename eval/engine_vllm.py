@@ -1,17 +1,11 @@
-"""`eval.engine=vllm`: the drafts measured inside vLLM's offline engine on CUDA, on the same held-out prompts.
+"""`eval.engine=vllm`: the drafts measured inside vLLM's offline engine on CUDA (`pip install vllm`).
 
-    python -m pipeline stage=eval eval.engine=vllm        (a CUDA machine with `pip install vllm`)
-
-Methods (metrics.json names): `autoregressive` (the target alone), `speculative` (the tuned draft with
-speculative.json `engines.vllm` speculative_config per domain where it has one, else a fixed k of its decoder
-calibration; a domain calibrated "off" is answered by the plain engine, as a deployment would route it),
-`speculative_init` (the undistilled draft at the same k). One engine per distinct config shares the GPU
-(engines.vllm.gpu_memory_utilization split evenly); each request is the first user turn, chat template applied by
-the target's tokenizer, sent as token ids, one at a time (batch 1, where speculation is meant to pay), engines in
-rotating order; times are wall-clock around each generate call, acceptance the engine's own spec-decode counters
-read before and after each request. Each speculative_config carries the draft_sample_method and
-rejection_sample_method of the rule distill's `engines.vllm` calibration simulated (pipeline/engines/rules.py); the
-fallback drafts the argmax, vLLM's default.
+Methods: `autoregressive`, `speculative` (speculative.json `engines.vllm` speculative_config per domain, else a fixed
+k of its decoder calibration; "off" answered by the plain engine) and `speculative_init` at the same k. One engine per
+distinct config shares the GPU; each request is a first user turn as token ids, one at a time (batch 1), engines in
+rotating order; times are wall-clock, acceptance vLLM's spec-decode counters read around each request. Each
+speculative_config carries the draft and rejection sampling of the rule distill's calibration simulated
+(pipeline/engines/rules.py); the fallback drafts the argmax, vLLM's default.
 """
 from __future__ import annotations
 
@@ -21,13 +15,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eval.engine_llamacpp import EngineStats, finish, method_metrics, requests_of, write_engine_outputs
+from eval.engine_llamacpp import EngineStats, engine_records, finish, method_metrics, requests_of, write_engine_outputs
 from pipeline.atomic import atomic_dir
 from pipeline.chat import stop_token_ids
 from pipeline.decoding import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, resolve_model
-from pipeline.sampling import derive_seed
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -130,14 +123,9 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
                             str(cfg.runtime.dtype))
     for llm in engines.values():  # warm-up: CUDA graphs and the allocator stay out of the timed requests
         generate(llm, requests[0]["ids"], settings, int(cfg.seed), stop)
-    records, methods = [], list(plan)
-    for k, request in enumerate(requests):
-        request_seed = derive_seed(int(cfg.seed), "eval-vllm", request["prompt_id"])
-        for method in methods[k % len(methods):] + methods[:k % len(methods)]:
-            tokens, seconds, stats = generate(engines[plan[method][request["domain"]]], request["ids"], settings,
-                                              request_seed, stop)
-            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
-                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
+    methods = list(plan)
+    records = engine_records(requests, methods, lambda method, request, request_seed: generate(
+        engines[plan[method][request["domain"]]], request["ids"], settings, request_seed, stop), int(cfg.seed), "vllm")
     greedy = settings.sampling.greedy
     metrics = {"engine": "vllm", "version": __import__("vllm").__version__, "temperature": settings.temperature,
                "methods": methods, "plan": plan, "source": source,

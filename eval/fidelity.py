@@ -1,10 +1,7 @@
-"""Fidelity: greedy speculative output vs greedy autoregressive output, token for token.
-
-In exact arithmetic they are identical (Leviathan et al. 2023, the verify step keeps the target's
-argmax). In bf16 the (γ+1)-token verify pass and the 1-token step round differently, so where the
-target's top two logits are within rounding of each other the two runs can pick different tokens and
-then continue differently. Every mismatch is therefore reported with the target's top-2 logit gap at
-the first differing position: a gap of a few bf16 ulps is a near-tie, a large gap is a decoder bug.
+"""Fidelity: greedy speculative output vs greedy autoregressive output, token for token. Identical in exact
+arithmetic (Leviathan et al. 2023); in bf16 the (γ+1)-token verify and the 1-token step round differently, so every
+mismatch is reported with the target's top-2 logit gap where the outputs first differ: a few ulps is a near-tie, a
+large gap a decoder bug.
 """
 from __future__ import annotations
 

@@ -147,11 +147,10 @@ def reproduced(before: list[dict], after: list[dict], agree: float) -> bool:
 
 
 def retime_stalls(records: list[dict], contexts: list[dict], methods: dict, evaluation: Evaluation, clock) -> dict:
-    """The stall rule (eval.stall): a request where some method took more than `factor` × that method's median
-    seconds per token over the run is re-timed, every method, same seed, up to `retimes` times. A re-time that is
-    clean, or that reproduces the first timing within `agree` (the request is slow by content), replaces the
-    request's records; a request still stalled after that stays as first measured, listed as `disturbed`, and
-    eval/metrics.py keeps it out of the headline. Returns metrics.json's `stalls` (None when the rule is off)."""
+    """The stall rule (eval.stall): a request where a method took more than `factor` × its median seconds per token is
+    re-timed (every method, same seed) up to `retimes` times; a clean re-time, or one reproducing the first within
+    `agree` (slow by content), replaces it; one still stalled is `disturbed` and kept out of the headline. Returns
+    metrics.json's `stalls` (None when the rule is off)."""
     rule = evaluation.settings.stall
     if not rule["factor"]:
         return None

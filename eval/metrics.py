@@ -1,52 +1,21 @@
-"""Aggregating timed generations into the eval metrics (vLLM / Spec-Bench conventions;
-docs/architecture.md has the metrics.json schema).
+"""Aggregating timed generations into eval's metrics (vLLM / Spec-Bench conventions; docs/architecture.md, "Eval
+output", defines every metric and the metrics.json schema).
 
-A *record* is one timed request: one user turn of one prompt, decoded by one method. It is a dict
-    {"method", "domain", "prompt_id", "turn", "tokens": [ids], "time_s": wall seconds incl. prefill,
-     "stats": DecodeStats of pipeline.decoding, or None for HF baselines}
-Definitions, pooled over a domain's requests (vLLM pools counters the same way):
-- acceptance_rate       = accepted draft tokens / proposed draft tokens
-- mean_accepted_length  = generated tokens / target passes (bonus/correction token included; 1.0 for plain
-                          decoding; the first pass is the plain prefill pass, 1 token and no drafts, as vLLM's)
-- per_position_acceptance[k] = P(draft token k+1 of a block is accepted | it was proposed)
-- c                     = mean draft forward / mean single-token target forward (Leviathan et al. 2023,
-                          Thm 3.8: the cost of one draft run relative to one target run; the target step
-                          is timed in the autoregressive runs of the same prompts)
-- c_verify              = mean draft forward / mean verify pass (γ+1 tokens) of the speculative runs
-- tokens_per_s          = generated tokens / wall time; latency_p50_s / latency_p95_s per request
-- speedup               = method tokens/s / autoregressive tokens/s on the same requests in the same run
-                          (Spec-Bench). With greedy decoding both produce the same tokens and this is exactly
-                          AR time / method time; with sampling it does not penalise a method for the length
-                          of the text it happened to sample.
-- ttft_p50_s / ttft_p95_s  = time to the first token per request (DecodeStats.chunk_times[0]: the first commit,
-                          a plain prefill pass for every own method); ttft_ratio = Σ TTFT of the method /
-                          Σ TTFT of autoregressive on the same requests, with its paired CI
-- itl_mean_s            = inter-token latency: Σ (last commit − first commit) / Σ (tokens − 1) over requests;
-                          itl_p50_s / itl_p95_s over every later token, a chunk of k tokens committed g seconds
-                          after the previous one counting as k tokens of g / k; itl_speedup = autoregressive
-                          itl_mean_s / the method's, with its paired CI (the end-to-end speedup without prefill)
-- speedup_ci95, acceptance_rate_ci95 = 95% bootstrap intervals of the same pooled statistics over requests
-                          (null below 2 requests); comparisons[speculative_vs_<m>] = ratio of the two methods'
-                          speedups with its interval, `within_noise` when that interval contains 1.
+A *record* is one timed request: {"method", "domain", "prompt_id", "turn", "tokens": [ids], "time_s": wall seconds
+incl. prefill, "stats": DecodeStats of pipeline.decoding, or None for HF baselines}. Counters are pooled over a
+group's requests, as vLLM pools them; intervals are paired bootstraps over requests.
 """
 from __future__ import annotations
 
-import inspect
 import statistics
-import warnings
 
 import numpy as np
-from scipy.stats import bootstrap
 
+from eval.intervals import acceptance_ci, compare, paired_ratio, per_request, speedup_ci
 from pipeline import speculation_profile as profile
 
 AUTOREGRESSIVE = "autoregressive"
 SPECULATIVE = "speculative"
-CI_LEVEL = 0.95
-N_RESAMPLES = 9999
-BOOTSTRAP_SEED = 0  # fixed: the same records always give the same interval
-# scipy ≥ 1.15 takes a Generator as `rng`; older releases (the floor is 1.11) only as `random_state`.
-_RNG_ARG = "rng" if "rng" in inspect.signature(bootstrap).parameters else "random_state"
 
 
 def throughput(records: list[dict]) -> dict:
@@ -61,19 +30,15 @@ def throughput(records: list[dict]) -> dict:
 
 
 def per_position_acceptance(stats_list) -> list[float]:
-    """P(draft token k accepted) for k = 1..γ, pooled over requests (pipeline.speculation_profile.position_counts:
-    acceptance stops at the first rejection). For a token tree the positions are its depths: P(the accepted path
-    reaches depth k | the tree has depth k), unconditioned on reaching k − 1 (the chain's convention;
-    pipeline.decoding.TreeStats.per_depth_acceptance conditions)."""
+    """P(draft token k accepted) for k = 1..γ, pooled over requests; for a token tree k is a depth, unconditioned
+    on reaching k − 1 (the chain's convention; per_depth_acceptance conditions)."""
     accepted, proposed = profile.position_table(stats_list)
     return [float(a / p) for a, p in zip(accepted.sum(0), proposed.sum(0)) if p]
 
 
 def measured_profile(records: list[dict], conditions: dict) -> dict | None:
-    """metrics.json `measured`: the tuned draft's per-position acceptance in speculation_profile.json's shape
-    (pipeline/speculation_profile.py), per domain and overall, with intervals over requests; None when it did not
-    run. A pass proposes fewer drafts under a draft-length policy or at the end of the text, so here marginal k is
-    P(the first k accepted | a k-th was proposed)."""
+    """metrics.json `measured`: the tuned draft's per-position acceptance in speculation_profile.json's shape, per
+    domain and overall, with intervals over requests; None when it did not run."""
     stats = {}
     for r in records:
         if r["method"] == SPECULATIVE and r["stats"] is not None:
@@ -102,8 +67,8 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
     return {"acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": generated / passes if passes else 0.0,
             "per_position_acceptance": per_position_acceptance(stats),
-            **({"per_depth_acceptance": per_depth_acceptance(trees)} if (trees := [s for s in stats if hasattr(s, "depths")])
-               else {}),
+            **({"per_depth_acceptance": per_depth_acceptance(trees)}
+               if (trees := [s for s in stats if hasattr(s, "depths")]) else {}),
             "n_drafted": drafted, "n_accepted": accepted, "target_passes": passes,
             "drafted_per_pass": drafted / passes if passes else 0.0, "wasted_drafts": drafted - accepted,
             # a verify pass feeds its drafted nodes and one committed token: output per token the target verified
@@ -115,9 +80,8 @@ def speculative_counters(records: list[dict], ar_step_s: float) -> dict:
 
 
 def guard_decisions(stats_list) -> dict:
-    """{"guard_decisions": the online guard's decisions summed over the requests} (passes it decided, off,
-    probes, shortened, lengthened, timing; pipeline/decoding/guard.py) and the mean measured cost factor κ, or {}
-    where no request ran under a guard."""
+    """{"guard_decisions": the online guard's decisions summed over the requests, with the mean cost factor κ}, or
+    {} where no request ran under a guard."""
     counts = [s.guard for s in stats_list if getattr(s, "guard", None) is not None]
     if not counts:
         return {}
@@ -147,100 +111,6 @@ def greedy_match(records: list[dict], reference: list[dict]) -> float:
         if key in ref:
             same[r["prompt_id"]] = same.get(r["prompt_id"], True) and r["tokens"] == ref[key]
     return sum(same.values()) / len(same) if same else 0.0
-
-
-def _div(num, den):
-    """num / den elementwise, 0 where den is 0 (the point estimates' convention for an empty denominator)."""
-    den = np.asarray(den, dtype=float)
-    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
-
-
-def _tps(tokens, seconds, axis=-1):
-    return _div(np.sum(tokens, axis=axis), np.sum(seconds, axis=axis))
-
-
-def _speedup_stat(tok_m, sec_m, tok_ar, sec_ar, axis=-1):
-    """(Σ tokens_m / Σ time_m) / (Σ tokens_AR / Σ time_AR): the pooled point estimate, vectorised."""
-    return _div(_tps(tok_m, sec_m, axis), _tps(tok_ar, sec_ar, axis))
-
-
-def _acceptance_stat(accepted, drafted, axis=-1):
-    return _div(np.sum(accepted, axis=axis), np.sum(drafted, axis=axis))
-
-
-def bootstrap_ci(samples: tuple, statistic) -> list[float] | None:
-    """95% interval of statistic(*samples) over requests, or None below 2 requests.
-
-    Paired bootstrap: samples are per-request arrays of equal length, and every resample draws the same request
-    indices for all of them, so a method and the autoregressive run of the same requests stay together and the
-    per-request difficulty they share cancels in the ratio. The interval is BCa (bias-corrected and accelerated;
-    Efron & Tibshirani 1993, *An Introduction to the Bootstrap*, ch. 14), second-order accurate for a skewed
-    ratio statistic. BCa degenerates when the jackknife has no spread (identical requests: NaN) and, with only
-    a handful of requests, its corrections can push the interval off the estimate; then the plain percentile
-    interval (ch. 13) is used, which is always defined.
-    """
-    samples = tuple(np.asarray(x, dtype=float) for x in samples)
-    if len(samples[0]) < 2:
-        return None
-    point = float(statistic(*samples, axis=-1))
-    for method in ("BCa", "percentile"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the degenerate-BCa warning: handled by the percentile fallback
-            res = bootstrap(samples, statistic, paired=True, vectorized=True, n_resamples=N_RESAMPLES,
-                            confidence_level=CI_LEVEL, method=method,
-                            **{_RNG_ARG: np.random.default_rng(BOOTSTRAP_SEED)})
-        lo, hi = (float(v) for v in res.confidence_interval)
-        if np.isfinite(lo) and np.isfinite(hi) and lo <= point <= hi:
-            break
-    return [lo, hi]
-
-
-def _per_request(records: list[dict]) -> dict[tuple, list[float]]:
-    """(domain, prompt, turn) → [tokens, seconds, accepted, drafted], summed so pooled sums are unchanged."""
-    out: dict[tuple, list[float]] = {}
-    for r in records:
-        row = out.setdefault((r["domain"], r["prompt_id"], r["turn"]), [0.0, 0.0, 0.0, 0.0])
-        row[0] += len(r["tokens"])
-        row[1] += r["time_s"]
-        if r["stats"] is not None:
-            row[2] += sum(r["stats"].accepted)
-            row[3] += sum(r["stats"].drafted)
-    return out
-
-
-def _paired(a: list[dict], b: list[dict]) -> tuple[np.ndarray, ...]:
-    """tokens and seconds of a and of b on the requests both ran, aligned request by request."""
-    ra, rb = _per_request(a), _per_request(b)
-    keys = [k for k in ra if k in rb]
-    return (np.array([ra[k][0] for k in keys]), np.array([ra[k][1] for k in keys]),
-            np.array([rb[k][0] for k in keys]), np.array([rb[k][1] for k in keys]))
-
-
-def speedup_ci(records: list[dict], ar: list[dict]) -> list[float] | None:
-    """CI of a method's speedup over AR, resampling requests jointly for both."""
-    return bootstrap_ci(_paired(records, ar), _speedup_stat)
-
-
-def acceptance_ci(records: list[dict]) -> list[float] | None:
-    """CI of Σ accepted / Σ drafted over a method's requests."""
-    rows = list(_per_request(records).values())
-    return bootstrap_ci((np.array([r[2] for r in rows]), np.array([r[3] for r in rows])), _acceptance_stat)
-
-
-# A bootstrap over n requests has at most C(2n−1, n) distinct resamples (3 for n = 2, 10 for n = 3): its interval
-# understates the noise, so below this many requests no verdict is given at all.
-MIN_REQUESTS_FOR_VERDICT = 5
-
-
-def compare(records: list[dict], other: list[dict]) -> dict:
-    """Ratio of two methods' speedups on the same requests (AR cancels: the ratio of their tokens/s), its paired
-    CI, and whether that CI contains 1 (the two cannot be told apart on these requests; None without a CI or
-    with fewer than MIN_REQUESTS_FOR_VERDICT requests)."""
-    samples = _paired(records, other)
-    ci = bootstrap_ci(samples, _speedup_stat)
-    n = len(samples[0])
-    verdict = None if ci is None or n < MIN_REQUESTS_FOR_VERDICT else bool(ci[0] <= 1.0 <= ci[1])
-    return {"ratio": float(_speedup_stat(*samples)), "ci95": ci, "n_requests": n, "within_noise": verdict}
 
 
 def _streamed(records: list[dict]) -> dict[tuple, tuple[float, float, int]]:
@@ -285,10 +155,10 @@ def latency_ratios(records: list[dict], ar: list[dict]) -> dict:
     ttft_m, span_m, later_m, ttft_a, span_a, later_a = (np.array([rows[k][i] for k in keys], dtype=float)
                                                         for rows in (mine, theirs) for i in range(3))
     ones = np.ones(len(keys))
-    ttft = (ttft_m, ones, ttft_a, ones)  # (Σ ttft_m / n) / (Σ ttft_a / n) through the speedup statistic's form
-    itl = (later_m, span_m, later_a, span_a)  # tokens per second after the first token, method over AR
-    return {"ttft_ratio": float(_speedup_stat(*ttft)), "ttft_ratio_ci95": bootstrap_ci(ttft, _speedup_stat),
-            "itl_speedup": float(_speedup_stat(*itl)), "itl_speedup_ci95": bootstrap_ci(itl, _speedup_stat)}
+    # TTFT: (Σ ttft_m / n) / (Σ ttft_a / n) through the ratio's form; ITL: tokens/s after the first, method over AR
+    (ttft, ttft_ci), (itl, itl_ci) = (paired_ratio((ttft_m, ones, ttft_a, ones)),
+                                      paired_ratio((later_m, span_m, later_a, span_a)))
+    return {"ttft_ratio": ttft, "ttft_ratio_ci95": ttft_ci, "itl_speedup": itl, "itl_speedup_ci95": itl_ci}
 
 
 def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: float, greedy: bool) -> dict:
@@ -313,19 +183,15 @@ def _method_metrics(recs: list[dict], ar: list[dict], ar_tps: float, ar_step_s: 
 def _withhold_intervals(entry: dict) -> None:
     """Nulls every interval of a group too small to support one (its point estimates stay)."""
     for key, value in entry.items():
-        if key.endswith("ci95") or key == "ci95":
-            entry[key] = None
-        elif key == "within_noise":
+        if key.endswith("ci95") or key == "within_noise":
             entry[key] = None
         elif isinstance(value, dict):
             _withhold_intervals(value)
 
 
 def summarize(records: list[dict], greedy: bool, min_ci_requests: int = 2) -> dict:
-    """Metrics of one group of requests (a domain, or all of them): one entry per method present,
-    plus the headline `speedup` / `greedy_match` of the tuned draft, as the metrics.json schema
-    (docs/architecture.md) has them. Below `min_ci_requests` requests every interval is null and `ci_withheld`
-    says why (eval.min_requests_for_ci)."""
+    """Metrics of one group of requests (a domain, or all of them): one entry per method, plus the tuned draft's
+    headline `speedup` / `greedy_match`; below `min_ci_requests` requests every interval is null (`ci_withheld`)."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -356,12 +222,10 @@ def sweep_point(spec: list[dict], ar: list[dict]) -> dict:
     point = {k: v for k, v in speculative_counters(spec, ar_step_s).items()
              if k in ("acceptance_rate", "mean_accepted_length", "c")}
     point["tokens_per_s"] = throughput(spec)["tokens_per_s"]
-    ar_tps = throughput(ar)["tokens_per_s"]
-    point["speedup"] = point["tokens_per_s"] / ar_tps if ar_tps else 0.0
+    (tok_s, tok_a), (sec_s, sec_a) = ([[len(r["tokens"]) for r in recs] for recs in (spec, ar)],
+                                      [[r["time_s"] for r in recs] for recs in (spec, ar)])
     # spec[i] and ar[i] are the same request: pair by position.
-    point["speedup_ci95"] = bootstrap_ci(tuple(np.array(x, dtype=float) for x in (
-        [len(r["tokens"]) for r in spec], [r["time_s"] for r in spec],
-        [len(r["tokens"]) for r in ar], [r["time_s"] for r in ar])), _speedup_stat)
+    point["speedup"], point["speedup_ci95"] = paired_ratio((tok_s, sec_s, tok_a, sec_a))
     return point
 
 
@@ -381,10 +245,8 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
 
 
 # Plain decoding and HF generate run the same computation, so per request their tokens/s agree within a few percent
-# on a quiet machine. A request where they part by more than the band (eval.control_band, conf/eval/default.yaml,
-# fixed before a run) was disturbed by other load: the report gives the measured figure over every request first and
-# the figure without the disturbed requests beside it, labelled. CONTROL_BAND is only the default of callers that
-# pass no band; a run passes its eval.control_band (EvalSettings.control_band) to build().
+# on a quiet machine; a request where they part by more than the band (eval.control_band, fixed before a run) was
+# disturbed by other load. CONTROL_BAND is the default of callers that pass none.
 CONTROL = "hf_generate"
 CONTROL_BAND = (0.8, 1.25)
 
@@ -392,8 +254,8 @@ CONTROL_BAND = (0.8, 1.25)
 def disturbed_requests(records: list[dict], band: tuple[float, float] = CONTROL_BAND) -> list[tuple]:
     """(domain, prompt_id, turn) of the requests whose control pair (plain decoding, HF generate) disagree beyond
     `band` in tokens/s; [] when HF generate did not run."""
-    ar = _per_request([r for r in records if r["method"] == AUTOREGRESSIVE])
-    control = _per_request([r for r in records if r["method"] == CONTROL])
+    ar = per_request([r for r in records if r["method"] == AUTOREGRESSIVE])
+    control = per_request([r for r in records if r["method"] == CONTROL])
     low, high = band
 
     def ratio(key) -> float:
@@ -422,7 +284,7 @@ def control_check(records: list[dict], greedy: bool, band: tuple[float, float] =
     if not any(r["method"] == CONTROL for r in records):
         return None
     disturbed = disturbed_requests(records, band)
-    out = {"method": CONTROL, "band": [float(band[0]), float(band[1])], "n_requests": len(_per_request(
+    out = {"method": CONTROL, "band": [float(band[0]), float(band[1])], "n_requests": len(per_request(
         [r for r in records if r["method"] == AUTOREGRESSIVE])), "disturbed": [list(k) for k in disturbed]}
     if disturbed and len(disturbed) < out["n_requests"]:  # every request disturbed: nothing to recompute on
         drop = set(disturbed)
@@ -434,11 +296,9 @@ def control_check(records: list[dict], greedy: bool, band: tuple[float, float] =
 
 def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float,
           band: tuple[float, float] = CONTROL_BAND, stalls: dict | None = None, min_ci_requests: int = 2) -> dict:
-    """metrics.json's core (the schema in docs/architecture.md, every method beside `speculative`); plans[draft][domain]
-    holds the γ, draft-length policy and draft temperature that draft ran with (domain "default" for `overall`).
-    `stalls` (eval/harness.py retime_stalls) lists requests still disturbed after re-timing: they are kept out of
-    every figure, and `stalls.unfiltered` holds the overall speedups with them. Per domain, intervals need
-    `min_ci_requests` requests; `overall` always has its own."""
+    """metrics.json's core; plans[draft][domain] is the DraftPlan that draft ran with ("default" for `overall`).
+    Requests `stalls` (eval/harness.py retime_stalls) left disturbed are kept out of every figure
+    (`stalls.unfiltered`: the overall speedups with them). Per domain, intervals need `min_ci_requests` requests."""
     greedy = temperature == 0
     every, records = records, without_disturbed(records, stalls)
     domains = {d: summarize([r for r in records if r["domain"] == d], greedy, min_ci_requests)

@@ -30,9 +30,7 @@ def acceptance_by_domain(metrics: dict, path: Path) -> str:
         bars = ax.bar(xs, values, width, label=DRAFTS[method])
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks(range(len(domains)), domains, rotation=30, ha="right")
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("acceptance rate")
-    ax.set_title(f"Draft acceptance per domain (T={metrics['temperature']})")
+    ax.set(ylim=(0, 1.05), ylabel="acceptance rate", title=f"Draft acceptance per domain (T={metrics['temperature']})")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -46,11 +44,8 @@ def per_position(metrics: dict, path: Path) -> str:
             ax.plot(range(1, len(values) + 1), values, marker="o", label=domain)
     longest = max((len(d.get("speculative", {}).get("per_position_acceptance") or [])
                    for d in metrics["domains"].values()), default=0)
-    ax.set_xticks(range(1, longest + 1))
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(token k accepted)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("Per-position acceptance (evaluated draft)")
+    ax.set(xticks=range(1, longest + 1), xlabel="draft position k", ylabel="P(token k accepted)", ylim=(0, 1.05),
+           title="Per-position acceptance (evaluated draft)")
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
 
@@ -64,17 +59,12 @@ def gamma_sweep(metrics: dict, path: Path) -> str:
     left.plot(gammas, [p["acceptance_rate"] for p in points], marker="o", label="acceptance rate")
     left.plot(gammas, [p["mean_accepted_length"] / (g + 1) for p, g in zip(points, gammas)], marker="s",
               label="mean accepted length / (γ+1)")
-    left.set_xticks(gammas)
-    right.set_xticks(gammas)
-    left.set_xlabel("γ (draft tokens per target pass)")
-    left.set_ylim(0, 1.05)
+    left.set(xticks=gammas, xlabel="γ (draft tokens per target pass)", ylim=(0, 1.05), title="Acceptance vs γ")
     left.legend(fontsize=7)
-    left.set_title("Acceptance vs γ")
     right.plot(gammas, [p["speedup"] for p in points], marker="o", color="C2")
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
-    right.set_xlabel("γ")
-    right.set_ylabel("speedup vs autoregressive")
-    right.set_title(f"Speedup vs γ ({sweep['n_requests']} requests)")
+    right.set(xticks=gammas, xlabel="γ", ylabel="speedup vs autoregressive",
+              title=f"Speedup vs γ ({sweep['n_requests']} requests)")
     return _save(fig, path)
 
 
@@ -113,8 +103,7 @@ def latency(records: list[dict], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(methods) + 1.5), 3.6))
     ax.boxplot(data, showmeans=True)
     ax.set_xticks(range(1, len(methods) + 1), methods, rotation=20, ha="right")
-    ax.set_ylabel("latency per request (s)")
-    ax.set_title("Request latency (prefill + decode)")
+    ax.set(ylabel="latency per request (s)", title="Request latency (prefill + decode)")
     return _save(fig, path)
 
 

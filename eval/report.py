@@ -1,4 +1,5 @@
-"""report.md: a short results page (setup, per-domain table, plots, fidelity) and the console table."""
+"""report.md: a short results page (setup, the tables of eval/tables.py, advice, checks, sweeps, fidelity, plots),
+requests.jsonl and the tracker's metrics."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,12 @@ from pathlib import Path
 
 import torch
 
-from eval.metrics import N_RESAMPLES, flat_metrics
+from eval.intervals import N_RESAMPLES
+from eval.metrics import flat_metrics
 from eval.plots import write_plots
+from eval.tables import (BATCH_PREDICTIONS, batch_rows, batch_verdict, comparison_lines, comparison_text, domain_rows,
+                         draft_rows, latency_rows, markdown_table, method_label, method_rows, num, policy_rows,
+                         speedup_text)
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.decoding.cost import predicted_speedup
 from pipeline.machine import cpu_name
@@ -21,14 +26,6 @@ CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RES
            "distinct resamples), so a domain with fewer requests than eval.min_requests_for_ci shows its point "
            "estimate alone (`n=3, no CI`); the overall interval always stands. `off (plain)`: the domain is "
            "calibrated off, so the method decodes plainly there — the plain run's tokens and time, not timed twice.")
-METHOD_LABELS = {"autoregressive": "own autoregressive", "speculative": "own speculative",
-                 "speculative_init": "own speculative, undistilled draft", "hf_generate": "HF generate",
-                 "hf_assisted": "HF assisted (HF defaults)", "hf_assisted_fixed": "HF assisted (fixed γ)",
-                 "hf_assisted_calibrated": "HF assisted (our calibration)",
-                 "speculative_fixed": "own speculative, fixed γ", "speculative_confidence": "own speculative, confidence stop",
-                 "speculative_heuristic": "own speculative, HF heuristic schedule"}
-
-
 def machine() -> dict:
     """Where the numbers were measured: they mean nothing without it."""
     import transformers
@@ -39,213 +36,6 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def _f(value, fmt: str = ".2f") -> str:
-    return "–" if value is None else format(value, fmt)
-
-
-def _ci(value, ci, fmt: str = ".2f", unit: str = "", withheld: str | None = None) -> str:
-    """`1.38× [1.21, 1.52]`; a null interval says why instead of hiding: `withheld` (a domain with fewer requests
-    than eval.min_requests_for_ci, e.g. "n=3, no CI"), else fewer than 2 requests."""
-    if value is None:
-        return "–"
-    if ci is None:
-        interval = f"({withheld})" if withheld else "[n<2, no CI]"
-    else:
-        interval = f"[{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]"
-    return f"{_f(value, fmt)}{unit} {interval}"
-
-
-def _withheld(group: dict) -> str | None:
-    """"n=3, no CI" for a group whose intervals were withheld (eval.min_requests_for_ci), else None."""
-    return f"n={group.get('n_requests')}, no CI" if group.get("ci_withheld") else None
-
-
-def _speedup(m: dict, withheld: str | None = None) -> str:
-    if m.get("off"):  # calibrated off: plain decoding, timed once (eval/harness.py decodes_plainly)
-        return "off (plain)"
-    return _ci(m.get("speedup"), m.get("speedup_ci95"), unit="×", withheld=withheld)
-
-
-def _tau(tau, temperature: float, row: str) -> str:
-    if temperature == 0 or row == "overall":
-        return "–"  # greedy: the draft proposes its argmax, no temperature involved
-    return "=T" if tau is None else _f(tau)
-
-
-def _drafting(m: dict) -> str:
-    """What drafted for a method: its token tree when it ran one, else its draft-length policy."""
-    if m.get("tree"):
-        return "tree (" + ", ".join(map(str, m["tree"])) + ")"
-    return _policy(m.get("draft_length"))
-
-
-def _policy(entry: dict | None) -> str:
-    if not entry:
-        return "–"
-    if entry["policy"] == "confidence":
-        return f"conf ≥ {entry['threshold']:g}, ≤ {entry['max']}"
-    return f"{entry['policy']} {entry['max']}"
-
-
-def domain_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """The headline table: one row per domain plus `overall`."""
-    header = ["domain", "n", "acceptance init→tuned", "mean acc. len", "drafts/pass", "tok/s AR", "tok/s spec",
-              "speedup", "greedy match", "draft τ", "draft length"]
-    rows = []
-    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
-        spec, init, ar = d.get("speculative", {}), d.get("speculative_init"), d.get("autoregressive", {})
-        withheld = _withheld(d)
-        acceptance = _acceptance(spec, withheld)
-        if init:
-            acceptance = f"{'off' if init.get('off') else _f(init.get('acceptance_rate'))}→{acceptance}"
-        off = bool(spec.get("off"))
-        rows.append([name, str(d.get("n_prompts", "")), acceptance,
-                     "–" if off else _f(spec.get("mean_accepted_length")),
-                     "–" if off else _f(spec.get("drafted_per_pass")), _f(ar.get("tokens_per_s"), ".1f"),
-                     "= AR" if off else _f(spec.get("tokens_per_s"), ".1f"),
-                     "off (plain)" if off else _ci(d.get("speedup"), d.get("speedup_ci95"), unit="×",
-                                                   withheld=withheld),
-                     _f(d.get("greedy_match")), "–" if off else _tau(spec.get("draft_temperature"),
-                                                                     metrics["temperature"], name),
-                     "off" if off else _drafting(spec)])
-    return header, rows
-
-
-def _acceptance(m: dict, withheld: str | None = None) -> str:
-    if m.get("off"):
-        return "off"
-    if "acceptance_rate" not in m:
-        return "–"
-    return _ci(m["acceptance_rate"], m.get("acceptance_rate_ci95"), withheld=withheld)
-
-
-def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Every method's tokens/s, latency and speedup over all domains."""
-    header = ["method", "tok/s", "latency p50 (s)", "latency p95 (s)", "speedup", "greedy match"]
-    rows = []
-    for method in sorted(metrics["methods"], key=_method_order):
-        m, label = metrics["overall"].get(method), method_label(method, engine_of(metrics))
-        if m:
-            rows.append([label, _f(m["tokens_per_s"], ".1f"), _f(m["latency_p50_s"]), _f(m["latency_p95_s"]),
-                         "1.00×" if method == "autoregressive" else _speedup(m),
-                         "ref" if method == "autoregressive" else _f(m.get("greedy_match"))])
-    return header, rows
-
-
-def latency_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Streaming latency per domain and own method: TTFT and inter-token latency percentiles, TTFT over plain
-    decoding's, and the inter-token-latency speedup beside the end-to-end one (both with their intervals)."""
-    header = ["domain", "method", "TTFT p50 (ms)", "TTFT p95 (ms)", "ITL mean (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
-              "TTFT / AR", "ITL speedup", "speedup"]
-    rows = []
-    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
-        for method in sorted(metrics["methods"], key=_method_order):
-            m = d.get(method)
-            if not isinstance(m, dict) or m.get("ttft_p50_s") is None or m.get("off"):
-                continue  # an off method's stream is the plain run's
-            ms = [_f(None if m.get(k) is None else 1000 * m[k], ".1f")
-                  for k in ("ttft_p50_s", "ttft_p95_s", "itl_mean_s", "itl_p50_s", "itl_p95_s")]
-            plain = method == "autoregressive"
-            rows.append([name, method, *ms, "1.00" if plain else _ci(m.get("ttft_ratio"), m.get("ttft_ratio_ci95")),
-                         "1.00×" if plain else _ci(m.get("itl_speedup"), m.get("itl_speedup_ci95"), unit="×"),
-                         "1.00×" if plain else _speedup(m)])
-    return header, rows
-
-
-HF_ENGINE_LABELS = {"autoregressive": "HF generate", "speculative": "HF assisted",  # eval.engine=hf's methods
-                    "speculative_init": "HF assisted, undistilled draft"}
-
-
-def engine_of(metrics: dict) -> str:
-    return ((metrics.get("setup") or {}).get("settings") or {}).get("engine", "ours")
-
-
-def method_label(method: str, engine: str = "ours") -> str:
-    if engine == "hf":
-        return HF_ENGINE_LABELS.get(method, f"HF assisted, draft `{method.removeprefix('speculative_')}`")
-    if method in METHOD_LABELS:
-        return METHOD_LABELS[method]
-    return f"own speculative, draft `{method.removeprefix('speculative_')}`"  # eval.extra_drafts
-
-
-def _method_order(method: str) -> int:
-    order = list(METHOD_LABELS)
-    return order.index(method) if method in order else order.index("speculative_init") + 1
-
-
-def draft_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Per domain, every own-decoder method (several drafts side by side: eval.extra_drafts): tokens/s, speedup
-    with its interval, acceptance, mean accepted length and c (draft step / target step, as measured)."""
-    header = ["domain", "method", "tok/s", "speedup", "acceptance", "mean acc. len", "c", "drafting"]
-    own = [m for m in sorted(metrics["methods"], key=_method_order) if m.startswith("speculative")]
-    rows = []
-    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
-        rows.append([name, "plain (own autoregressive)", _f(d.get("autoregressive", {}).get("tokens_per_s"), ".2f"),
-                     "1.00×", "–", "–", "–", "–"])
-        for method in own:
-            m = d.get(method)
-            if m and m.get("off"):
-                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m),
-                             "off", "–", "–", "off"])
-            elif m:
-                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m, _withheld(d)),
-                             _acceptance(m, _withheld(d)), _f(m.get("mean_accepted_length")), _f(m.get("c")),
-                             _drafting(m)])
-        for method in sorted(metrics["methods"], key=_method_order):
-            m = d.get(method) if method.startswith("hf_") else None
-            if m:
-                rows.append([name, method_label(method), _f(m.get("tokens_per_s"), ".2f"), _speedup(m),
-                             "–", "–", "–", "–"])
-    return header, rows
-
-
-def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Per domain and draft-length policy (eval.compare_draft_lengths): mean accepted length, drafts per pass,
-    drafts wasted (proposed − accepted, per pass) and speedup with its interval."""
-    header = ["domain", "policy", "drafting", "mean acc. len", "drafts/pass", "wasted/pass", "speedup"]
-    rows = []
-    for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
-        for method in ("speculative", "speculative_fixed", "speculative_confidence", "speculative_heuristic"):
-            m = d.get(method)
-            if not m:
-                continue
-            passes, off = m.get("target_passes") or 1, bool(m.get("off"))
-            rows.append([name, "calibrated" if method == "speculative" else method.removeprefix("speculative_"),
-                         "off" if off else _drafting(m), "–" if off else _f(m.get("mean_accepted_length")),
-                         "–" if off else _f(m.get("drafted_per_pass")),
-                         "–" if off else _f(m.get("wasted_drafts", 0) / passes), _speedup(m, _withheld(d))])
-    return header, rows
-
-
-def _comparison(scope: str, name: str, c: dict, engine: str = "ours") -> str:
-    spec, other = method_label("speculative", engine), method_label(name, engine)
-    ratio, n = _ci(c["ratio"], c["ci95"], unit="×"), c.get("n_requests")
-    if c["within_noise"] is None:
-        return f"{scope}: {spec} vs {other}: tokens/s ratio {ratio} — {n} requests, too few to tell from noise."
-    if c["within_noise"]:
-        return f"{scope}: {spec} and {other} are within noise of each other (tokens/s ratio {ratio}, {n} requests)."
-    verdict = "faster" if c["ratio"] > 1 else "slower"
-    return f"{scope}: {spec} is {verdict} than {other} beyond noise (tokens/s ratio {ratio}, {n} requests)."
-
-
-def comparison_lines(metrics: dict) -> list[str]:
-    """Each domain's (and overall) paired comparison of the evaluated draft with every other non-AR method, in words."""
-    scopes = [*metrics["domains"].items(), ("overall", metrics["overall"])]
-    return [_comparison(scope, key.removeprefix("speculative_vs_"), c, engine_of(metrics))
-            for scope, d in scopes for key, c in (d.get("comparisons") or {}).items()]
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def _model_line(ident: dict) -> str:
@@ -259,23 +49,23 @@ def _model_line(ident: dict) -> str:
     return f"{source} — {ident.get('architecture', '?')}, {layers} layers, {size}"
 
 
-def _cost_line(spec: dict, measured: float) -> str:
-    """c and the speedup the measured acceptance predicts, so a reader can tell a weak draft from decoder overhead.
+def _step_and_r(spec: dict) -> tuple[float, float]:
+    """The target's 1-token step (ms) implied by c and the draft forward, and r = verify pass / step."""
+    c, draft_ms, verify_ms = spec.get("c") or 0.0, spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
+    step_ms = draft_ms / c if c else 0.0
+    return step_ms, verify_ms / step_ms if step_ms and verify_ms else 1.0
 
-    Leviathan et al.'s time model (Thm 3.8) with the verify pass costed as measured: each target pass emits the
-    mean accepted length L of tokens and costs D draft steps (γ for a fixed length, the measured mean for a
-    policy) plus one verify pass, so speedup = L / (Dc + r), r = verify pass / 1-token step. L is measured
-    directly rather than rebuilt from an i.i.d. α, because accepted/proposed understates the per-token α once a
-    rejection ends a round.
-    """
+
+def _cost_line(spec: dict, measured: float) -> str:
+    """c and the speedup the measured acceptance predicts (Leviathan et al. Thm 3.8 with the verify pass costed as
+    measured: L / (Dc + r), L the measured mean accepted length), so a reader can tell a weak draft from overhead."""
     gamma, c = spec.get("drafted_per_pass") or spec.get("gamma", 0), spec.get("c", 0.0)
     mal = spec.get("mean_accepted_length", 0.0)
     if c is None:  # HF generate and the engines time whole requests, not each forward
         return (f"mean accepted length {mal:.2f} at {gamma:.2f} drafts per pass, measured {measured:.2f}× (this engine "
                 "reports no per-forward times, so c and the time model's prediction are not shown)")
     draft_ms, verify_ms = spec.get("draft_forward_ms", 0.0), spec.get("verify_forward_ms", 0.0)
-    step_ms = draft_ms / c if c else 0.0
-    r = verify_ms / step_ms if step_ms and verify_ms else 1.0
+    step_ms, r = _step_and_r(spec)
     predicted = predicted_speedup(mal - 1, gamma, c, r) if gamma else 0.0
     return (f"c (draft forward / target forward) = {c:.3f} (draft {draft_ms:.1f} ms, target step {step_ms:.1f} ms, "
             f"verify pass {verify_ms:.1f} ms, r = {r:.2f}). Time model (Leviathan et al. Thm 3.8, verify costed "
@@ -292,8 +82,7 @@ def slowdown_advice(metrics: dict) -> str | None:
     if not spec or speedup >= 1.0 or spec.get("c") is None:  # no per-forward times: nothing to explain it with
         return None
     length, drafted, c = spec.get("mean_accepted_length", 0.0), spec.get("drafted_per_pass", 0.0), spec.get("c", 0.0)
-    step_ms = spec.get("draft_forward_ms", 0.0) / c if c else 0.0
-    r = spec.get("verify_forward_ms", 0.0) / step_ms if step_ms else 1.0
+    r = _step_and_r(spec)[1]
     fixes = []
     if r > 1.15:
         fixes.append(f"a verify pass costs {r:.2f} decoding steps on this device: try the other runtime.dtype "
@@ -323,7 +112,7 @@ def _fidelity(metrics: dict) -> list[str]:
                      f"here a separate greedy run on {fid.get('n_prompts')} prompt(s) per domain compares "
                      "speculative and autoregressive outputs token for token:")
     lines += ["", markdown_table(["domain", "greedy match"],
-                                 [[d, _f(v)] for d, v in fid["by_domain"].items()] + [["all", _f(fid["share"])]]), ""]
+                                 [[d, num(v)] for d, v in fid["by_domain"].items()] + [["all", num(fid["share"])]]), ""]
     mismatches = fid.get("mismatches") or []
     if mismatches:
         lines += ["Each mismatch with the target's top-2 logit gap where the outputs first differ (a near-tie is a "
@@ -338,7 +127,7 @@ def _fidelity(metrics: dict) -> list[str]:
     fp32 = fid.get("fp32")
     if fp32:
         lines += [f"The mismatched request(s) of the tuned draft again, greedy, with float32 copies of both models "
-                  f"({fp32['n_prompts']} prompt(s)): match share **{_f(fp32['share'])}**"
+                  f"({fp32['n_prompts']} prompt(s)): match share **{num(fp32['share'])}**"
                   + (" — every reduced-precision mismatch above was rounding." if fp32["share"] == 1.0 else
                      f"; {len(fp32['mismatches'])} mismatch(es) remain in fp32: a decoder bug to investigate."), ""]
     if fid["share"] < 1.0 and not mismatches and not fp32:
@@ -368,12 +157,12 @@ def control_lines(metrics: dict) -> list[str]:
     n, kept = control["n_requests"], control["n_requests"] - len(control["disturbed"])
 
     def both(method: str, filtered: dict) -> str:
-        first = f"{_speedup(unfiltered[method])} unfiltered (all {n} requests), " if method in unfiltered else ""
-        return f"{method_label(method)} {first}{_speedup(filtered)} filtered (without the disturbed, {kept} requests)"
+        first = f"{speedup_text(unfiltered[method])} unfiltered (all {n} requests), " if method in unfiltered else ""
+        return f"{method_label(method)} {first}{speedup_text(filtered)} filtered (without the disturbed, {kept} requests)"
     speedups = "; ".join(both(m, v) for m, v in clean["speedup"].items())
     return [head + f" (band fixed before the run, eval.control_band) — disturbed by other load: {names}. "
                    f"Overall speedup: {speedups}.",
-            *[_comparison("overall without them", name.removeprefix("speculative_vs_"), c)
+            *[comparison_text("overall without them", name.removeprefix("speculative_vs_"), c)
               for name, c in clean["comparisons"].items()]]
 
 
@@ -392,7 +181,7 @@ def stall_lines(metrics: dict) -> list[str]:
     names = ", ".join(f"{d} {p} turn {t}" for d, p, t in stalls["disturbed"])
     if not stalls.get("n_excluded"):
         return [head + f" ({names}) — every request: read no timing of this run."]
-    unfiltered = "; ".join(f"{method_label(m)} {_speedup(v)}" for m, v in stalls["unfiltered"]["speedup"].items())
+    unfiltered = "; ".join(f"{method_label(m)} {speedup_text(v)}" for m, v in stalls["unfiltered"]["speedup"].items())
     return [head + f" ({names}): kept out of every figure above ({stalls['n_excluded']} requests). "
                    f"Overall with them: {unfiltered}."]
 
@@ -487,22 +276,29 @@ def _sweep_lines(metrics: dict) -> list[str]:
     lines = []
     sweep = metrics.get("gamma_sweep")
     if sweep:
-        rows = [[g, _f(p["acceptance_rate"]), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
-                 _speedup(p)] for g, p in sweep["by_gamma"].items()]
+        rows = [[g, num(p["acceptance_rate"]), num(p["mean_accepted_length"]), num(p["tokens_per_s"], ".1f"),
+                 speedup_text(p)] for g, p in sweep["by_gamma"].items()]
         lines += ["## γ sweep", "", f"On {sweep['n_requests']} requests ({sweep['n_prompts_per_domain']} prompt(s) "
                   "per domain), evaluated draft, each γ interleaved with an autoregressive run of the same "
                   "request.", "",
                   markdown_table(["γ", "acceptance", "mean acc. len", "tok/s", "speedup"], rows), ""]
     trees = metrics.get("tree_sweep")
     if trees:
-        rows = [[f"({k})", _f(p["drafted_per_pass"], ".1f"), _f(p["mean_accepted_length"]), _f(p["tokens_per_s"], ".1f"),
-                 _speedup(p), _f(p["predicted_speedup"]) + ("×" if p["predicted_speedup"] else "")]
+        rows = [[f"({k})", num(p["drafted_per_pass"], ".1f"), num(p["mean_accepted_length"]), num(p["tokens_per_s"], ".1f"),
+                 speedup_text(p), num(p["predicted_speedup"]) + ("×" if p["predicted_speedup"] else "")]
                 for k, p in trees["by_tree"].items()]
         lines += ["## Tree sweep", "", f"On {trees['n_requests']} requests ({trees['n_prompts_per_domain']} prompt(s) "
                   "per domain), evaluated draft, each tree interleaved with an autoregressive run of the same "
                   "request; predicted = distill's simulator on its reporting part with the cost profile, averaged "
                   "over the requests' domains.", "",
                   markdown_table(["tree", "nodes/pass", "mean acc. len", "tok/s", "speedup", "predicted"], rows), ""]
+    batches = metrics.get("batch_sweep")
+    if batches and batches["by_batch"]:
+        lines += ["## Batch sweep", "", "Batched speculation (pipeline/decoding/batch.py) against batched plain "
+                  f"decoding on the first turns of {batches['n_prompts']} prompts cut into batches of B, both in "
+                  f"rotating order; predicted = {BATCH_PREDICTIONS[batches['prediction']]}; no host = the same γ "
+                  "priced by its forwards alone.", "", markdown_table(*batch_rows(batches)), "",
+                  batch_verdict(batches), ""]
     return lines
 
 

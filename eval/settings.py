@@ -1,16 +1,8 @@
-"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml, built from
-the composed config and validated in one place (`__post_init__`, TRL's `XConfig` pattern).
-
-What each setting does and why its default is what it is: the comments in conf/eval/default.yaml. Nothing here has
-a default: every value comes from the composed config (`EvalSettings.from_config(cfg.eval)`), which refuses a
-missing or an unknown key. Checks raise a one-line PipelineError before any model is loaded, so bad input fails
-fast and writes nothing; what needs the file system or the model preset (do the draft directories exist?) is
-checked where the drafts load (eval/drafts.py).
-
-Validation also normalises, so the rest of eval reads one shape per setting: `compare_draft_lengths` and `baselines`
-(true | false | a list) become the tuple of names to run, `gammas`, `trees`, a tree `drafting` and `domains` tuples (a single
-domain string a 1-tuple), a null `gammas`/`trees`/`extra_drafts` empty. Normalising is idempotent, so
-`dataclasses.replace` (which validates again) keeps working on a built instance.
+"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml (whose
+comments say what each does), built by `EvalSettings.from_config(cfg.eval)`, which refuses a missing or an unknown
+key, and checked in one place (`__post_init__`, TRL's `XConfig` pattern) before any model loads; what needs files or
+models is checked where the drafts load (eval/drafts.py). Validation also normalises to one shape per setting
+(name lists to tuples, true/false lists to the names they mean); it is idempotent, so `dataclasses.replace` works.
 """
 from __future__ import annotations
 
@@ -29,8 +21,27 @@ DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.dr
 RESERVED = ("init", "fixed", "confidence", "heuristic", "unguarded", "fixed_tau")  # speculative_<these> name other methods: no extra draft's name
 
 
+# The numeric settings' rules: key (stall.<knob>: inside eval.stall) -> (integer?, least, exclusive?, nullable?, e.g.)
+NUMBERS = {"max_new_tokens": (True, 1, False, False, 64), "sweep_prompts_per_domain": (True, 1, False, False, 1),
+           "warmup_tokens": (True, 1, False, False, 8), "max_prompts_per_domain": (True, 1, False, True, 8),
+           "fidelity_prompts_per_domain": (True, 0, False, True, 1), "min_requests_for_ci": (True, 2, False, False, 8),
+           "draft_temperature": (False, 0, False, True, 0.6), "max_minutes": (False, 0, True, True, 4),
+           "stall.factor": (False, 1, True, True, 3), "stall.retimes": (True, 0, False, False, 2),
+           "stall.agree": (False, 1, True, False, 1.25)}
+
+
 def _bad(key: str, value, problem: str, fix: str):
     raise PipelineError(f"eval.{key}={value!r} {problem}: {fix}")
+
+
+def _check_number(key: str, value) -> None:
+    integer, least, exclusive, nullable, example = NUMBERS[key]
+    if value is None and nullable:
+        return
+    if (isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+            or value < least or (exclusive and value == least)):
+        _bad(key, value, f"is not {'an integer' if integer else 'a number'} {'>' if exclusive else '>='} {least}",
+             f"use e.g. eval.{key}={example}" + (", or null" if nullable else ""))
 
 
 def _names(key: str, value, known: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -65,6 +76,7 @@ class EvalSettings:
     extra_drafts: dict[str, str]         # {name: model dir | pretrained}: more drafts, methods speculative_<name>
     gammas: tuple[int, ...]              # the γ sweep's draft lengths; () = no sweep
     trees: tuple[tuple[int, ...], ...]   # the tree sweep's branching factors; () = no sweep
+    batch_sizes: tuple[int, ...]         # the batch-size sweep's batch sizes; () = no sweep
     sweep_prompts_per_domain: int        # prompts per domain (all their turns) the sweeps run on
     fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
     fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
@@ -106,25 +118,15 @@ class EvalSettings:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
 
     def _check_counts(self) -> None:
-        gammas = list(self.gammas or [])
-        if any(not isinstance(g, int) or g < 1 for g in gammas):
-            _bad("gammas", gammas, "holds a γ < 1",
-                 "list draft lengths >= 1, e.g. eval.gammas=[1,2,4,6,8], or [] for no sweep")
-        self._normalise("gammas", tuple(gammas))
-        if self.draft_temperature is not None and self.draft_temperature < 0:
-            _bad("draft_temperature", self.draft_temperature, "is negative",
-                 "use a positive value, or null for the calibrated/target temperature")
-        if self.max_minutes is not None and (not isinstance(self.max_minutes, (int, float)) or self.max_minutes <= 0):
-            _bad("max_minutes", self.max_minutes, "is not a positive number of minutes",
-                 "use e.g. eval.max_minutes=4, or null for no limit")
-        for key in ("max_new_tokens", "sweep_prompts_per_domain", "warmup_tokens"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                _bad(key, value, "is not an integer >= 1", f"set eval.{key} to a positive integer")
-        for key, least in (("max_prompts_per_domain", 1), ("fidelity_prompts_per_domain", 0)):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < least):
-                _bad(key, value, "is not a valid count", f"set eval.{key} to a positive integer (null = all)")
+        for key, example in (("gammas", "[1,2,4,6,8]"), ("batch_sizes", "[1,2,4,8]")):
+            values = list(getattr(self, key) or [])
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                _bad(key, values, "holds a value < 1",
+                     f"list integers >= 1, e.g. eval.{key}={example}, or [] for no sweep")
+            self._normalise(key, tuple(values))
+        for key in NUMBERS:
+            if not key.startswith("stall."):
+                _check_number(key, getattr(self, key))
 
     def _check_control_band(self) -> None:
         band = self.control_band
@@ -139,18 +141,9 @@ class EvalSettings:
         rule = dict(self.stall or {})
         if set(rule) != {"factor", "retimes", "agree"}:
             _bad("stall", self.stall, "is not {factor, retimes, agree}", "give every key of conf/eval/default.yaml's eval.stall")
-        factor, retimes, agree = rule["factor"], rule["retimes"], rule["agree"]
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1):
-            _bad("stall.factor", factor, "is not a factor > 1", "use e.g. eval.stall.factor=3, or null for no stall rule")
-        if isinstance(retimes, bool) or not isinstance(retimes, int) or retimes < 0:
-            _bad("stall.retimes", retimes, "is not a count >= 0", "use e.g. eval.stall.retimes=2")
-        if isinstance(agree, bool) or not isinstance(agree, (int, float)) or agree <= 1:
-            _bad("stall.agree", agree, "is not a ratio > 1", "use e.g. eval.stall.agree=1.25")
+        for knob in ("factor", "retimes", "agree"):
+            _check_number(f"stall.{knob}", rule[knob])
         self._normalise("stall", rule)
-        least = self.min_requests_for_ci
-        if isinstance(least, bool) or not isinstance(least, int) or least < 2:
-            _bad("min_requests_for_ci", least, "is not a count >= 2", "use e.g. eval.min_requests_for_ci=8 (a bootstrap "
-                 "needs 2 requests at the very least)")
 
     def _check_drafting(self) -> None:
         self._normalise("compare_draft_lengths", _names("compare_draft_lengths", self.compare_draft_lengths,
@@ -190,7 +183,8 @@ class EvalSettings:
             _bad("engine", self.engine, "is not an engine eval runs in",
                  f"use one of {', '.join(ENGINES)} (vllm needs CUDA and `pip install vllm`)")
         if self.engine == "hf":  # HF assisted generation runs chains of the calibrated policy, nothing else
-            for key, off in (("trees", "[]"), ("compare_draft_lengths", "false"), ("baselines", "false")):
+            for key, off in (("trees", "[]"), ("batch_sizes", "[]"), ("compare_draft_lengths", "false"),
+                             ("baselines", "false")):
                 if getattr(self, key):
                     _bad(key, getattr(self, key), "runs in this project's decoder, not in HF generate",
                          f"set eval.{key}={off} with eval.engine=hf")

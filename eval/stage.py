@@ -1,17 +1,10 @@
 """Eval stage: the project's speculative decoder against plain target decoding, per domain.
 
-    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=calibrated|off|4|[3,2,1]|confidence] ...
+    python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=...] ...
 
-Every held-out request (one user turn of one prompt, chat template applied; later turns conditioned on
-the target's own autoregressive answer) is decoded by every method back to back, in rotating order,
-after a warm-up, so machine drift hits all methods alike. Methods (names as in metrics.json):
-  autoregressive     own plain decoding (pipeline.decoding.autoregressive_generate)
-  speculative        own speculative decoding with the tuned draft (eval.draft, default ${paths.draft})
-  speculative_init   the same with the undistilled draft (${paths.draft_init}), when it exists
-  speculative_<name> the same with each draft of eval.extra_drafts (e.g. the pretrained draft, another export)
-  hf_generate, hf_assisted, hf_assisted_fixed, hf_assisted_calibrated   HF peers (eval/baselines.py), eval.baselines
-Writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename
-(docs/architecture.md describes the artifacts).
+Every held-out request is decoded by every method (metrics.json's names, docs/architecture.md "Eval output") back to
+back, in rotating order, after a warm-up (eval/harness.py), so machine drift hits all methods alike. Writes
+metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 """
 from __future__ import annotations
 
@@ -26,11 +19,11 @@ from eval import metrics as M
 from eval.baselines import hf_engine_methods
 from eval.drafts import Draft, Evaluation, load_models  # noqa: F401  (Draft: the plan's input type)
 from eval.fidelity import NEAR_TIE_ULPS, diagnose, fidelity_check, fp32_recheck
-from eval.report import (comparison_lines, control_lines, domain_rows, draft_rows, log_to_tracker, machine, policy_rows,
-                         slowdown_advice, stall_lines, text_table, write_outputs)
+from eval.report import control_lines, log_to_tracker, machine, slowdown_advice, stall_lines, write_outputs
+from eval.tables import batch_rows, batch_verdict, comparison_lines, domain_rows, draft_rows, policy_rows, text_table
 from eval.settings import EvalSettings
 from eval.harness import benchmark
-from eval.sweeps import gamma_sweep, tree_sweep
+from eval.sweeps import batch_sweep, gamma_sweep, tree_sweep
 from pipeline.decoding import POLICIES, DraftLength, DraftPlan, autoregressive_generate, speculative_generate
 from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
@@ -58,27 +51,16 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
-    from pipeline.prompts import load_prompts, load_split
+    from pipeline.prompts import by_domain, keep_domains, load_prompts, load_split
 
-    wanted = settings.domains
-    if settings.prompts_file:
+    if settings.prompts_file:  # our schema or Spec-Bench's
         source = str(settings.prompts_file)
-        rows = load_prompts(source)  # our schema or Spec-Bench's; raises on an empty or malformed file
-        if wanted:
-            available = sorted({p["domain"] for p in rows})
-            missing = [domain for domain in wanted if domain not in available]
-            if missing:
-                raise PipelineError(f"eval.domains {missing} have no prompts in {source} (available: {available}): "
-                                    "fix eval.domains or the file")
-            rows = [p for p in rows if p["domain"] in wanted]
+        rows = keep_domains(load_prompts(source), settings.domains, f"(eval.domains) have no prompts in {source}",
+                            "fix eval.domains or the file")
     else:
         source = f"{cfg.paths.prompts}/eval.jsonl (held-out split of the prepare stage)"
-        rows = load_split(cfg.paths.prompts, "eval", wanted)
-    by_domain: dict[str, list[dict]] = {}
-    for prompt in rows:
-        by_domain.setdefault(prompt["domain"], []).append(prompt)
-    limit = settings.max_prompts_per_domain
-    return {domain: prompts[:limit] if limit else prompts for domain, prompts in by_domain.items()}, source
+        rows = load_split(cfg.paths.prompts, "eval", settings.domains)
+    return by_domain(rows, settings.max_prompts_per_domain), source
 
 
 # ---------------------------------------------------------------- plans
@@ -336,6 +318,9 @@ def run(cfg: DictConfig, tracker) -> dict:
     if settings.trees:
         metrics["tree_sweep"] = tree_sweep(contexts, methods, evaluation, cfg.seed)
         laps.lap("tree_sweep")
+    if settings.batch_sizes:
+        metrics["batch_sweep"] = batch_sweep(contexts, evaluation, cfg.seed)
+        laps.lap("batch_sweep")
     checked = fidelity(metrics, records, contexts, evaluation)
     if checked is not None:
         metrics["fidelity"] = checked
@@ -351,6 +336,8 @@ def run(cfg: DictConfig, tracker) -> dict:
         print(text_table(*policy_rows(metrics)))
     if settings.extra_drafts:
         print(text_table(*draft_rows(metrics)))
+    if (metrics.get("batch_sweep") or {}).get("by_batch"):
+        print(text_table(*batch_rows(metrics["batch_sweep"])) + "\n" + batch_verdict(metrics["batch_sweep"]))
     print("\n".join(comparison_lines(metrics) + control_lines(metrics) + stall_lines(metrics)))
     if slowdown_advice(metrics):
         print(f"[eval] {slowdown_advice(metrics)}")

@@ -1,12 +1,8 @@
-"""Entry point: `python -m pipeline stage=prepare|collect|distill|eval|all` (Hydra over conf/).
+"""Entry point: `python -m pipeline stage=prepare|collect|distill|calibrate|eval|all|params` (Hydra over conf/).
 
-Thin on purpose: compose the config, check the settings of every stage that will run, open the MLflow run, call
-the stage's `run(cfg, tracker)`. Bad input raises PipelineError, printed as one line with a non-zero exit (traceback
-only with `hydra.verbose=true`).
-
-`stage=params [overrides]` writes the composed config to params.yaml; `params_file=params.yaml stage=<name>`
-runs a stage from such a file instead of composing one. That is how DVC runs the pipeline (dvc.yaml): the
-file DVC tracks is the config that ran, for any preset.
+Thin on purpose: compose the config, check the settings of every stage that will run, open the MLflow run, call the
+stage's `run(cfg, tracker)`; bad input is one line and exit 2. `stage=params` writes params.yaml, from which
+`params_file=params.yaml` runs a stage (dvc.yaml does).
 """
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from omegaconf import DictConfig
 
 from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, target_step_seconds
 from pipeline.errors import PipelineError
-from pipeline.params import from_params_file, write_params
+from pipeline.params import compose_config, from_params_file, write_params
 from pipeline.tracking import start_run
 
 # One line per stage, in run order: (module with `run(cfg, tracker) -> dict`, module with `check_settings(cfg)`,
@@ -150,36 +146,15 @@ def _task_overrides() -> list[str]:
 
 def _precheck_overrides(argv: list[str]) -> None:
     """Compose once before Hydra does, so an unknown preset, a bad override or a bad setting of any stage that will
-    run is one clear line, and nothing is written (Hydra makes its run directory before calling main).
-
-    Skipped for Hydra's own flags (--help, --cfg, -m sweeps), which Hydra reports itself.
-    """
+    run is one line and nothing is written (Hydra makes its run directory before main); Hydra's own flags skip it."""
     if any(a.startswith("-") or "," in a for a in argv) or _verbose():
         return
-    from hydra import compose, initialize_config_dir
-    from pathlib import Path
-
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
     try:
-        with initialize_config_dir(config_dir=conf, version_base="1.3"):
-            cfg = compose("config", overrides=argv)
-    except Exception as e:
-        text = str(e).strip()
-        first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
-        lines = text.splitlines()
-        start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
-        options = []
-        for line in lines[start + 1:] if start is not None else []:
-            if not line.startswith("\t"):
-                break
-            options.append(line.strip())
-        hint = f" (available: {', '.join(options)})" if options else " (see `python -m pipeline --help`)"
-        _fail(f"bad configuration: {first}{hint}")
-    if not cfg.get("params_file"):  # the file is the config: _main checks it once loaded
-        try:
+        cfg = compose_config(argv)
+        if not cfg.get("params_file"):  # the file is the config: _main checks it once loaded
             check_settings(cfg)
-        except PipelineError as e:
-            _fail(str(e))
+    except PipelineError as e:
+        _fail(str(e))
 
 
 def cli() -> None:

@@ -1,25 +1,15 @@
-"""The pass costs of batched decoding at several batch sizes B: what decides where speculation stops paying.
+"""The pass costs of batched decoding at several batch sizes B: what decides where speculation stops paying
+(docs/architecture.md, "Where batched speculation stops paying").
 
-At B = 1 a small target is memory-bound, so a verify of γ + 1 tokens costs about one step; as B grows the target
-becomes compute-bound and the verify of B·(γ + 1) tokens costs more and more steps, while a draft step stays cheap.
-The profile times, at each B, the target's forward of 1 and of k tokens per row and the draft's 1-token step after
-a cached context, through the batched decoder's own forward (pipeline/decoding/batch.py `RaggedCache`: its 4-D
-mask and per-row positions, the head on the new positions only, the draft through its FR-Spec rows), so that
-`batch_cost` gives the cost summary the one cost model prices (pipeline/decoding/cost.py `pass_speedup`).
+At each B the profile times the target's forward of 1 and of k tokens per row and the draft's 1-token step after a
+cached context, through the batched decoder's own forward (pipeline/decoding/batch.py `RaggedCache`), and the
+batched loop's host work per pass (`host_times`: the difference of a SHORT and a LONG call, less the forwards the
+LONG one ran beyond, per extra pass, in that B's 1-token steps, clamped at 0; the difference cancels what every call
+pays once). `batch_cost` turns it into the cost summary the one cost model prices.
 
-A pass also pays the batched loop's own work between forwards: verification of every row, the RaggedCache's
-rollback and compaction, the pending tokens, the pass's one host sync, row selection. It is timed through the
-batched decoder itself (`host_times`): random prompts of `context` tokens decoded plainly and with chains of γ = 1
-and 4 for SHORT and LONG new tokens, interleaved over rounds after a warm-up. Per pass, host = (the LONG call's time
-less the SHORT call's, less the forwards the LONG call ran beyond the SHORT one's, priced from this profile's forward
-times at that B) / their difference in passes, in that B's 1-token target steps, clamped at 0. The difference of two
-calls cancels what every call pays once (the prompt's prefill, the draft's first read of it in pass 2, the set-up),
-which the per-token forwards timed here do not price.
-
-Schema (VERSION 1): `version`; `machine` (pipeline/cost_profile.py `machine`); `context` (cached tokens per row);
-`repeats`; `target` {B: {k: ms}} (median ms of a forward of k new tokens per row); `draft` {B: ms}; `host` {B:
-{plain: steps, chain: {γ: steps}}} (pipeline/pass_overhead.py's schema per B) and `host_settings` {sampling,
-new_tokens [SHORT, LONG], rounds}; a profile without `host` prices it at 0. Keys are strings (JSON).
+Schema (VERSION 1): `version`; `machine`; `context`; `repeats`; `target` {B: {k: ms}}; `draft` {B: ms}; `host` {B:
+{plain: steps, chain: {γ: steps}}} and `host_settings` {sampling, new_tokens [SHORT, LONG], rounds}; a profile
+without `host` prices it at 0. Keys are strings (JSON).
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """`cost_profile.json`: how long the target's forward takes per number of tokens fed, and the draft's step,
-measured on the machine that will serve, so γ and the predicted speedup are tuned for that machine.
+measured on the machine that will serve, so γ and the predicted speedup are tuned for that machine (schema:
+docs/architecture.md, "Cost profile").
 
-The walltime model of speculative decoding (Leviathan et al. 2023, Thm 3.8) needs two numbers: c = the
-draft's step time over the target's single-token step, and the verify ratio r_γ = the target's (γ+1)-token
-forward over its 1-token forward (1 in the paper's idealisation; well above 1 on CPUs whose few-row GEMMs
-are slow). Both depend on the hardware, dtype and threads, not on the weights, so a profile can be measured
-with random weights of the right shapes (`random_model`) and checked against the models it is used with.
-
-Schema (VERSION 1): `version`; `machine` {device, device_name, dtype, torch_threads, torch_version,
-transformers_version}; `shapes` {target, draft}: SHAPE_KEYS plus the draft's `head_rows`; `settings`
-{tokens_fed, contexts, draft_context, repeats, warmup, seed}; `target` {context: {tokens fed: {ms, p25, p75,
-ratio}}} (keys are decimal strings, `ratio` the median of paired k-token / 1-token forwards); `draft`
-{context, ms, p25, p75}; optional `host` (the decoder's host work per pass, pipeline/pass_overhead.py) and
-`canary` {start_ms, end_ms, ratio} (the 1-token step before and after the profile).
+The time model (Leviathan et al. 2023, Thm 3.8) needs c = draft step / target 1-token step and the verify ratio
+r_γ = the target's (γ+1)-token forward / its 1-token forward (1 in the paper's idealisation; well above 1 on CPUs
+whose few-row GEMMs are slow). Both depend on hardware, dtype and threads, not on the weights, so a profile can be
+measured with random weights of the right shapes (`random_model`) and checked against the models it serves.
 """
 from __future__ import annotations
 
@@ -111,14 +104,10 @@ def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
 def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, tokens_fed=(1, 2, 4, 8, 16, 32),
                          contexts=(64, 512), draft_context: int = 64, repeats: int = 5, warmup: int = 1,
                          seed: int = 0, host_sampling: Sampling | None = None) -> dict:
-    """Time the target's forward of each count in `tokens_fed` at each context length (KV cache prefilled
-    with random tokens) and the draft's 1-token step with its head sliced to `vocab`, as the decoder runs it.
-    (Nine parameters: the models and the subset, then the timing plan, each a conf/distill calibration.cost key.)
-
-    Interleaved and paired as `_sweep` says; the draft runs in the target's dtype, as it will serve. With
-    `host_sampling`, the decoder's host work per pass at that sampling too (pipeline/pass_overhead.py). The 1-token
-    step is timed again before and after everything (`canary`: a ratio far from 1 means other load).
-    """
+    """Time the target's forward of each count in `tokens_fed` at each context length and the draft's 1-token step
+    through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
+    `host_sampling` the decoder's host work per pass too (pipeline/pass_overhead.py); the 1-token step again before and
+    after everything (`canary`: a ratio far from 1 means other load). The timing plan is conf's calibration.cost."""
     tokens_fed, contexts = sorted({int(k) for k in tokens_fed}), sorted({int(n) for n in contexts})
     if 1 not in tokens_fed or not contexts or min(contexts + [draft_context]) < 1 or repeats < 1:
         raise PipelineError("a cost profile needs 1 in tokens_fed, context lengths ≥ 1 and repeats ≥ 1: got "

@@ -1,14 +1,7 @@
-"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows.
-
-Each stage has one loop whose length is a budget: collect's shards (collect.max_minutes), distill's training steps
-(distill.checkpoint.max_train_minutes), eval's requests (eval.max_minutes). Everything else a stage does is a fixed
-amount of model work (distill's label pass and held-out passes; calibrate, all of it: held-out passes, cost profile
-and the calibrations; eval's γ sweep and fidelity check), so on a
-slower machine it takes proportionally longer. Before each stage the planner takes the time left, holds back the
-fixed work of the stages still to run, with a margin for its estimate's error — priced in target decoding steps (`deadline.fixed_steps`) times the
-step this machine measured (the dtype probe's 1-token forward, pipeline/dtype.py) — and splits the rest among the
-budgeted loops still to run by `deadline.shares`. A stage's own budget only ever gets lower, and the next stage
-plans again from the clock, so an estimate that was off is absorbed by the stages after it.
+"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows:
+before each stage the time left, less the fixed work of the stages still to run (priced in target steps at the
+step this machine measured), is split among the budgeted loops still to run (docs/architecture.md, "A deadline for
+the whole run"). A stage's own budget only ever gets lower, and the next stage plans again from the clock.
 """
 from __future__ import annotations
 
@@ -47,11 +40,8 @@ class DeadlineSettings:
 
 
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
-    """Seconds for `stage`'s budgeted loop when `left_s` remain and a target step costs `step_s`.
-
-    The time left, less the fixed work of this and every later stage (priced `margin` dearer), is split among the
-    budgeted loops of this and the later stages in proportion to their shares. Returns the budget with its parts.
-    """
+    """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
+    stage (priced `margin` dearer), split among the budgeted loops still to run in proportion to their shares."""
     ahead = STAGES[STAGES.index(stage):]
     fixed_s = step_s * sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
     flexible_s = left_s - fixed_s

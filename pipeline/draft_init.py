@@ -1,11 +1,7 @@
-"""The draft a run starts from (`model.draft.init`), built the same way by every stage that needs it: distill
-trains it, collect samples on-policy rows from it (collect.onpolicy).
-
-- `pretrained`: a small model of the target's family (local dir / hub id / packaged GGUF), same tokenizer.
-- `derive`: a subset of the target's layers with its embeddings, final norm and (tied) head
-  (`pipeline.models.derive_draft`), optionally narrowed to `derive.hidden_size` by keeping the hidden
-  dimensions with the largest embedding norm (structured pruning of every weight's hidden axis).
-- `fresh`: the target's architecture and vocabulary with `fresh.*` sizes, randomly initialised.
+"""The draft a run starts from (`model.draft.init`: `pretrained` of the target's family, `derive` from the target's
+layers, optionally narrowed to `derive.hidden_size` by the hidden dimensions of largest embedding norm, or `fresh`),
+built the same way by every stage that needs it: distill trains it, collect samples on-policy rows from it
+(collect.onpolicy).
 """
 from __future__ import annotations
 

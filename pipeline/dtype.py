@@ -1,11 +1,7 @@
-"""`runtime.dtype=auto` on a CPU: decided by timing the target on this machine, not by its feature flags.
-
-What speculative decoding pays for on the target is a decoding step and a verify pass of a few tokens. On one
-Zen 4 EPYC a SmolLM2-135M bf16 forward of 1 / 2 / 5 tokens took 29 / 29 / 32 ms and fp32 41 / 68 / 71 ms (fp32
-GEMMs with a few rows leave the GEMV path); on an Intel Xeon with AMX the bf16 step was slower than fp32
-(≈ 60 vs 45–52 ms) while its 17-token forward was far cheaper. So both dtypes are timed on the target itself,
-and the one with the cheaper step + 5-token verify wins. The choice is cached per machine, thread count,
-torch version and model, next to the converted models.
+"""`runtime.dtype=auto` on a CPU: decided by timing the target on this machine, not by its feature flags. What
+speculation pays for is a decoding step and a verify pass of a few tokens, and which dtype makes those cheaper
+differs between CPUs (docs/results.md has the measurements), so both are timed on the target and the cheaper step +
+5-token verify wins; the choice is cached per machine, thread count, torch version and model.
 """
 from __future__ import annotations
 

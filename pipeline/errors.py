@@ -2,8 +2,5 @@
 
 
 class PipelineError(Exception):
-    """An error caused by bad input or environment, reported as a single line.
-
-    Raise it with a message of the form "<what is wrong>: <how to fix it>". The entry point
-    prints it without a traceback (unless `hydra.verbose` is set) and exits non-zero.
-    """
+    """Bad input or environment, reported as one line "<what is wrong>: <how to fix it>", exit 2, no traceback
+    (unless `hydra.verbose` is set)."""

@@ -45,11 +45,8 @@ def scatter_to_vocab(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 
 
 class SubsetHead(nn.Module):
-    """An output head restricted to the rows in `vocab`, sharing the full head's weight Parameter.
-
-    Swapped in for `lm_head` during training and evaluation so the draft computes exactly the logits the
-    decoder will use; the state dict is unchanged (`weight`), so checkpoints are ordinary full-vocab models.
-    """
+    """An output head restricted to the rows in `vocab`, sharing the full head's weight Parameter: the draft computes
+    exactly the decoder's logits in training, and checkpoints stay ordinary full-vocabulary models."""
 
     def __init__(self, head: nn.Linear, vocab: torch.Tensor):
         super().__init__()

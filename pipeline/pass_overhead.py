@@ -1,11 +1,6 @@
 """What a decoding pass costs beyond its forwards: the decoder's own host work per pass (probabilities, sampling,
-acceptance, cache rollback, the loop and its policy), timed through the decoder itself.
-
-The forward sweep of pipeline/cost_profile.py times the models alone; a pass also pays for the work between
-forwards, and a speculative pass pays more of it than a plain one (a draft distribution per draft, the target's at
-every verified position, a residual, two cache crops; a token tree builds its mask and walks its nodes). On a
-2-core CPU with a 135M target that work was 10-20% of a speculative pass (the guard's measured/calibrated cost
-factor κ in eval, docs/results.md), which a forwards-only model leaves out of every prediction.
+acceptance, cache rollback, the loop and its policy), timed through the decoder itself, which a forwards-only
+model leaves out of every prediction.
 
 Measured as the decoder runs: plain decoding, chains of two lengths and token trees of two sizes, each decoding
 the same random prompt for a few dozen tokens, interleaved over rounds; per pass the host seconds are the call's

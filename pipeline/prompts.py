@@ -1,11 +1,5 @@
-"""Prompt sets: the JSONL schema, loading with line-numbered errors, atomic writing, split access.
-
-One JSON object per line:
-    {"id": "code-train-0042", "domain": "code", "turns": ["first user message", "..."],
-     "system": "optional system prompt", "source": "optional provenance tag"}
-`turns` holds the user messages of one conversation (multi-turn allowed). A user file may also
-carry `split` ("train" | "eval"). Spec-Bench's published format ({"question_id", "category",
-"turns"}) is accepted too: `category` becomes the domain, `question_id` the id.
+"""Prompt sets: the JSONL schema (docs/architecture.md, "Prompts"; Spec-Bench's question.jsonl accepted too), loading
+with line-numbered errors, atomic writing, split access.
 """
 from __future__ import annotations
 
@@ -120,15 +114,25 @@ def load_split(prompts_dir: str | Path, split: str, domains: Iterable[str] | Non
     path = Path(prompts_dir) / f"{split}.jsonl"
     if not path.is_file():
         raise PipelineError(f"no prepared prompts at {path}; {PREPARE_HINT}")
-    prompts = load_prompts(path)
+    return keep_domains(load_prompts(path), domains, f"have no {split} prompts in {path}",
+                        f"fix the domain names or add them to data.domains / data.extra_files and "
+                        f"{PREPARE_HINT.replace('first', 'again')}")
+
+
+def keep_domains(prompts: list[dict], domains: Iterable[str] | None, missing: str, fix: str) -> list[dict]:
+    """The prompts of `domains` (None = all); one line when one of them has none."""
     if domains is None:
         return prompts
-    domains = list(domains)
     available = sorted({p["domain"] for p in prompts})
-    missing = [d for d in domains if d not in available]
-    if missing:
-        raise PipelineError(f"domain(s) {missing} have no {split} prompts in {path} (available: "
-                            f"{available}); fix the domain names or add them to data.domains / "
-                            f"data.extra_files and {PREPARE_HINT.replace('first', 'again')}")
-    wanted = set(domains)
-    return [p for p in prompts if p["domain"] in wanted]
+    absent = [d for d in domains if d not in available]
+    if absent:
+        raise PipelineError(f"domain(s) {absent} {missing} (available: {available}); {fix}")
+    return [p for p in prompts if p["domain"] in set(domains)]
+
+
+def by_domain(prompts: list[dict], limit: int | None = None, domains: Iterable[str] = ()) -> dict[str, list[dict]]:
+    """{domain: its prompts in file order, at most `limit` (None or 0 = all)}, `domains` first in their order."""
+    out: dict[str, list[dict]] = {domain: [] for domain in domains}
+    for prompt in prompts:
+        out.setdefault(prompt["domain"], []).append(prompt)
+    return {domain: rows[:limit] if limit else rows for domain, rows in out.items()}

@@ -1,13 +1,7 @@
-"""Sampling and acceptance math for speculative decoding, shared by collect, distill and eval.
-
-Convention (the papers', not gpt-fast's): **p is the target distribution, q is the draft distribution.**
-
-All functions are pure and work on the last dimension of tensors shaped [..., V]; probability math is
-done in fp32 whatever the model dtype. References:
-- Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding"
-  (arXiv:2211.17192): acceptance min(1, p/q), residual norm(max(0, p - q)), eq. 1 and Thm 3.8.
-- Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"
-  (arXiv:2302.01318): the same modified rejection sampling, Algorithm 2.
+"""Sampling and acceptance math for speculative decoding, shared by collect, distill and eval. **p is the target
+distribution, q the draft's** (the papers' convention, not gpt-fast's); functions are pure, act on the last dimension
+of [..., V] tensors, and compute probabilities in fp32. Leviathan et al. 2023 (arXiv:2211.17192, eq. 1, Thm 3.8) and
+Chen et al. 2023 (arXiv:2302.01318, Algorithm 2): accept with min(1, p/q), resample from norm(max(0, p − q)).
 """
 import hashlib
 from dataclasses import asdict, dataclass, replace
@@ -19,11 +13,8 @@ from pipeline.errors import PipelineError
 
 @dataclass(frozen=True)
 class Sampling:
-    """One sampling distribution: temperature (0 = greedy), then top-k (0 = off), then top-p (1 = off).
-
-    The serving settings of the target (collect generates with them, distill tunes the draft for them,
-    eval decodes with them); the draft's q is the same filters at its own temperature (`with_temperature`).
-    """
+    """One sampling distribution: temperature (0 = greedy), then top-k (0 = off), then top-p (1 = off): the target's
+    serving settings; the draft's q is the same filters at its own temperature (`with_temperature`)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -67,11 +58,8 @@ def derive_seed(*parts) -> int:
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k, then top-p (HF's order).
-
-    temperature 0 gives a one-hot argmax (greedy); top_k 0 and top_p 1 switch those filters off.
-    The nucleus is the smallest set of most likely tokens whose mass reaches top_p; it keeps at least one token.
-    """
+    """Logits [..., V] -> fp32 probabilities after temperature (0: one-hot argmax), top-k, then top-p (HF's order);
+    the nucleus is the smallest most-likely set reaching top_p, at least one token."""
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -91,21 +79,15 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draws one index per row of probs [..., V]; returns a LongTensor of shape [...].
-
-    Uses argmax(p_i / E_i) with E_i ~ Exp(1) (the exponential-race form of the Gumbel-max trick, as in
-    gpt-fast): exact, and unlike torch.multinomial it needs no host sync on CUDA.
-    """
+    """One index per row of probs [..., V]: argmax(p_i / E_i), E_i ~ Exp(1) (the Gumbel-max trick's exponential race,
+    as gpt-fast): exact, and unlike torch.multinomial no host sync on CUDA."""
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / noise).argmax(-1)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)): what to sample from after a rejection (Leviathan et al. 2023, Alg. 1).
-
-    Where p <= q everywhere (only possible when p == q), a rejection has probability 0, so any
-    distribution is exact; we fall back to p rather than divide by zero.
-    """
+    """norm(max(0, p − q)): what to sample from after a rejection (Leviathan et al. 2023, Alg. 1); p where p ≤ q
+    everywhere (then p == q and a rejection has probability 0)."""
     residual = (p.float() - q.float()).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), p.float())

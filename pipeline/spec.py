@@ -1,12 +1,7 @@
-"""`speculative.json` and `evidence.json`: the contract between the stage that calibrates a draft (writer) and
-every user of a draft export (the eval stage, the model card, anyone serving the draft).
-
-Both travel next to the draft's HF weights. speculative.json is the serving recipe: per domain one recipe (what
-to draft, at which draft temperature), plus what it is valid for (target, sampling, vocabulary subset) and the
-engines' own recipes; evidence.json is what the recipe was chosen from (acceptance, costs, training, curves).
-`SpeculativeSpec` is the one schema: its fields, with `metadata["file"]` saying which file and key holds each,
-and docs/architecture.md ("speculative.json") describes them (tests/test_spec_schema.py keeps the two equal).
-`spec.plan(domain, sampling)` applies a recipe: the DraftPlan every decoder entry point takes.
+"""`speculative.json` (the serving recipe: one per domain, plus what it is valid for and the engines' own) and
+`evidence.json` (what the recipe was chosen from), beside a draft's HF weights. `SpeculativeSpec` is the one schema:
+each field's `metadata["file"]` says where it lives, and docs/architecture.md's table is kept equal to it
+(tests/test_spec_schema.py). `spec.plan(domain, sampling)` applies a recipe: the DraftPlan every decoder takes.
 """
 from __future__ import annotations
 

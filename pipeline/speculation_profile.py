@@ -1,21 +1,12 @@
 """speculation_profile.json: per drafted position, how often a draft's tokens are accepted, with sample sizes, 95%
-intervals and the conditions they were measured under — the per-position rates vLLM's synthetic acceptance,
-llama.cpp's synthetic rates and capacity simulators consume, written beside speculative.json (calibrate, from the
-held-out simulator) and as metrics.json `measured` (eval, from its own decodes). One builder for both.
+intervals and the conditions they were measured under, written beside speculative.json (calibrate, from the
+held-out simulator) and as metrics.json `measured` (eval, from its own decodes). One builder for both; the fields
+(docs/architecture.md's table) follow NVIDIA Model-Optimizer's proposal (schema_version "1.0": PR #2247,
+examples/specdec_bench/specdec_bench/speculation_profile.py at commit edf879d3daf7879acdeb2dab9f54a591837da7b0).
 
-Field names follow NVIDIA Model-Optimizer's proposal (schema_version "1.0": PR #2247,
-https://github.com/NVIDIA/Model-Optimizer/pull/2247, examples/specdec_bench/specdec_bench/speculation_profile.py
-at commit edf879d3daf7879acdeb2dab9f54a591837da7b0): for draft position k = 1..K (entry k − 1),
-- `marginal_accept_rates[k-1]`    = P(the first k drafts are all accepted)  (vLLM's synthetic rejection sampler)
-- `conditional_accept_rates[k-1]` = P(draft k accepted | drafts 1..k−1 accepted) = marginal_k / marginal_{k−1}
-- `mean_accept_length` = tokens per verify pass at K = 1 + Σ_k marginal_k (bonus/correction token included),
-  `accept_length_by_k` the same at every k ≤ K (a chain's K = n draft is the prefix of its K = n + 1 draft, so one
-  measurement gives every k: Model-Optimizer's `accept_length_model: chain_analytic`).
-Its `per_category` holds the same fields per domain; we add, per section, `*_ci95` intervals and `n_proposed` /
-`n_units`. The intervals are percentile bootstrap intervals over units — held-out rows (calibrate) or requests
-(eval) — not Wilson intervals: the held-out figures are expected acceptances, not Bernoulli counts, and the
-windows of one row (the passes of one request) are correlated, so a per-position binomial interval would be
-too narrow.
+The intervals are percentile bootstrap intervals over units — held-out rows (calibrate) or requests (eval) — not
+Wilson intervals: the held-out figures are expected acceptances, not Bernoulli counts, and the windows of one row
+(the passes of one request) are correlated, so a per-position binomial interval would be too narrow.
 """
 from __future__ import annotations
 

@@ -7,12 +7,8 @@ import torch
 
 
 def synced_clock(device: torch.device | str):
-    """A `perf_counter` that first waits for the device's queued kernels (CUDA runs asynchronously, so an
-    unsynced clock measures launches, not work). On CPU it is plain perf_counter.
-
-    Use it to bracket whole runs; inside a decode loop a sync per forward would itself slow CUDA down
-    (the decoder marks its parts with `Stopwatch` instead).
-    """
+    """A `perf_counter` that first waits for the device's queued kernels (an unsynced CUDA clock measures launches);
+    for whole runs: inside a decode loop the decoder marks its parts with `Stopwatch` instead."""
     device = torch.device(device)
     if device.type != "cuda":
         return time.perf_counter
@@ -24,12 +20,8 @@ def synced_clock(device: torch.device | str):
 
 
 class Stopwatch:
-    """Marks inside a loop whose intervals are read once, after the loop.
-
-    On CPU a mark is a perf_counter reading. On CUDA it is a recorded event: recording does not wait for
-    the GPU, so a decode loop can be profiled per forward without the per-forward synchronisations that
-    would slow the very run being timed; `elapsed` waits for the events only when the numbers are read.
-    """
+    """Marks inside a loop whose intervals are read once, after it: perf_counter readings on CPU, recorded events on
+    CUDA (recording does not wait for the GPU, so profiling adds no per-forward synchronisation)."""
 
     def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"

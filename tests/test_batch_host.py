@@ -1,15 +1,14 @@
 """The batched loop's own host work per pass (pipeline/batch_profile.py): measured per batch size through the batched
-decoder, carried by batch_cost into the one cost model, recorded in speculative.json, and priced by the benchmark's
-prediction; a prediction that leaves it out is caught."""
+decoder, carried by batch_cost into the one cost model, recorded in speculative.json, and priced by the batch sweep's
+prediction (eval/sweeps.py); a prediction that leaves it out is caught."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from distill import batching
-from pipeline.tools import batch as bench_batch
+from eval import sweeps as bench_batch
 from pipeline import batch_profile
 from pipeline.batch_profile import CHAINS, batch_cost, host_block, measure_batch_profile, validate
 from pipeline.decoding import cost as cost_module
@@ -121,13 +120,13 @@ def test_speculative_json_records_the_host_work_and_both_predictions():
     assert "host" not in old["cost"]["by_batch"]["1"]
 
 
-def test_the_benchmark_predicts_through_batch_cost_with_and_without_host(monkeypatch):
+def test_the_batch_sweep_predicts_through_batch_cost_with_and_without_host(monkeypatch):
     calls = []
     monkeypatch.setattr(bench_batch, "measure_batch_profile", lambda *a, **k: constructed_profile())
     monkeypatch.setattr(bench_batch, "batch_cost", lambda p, size: calls.append(size) or batch_cost(p, size))
-    args = SimpleNamespace(gamma_at={1: 2, 2: 2, 4: 2}, vocab=None, sampling=Sampling(0.0))
     measured = {size: {"accepted": 30, "drafting_passes": 20} for size in SLOPE}
-    predicted = bench_batch.predict(None, None, measured, args, time.perf_counter)
+    predicted = bench_batch.predict_from_profile(None, None, measured, {1: 2, 2: 2, 4: 2}, None, Sampling(0.0),
+                                                 time.perf_counter)
     assert sorted(calls) == sorted(SLOPE)
     for size, p in predicted.items():
         assert p["predicted"] == pytest.approx(by_formula(1.5, 2, batch_cost(constructed_profile(), size)))
@@ -135,11 +134,11 @@ def test_the_benchmark_predicts_through_batch_cost_with_and_without_host(monkeyp
         assert p["predicted"] < p["no_host"]
 
 
-def test_the_calibrated_benchmark_reads_both_predictions_from_speculative_json():
+def test_the_batch_sweep_reads_both_predictions_from_a_calibrated_export():
     block = batching.choose(PER_POSITION, constructed_profile(), GAMMAS, 0.05)
-    predicted = bench_batch.predict_calibrated(SimpleNamespace(batching=block), "default", sorted(SLOPE))
+    predicted = bench_batch.predict_calibrated(block, sorted(SLOPE))
     for size, p in predicted.items():
         assert p["predicted"] == block["predicted_speedup"]["default"][str(size)]
         assert p["no_host"] == block["predicted_speedup_no_host"]["default"][str(size)]
     old = {k: v for k, v in block.items() if k != "predicted_speedup_no_host"}  # calibrated before host was timed
-    assert bench_batch.predict_calibrated(SimpleNamespace(batching=old), "default", [1])[1]["no_host"] is None
+    assert bench_batch.predict_calibrated(old, [1])[1]["no_host"] is None

@@ -146,10 +146,10 @@ def test_bad_batch_input_is_one_clear_error(target, close_draft, kwargs, message
     assert "\n" not in str(info.value)
 
 
-# ---- the benchmark's verdicts (`python -m pipeline.tools batch`) ----
+# ---- the batch sweep's verdicts (eval.batch_sizes, eval/sweeps.py) ----
 
-def test_the_benchmark_compares_break_even_batches_on_its_grid():
-    from pipeline.tools.batch import summarize, within_one_step
+def test_the_batch_sweep_compares_break_even_batches_on_its_grid():
+    from eval.sweeps import summarize_batches as summarize, within_one_step
 
     grid = [1, 2, 4, 8]
     assert within_one_step(grid, 4, 8) and within_one_step(grid, None, 8) and within_one_step(grid, 4, 4)
@@ -161,17 +161,3 @@ def test_the_benchmark_compares_break_even_batches_on_its_grid():
                     "acceptance": 0.3, "identical": True} for b, r in rates.items()}
     summary = summarize(measured)
     assert summary["break_even"] == 4 and summary["by_batch"][2]["speedup"] == pytest.approx(1.2)
-
-
-def test_the_calibrated_benchmark_refuses_an_export_without_batching(tmp_path, tiny_llama_factory, capsys):
-    from pipeline.spec import SpeculativeSpec
-    from pipeline.tools.__main__ import main
-
-    for name in ("target", "draft"):
-        tiny_llama_factory().save_pretrained(tmp_path / name)
-    SpeculativeSpec({"name": "tiny"}, Sampling(0.7), {"init": "random"}).write(tmp_path / "draft")
-    capsys.readouterr()
-    code = main(["batch", f"tool.target={tmp_path / 'target'}", f"tool.draft={tmp_path / 'draft'}", "tool.calibrated=true",
-                 f"tool.prompts={tmp_path / 'none.jsonl'}", "runtime.dtype=float32"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "python -m pipeline.tools batching" in err

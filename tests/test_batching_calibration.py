@@ -133,41 +133,6 @@ def test_a_profile_measured_on_tiny_models_prices_every_batch_size(target, close
         batch_cost(profile, 4)
 
 
-def tool(*argv: str) -> int:
-    from pipeline.tools.__main__ import main
-
-    return main(list(argv))
-
-
-def test_the_tool_calibrates_an_export_in_place(tmp_path, tiny_llama_factory):
-    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
-    tiny_llama_factory(seed=0).save_pretrained(target_dir)
-    tiny_llama_factory(seed=1, layers=1).save_pretrained(draft_dir)
-    spec_with().write(draft_dir)
-    tool("batching", f"tool.draft={draft_dir}", f"tool.target={target_dir}", "tool.batch_sizes=[1,2]",
-         "tool.gammas=[1,2]", "tool.repeats=1", "runtime.dtype=float32")
-    block = SpeculativeSpec.read(draft_dir).batching
-    assert block["batch_sizes"] == [1, 2] and set(block["by_domain"]) == {"default", "code"}
-    copy = tmp_path / "copy"
-    tool("batching", f"tool.draft={draft_dir}", f"tool.target={target_dir}", "tool.batch_sizes=[1]", "tool.gammas=[1]",
-         "tool.repeats=1", f"tool.out={copy}", "runtime.dtype=float32")
-    assert SpeculativeSpec.read(copy).batching["batch_sizes"] == [1] and (copy / "config.json").is_file()
-    assert SpeculativeSpec.read(draft_dir).batching["batch_sizes"] == [1, 2]  # the export itself unchanged
-
-
-def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_llama_factory, capsys):
-    tiny_llama_factory().save_pretrained(tmp_path / "target")
-    tiny_llama_factory().save_pretrained(tmp_path / "plain")  # an HF directory without speculative.json
-    capsys.readouterr()  # the save's progress bars
-    models = (f"tool.draft={tmp_path / 'plain'}", f"tool.target={tmp_path / 'target'}")
-    assert tool("batching", *models) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no speculative.json" in err
-    assert tool("batching", *models, "tool.batch_sizes=[0]") == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "tool.batch_sizes=[0]" in err
-
-
 @pytest.mark.parametrize("sizes, ok", [([], True), (None, True), ([1, 4], True), ([0], False), ([2.5], False)])
 def test_settings_take_batch_sizes_from_conf_and_refuse_a_size_below_one(sizes, ok):
     from omegaconf import OmegaConf

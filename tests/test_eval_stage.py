@@ -440,7 +440,7 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
 
 
 def test_draft_length_policies_side_by_side(tmp_path, models):
-    from eval.report import policy_rows
+    from eval.tables import policy_rows
 
     metrics, _, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.temperature=0",
                               "eval.compare_draft_lengths=true", "eval.gammas=[]",
@@ -480,6 +480,20 @@ def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, mo
     assert (out / "tree_sweep.png").exists() and "## Tree sweep" in (out / "report.md").read_text()
     with pytest.raises(PipelineError, match="eval.trees"):
         run_stage(tmp_path, models, "eval.trees=[[2,a]]")
+
+
+def test_the_batch_sweep_times_both_batched_decoders_on_the_same_batches(tmp_path, models):
+    metrics, out, _ = run_stage(tmp_path, models, f"eval.draft={models['draft']}", "eval.draft_init=none",
+                                "eval.temperature=0", "eval.gammas=[]", "eval.baselines=false",
+                                "eval.batch_sizes=[1,2,4,8]", "eval.sweep_prompts_per_domain=2")
+    sweep = metrics["batch_sweep"]
+    assert sweep["batch_sizes"] == [1, 2, 4] and sweep["n_prompts"] == 4  # first turns: no batch of 8
+    assert [sweep["by_batch"][b]["n_batches"] for b in ("1", "2", "4")] == [4, 2, 1]
+    assert all(row["identical"] for row in sweep["by_batch"].values())  # greedy: lossless per row
+    assert sweep["prediction"] == "profile" and sweep["by_batch"]["2"]["gamma"] == 3  # no batching: the plan's γ
+    assert "## Batch sweep" in (out / "report.md").read_text()
+    with pytest.raises(PipelineError, match="eval.batch_sizes"):
+        eval_settings(tmp_path, "eval.batch_sizes=[0]")
 
 
 def test_a_token_tree_runs_losslessly_in_the_eval_stage(tmp_path, models):

@@ -58,6 +58,7 @@ COMPARISONS = {  # preset -> what its eval run adds beside the evaluated draft (
     "compare-drafts": lambda s: s.extra_drafts == {"pretrained": "pretrained"},
     "compare-drafting": lambda s: s.compare_draft_lengths == ("fixed", "confidence", "heuristic")
     and len(s.gammas) > 1 and len(s.trees) > 1,
+    "compare-batch": lambda s: len(s.batch_sizes) > 1 and s.sweep_prompts_per_domain * 2 >= max(s.batch_sizes),
 }
 
 

@@ -12,7 +12,8 @@ import torch
 
 from eval import metrics as M
 from eval.harness import retime_stalls, time_request
-from eval.report import domain_rows, stall_lines, text_table
+from eval.report import stall_lines
+from eval.tables import domain_rows, text_table
 from pipeline.decoding import DecodeStats, DraftPlan
 
 N_TOKENS = 20

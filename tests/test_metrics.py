@@ -10,7 +10,8 @@ import pytest
 from scipy.stats import bootstrap
 
 from eval import metrics as M
-from eval.report import comparison_lines, domain_rows, method_rows, text_table
+from eval.intervals import N_RESAMPLES, speedup_stat
+from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
 
 STEP_S = 0.01  # seconds per generated token of the autoregressive target
@@ -86,11 +87,11 @@ def unpaired_speedup_ci(records: list[dict]) -> list[float]:
 
     def statistic(i_m, i_ar, axis=-1):
         i_m, i_ar = i_m.astype(int), i_ar.astype(int)
-        return M._speedup_stat(tok_m[i_m], sec_m[i_m], tok_ar[i_ar], sec_ar[i_ar], axis=axis)
+        return speedup_stat(tok_m[i_m], sec_m[i_m], tok_ar[i_ar], sec_ar[i_ar], axis=axis)
 
     index = np.arange(len(spec), dtype=float)
     res = bootstrap((index, index), statistic, paired=False, vectorized=True, method="percentile",
-                    n_resamples=M.N_RESAMPLES, rng=np.random.default_rng(0))
+                    n_resamples=N_RESAMPLES, rng=np.random.default_rng(0))
     return [float(res.confidence_interval.low), float(res.confidence_interval.high)]
 
 

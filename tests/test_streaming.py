@@ -175,7 +175,7 @@ def test_eval_reports_ttft_and_itl_and_their_ratios_to_plain_decoding():
     """Plain: 1 token every 10 ms; speculative: the same first token, then 4 tokens every 20 ms (5 ms per token):
     TTFT ratio 1, ITL speedup 2, per-token gaps 5 ms; the report renders the row."""
     from eval import metrics as M
-    from eval.report import latency_rows
+    from eval.tables import latency_rows
 
     records = []
     for prompt in range(6):

@@ -76,17 +76,6 @@ def _prompts(path, n: int = 4):
     return path
 
 
-def test_batch_times_both_decoders_on_the_same_batches(setup, distilled, tmp_path, capsys):
-    run_dir = distilled[2]
-    summary = run(["batch", *distill_overrides(setup, tmp_path), f"tool.target={setup['target']}",
-                   f"tool.draft={run_dir / 'draft'}", f"tool.prompts={_prompts(tmp_path / 'p.jsonl')}",
-                   "tool.n_prompts=4", "tool.batch_sizes=[1,2]", "tool.max_new_tokens=6", "tool.repeats=1"])
-    assert sorted(summary["by_batch"]) == [1, 2]
-    assert [summary["by_batch"][b]["n_batches"] for b in (1, 2)] == [4, 2]
-    assert all(row["identical"] for row in summary["by_batch"].values())  # greedy: lossless per row
-    assert "break-even batch" in capsys.readouterr().out
-
-
 def test_collect_throughput_compares_batch_one_with_the_collect_batch(setup, tmp_path):
     result = run(["collect-throughput", *distill_overrides(setup, tmp_path), "collect.batch_size=2", "collect.topk=0",
                   f"tool.prompts_file={_prompts(tmp_path / 'p.jsonl')}", "tool.prompts=4", "tool.max_new_tokens=4"])

@@ -1,6 +1,7 @@
 """The decoder: lossless speculative decoding (chains and token trees) and plain decoding, as streams or outputs.
 
-The public API, imported by the eval and distill stages and by users:
+The public API, imported by the eval and distill stages and by users (docs/architecture.md, "The decoder", lists
+the modules):
 
     from pipeline.decoding import DraftPlan, Sampling, speculative_generate
     out = speculative_generate(target, draft, input_ids, plan=DraftPlan(4), sampling=Sampling(0.7),
@@ -8,17 +9,7 @@ The public API, imported by the eval and distill stages and by users:
     out.tokens, out.stats.acceptance_rate, out.stats.mean_accepted_length
     for chunk in speculative_stream(target, draft, input_ids, ...):  # the same tokens, as each pass commits them
         ...
-
     out = speculative_generate_batch(target, draft, [ids_a, ids_b], plan=DraftPlan(4))  # rows of any lengths
-
-The first target pass is a plain prefill (time to first token = plain decoding's).
-
-Modules: `loop` (the pair, one call's run, profile, stats, forward, cache rollback), `chain` (one chain step),
-`tree` (token-tree shapes, parsing, plans and one tree step), `tree_sampling` (multi-draft verification),
-`draft_length` (draft-length policies), `plan` (DraftPlan: the one drafting decision every entry point takes),
-`guard` (the online guard: fewer drafts, or none, while they do not pay), `adaptive_tau` (its draft temperature
-moved per pass), `cost` (the one speedup model),
-`stream` (TokenStream), `generate` (the entry points), `batch` (batched decoding, B rows of any lengths).
 """
 from pipeline.decoding.batch import BatchOutput, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost

@@ -1,28 +1,14 @@
-"""Adaptive draft temperature: the guard moves the draft's τ between passes toward the temperature at which the
-first draft of a pass would have been accepted most often, lossless by construction.
+"""Adaptive draft temperature (docs/architecture.md, "The online guard"): after every sampled pass the guard scores
+each τ' on a grid τ₀·step^k by how often the pass's first draft would have been accepted at τ' — a chain's
+α(τ') = Σ_v min(p(v), q_τ'(v)) (Leviathan et al. 2023, Def. 3.1), a tree root's sibling rule with its coins averaged
+out (tree_sampling.sibling_acceptance) over one set of draws from the same noise for every τ' — and drafts the
+next pass at the best decayed mean. q_τ' applies the draft's own filters at τ' (a top-p nucleus depends on τ);
+under FR-Spec p carries one extra column for its mass outside the subset. Scoring on the visited states is fair
+because the committed prefix follows the target's law whatever τ drafted it. The scores travel in the pass's one
+host copy as fixed-point integers, so adaptive τ adds no host synchronisation.
 
-A calibration picks one τ per domain from held-out data; one request may want a sharper or a flatter draft. After
-every verify pass with drafts (T > 0 and τ > 0) the pass holds the target's logits and the draft's at the first
-draft position, whose context is the committed prefix. For every τ' on a grid τ₀·step^k (k = −K … K, τ₀ the
-planned τ) it scores how often that first draft would have been accepted had it been drawn at τ':
-
-- a chain's first draft: α(τ') = Σ_v min(p(v), q_τ'(v)) (Leviathan et al. 2023, Def. 3.1): exact, no sampling noise;
-- a token tree's root with w > 1 children: 1 − Π_i (1 − min(1, p_i(x_i) / q_i(x_i))) over one set of w draws
-  without replacement from q_τ' (tree_sampling.sibling_acceptance: the sibling rule with its coins averaged out),
-  from the same exponential noise for every τ', so the differences between candidates carry little of it.
-
-q_τ' is the draft's own filters at τ' applied to its logits (a top-p nucleus depends on τ); under FR-Spec it lives
-on the subset's columns, p on the same plus one column for its mass outside (all the residuals need of it). Scoring
-every candidate on the states the decode visits is fair because those states do not depend on τ: the committed
-prefix follows the target's law whatever τ drafted it (only where a pass starts does). Each candidate keeps a
-decayed mean (the guard's `window`); before a pass τ is the best mean's, ties keeping the current. The scores
-travel in the pass's one host copy, beside the accepted count and the token ids, as fixed-point integers, so
-adaptive τ adds no host synchronisation.
-
-Lossless: the τ of pass t is a function of passes < t only, and each pass's drafts are drawn from and verified
-against the q of that pass's τ (one Pair per τ); the acceptance rule is untouched. Given the past, each pass is an
-ordinary speculative pass with some draft, so the output follows the target (Leviathan et al. 2023, Thm. 3.8).
-Greedy decoding (T = 0) has nothing to adapt, nor has a greedy draft (τ = 0): there it is off.
+Lossless: the τ of pass t depends on passes < t only, and each pass's drafts are drawn from and verified against
+the q of that pass's τ (one Pair per τ). Off for greedy decoding (T = 0) and a greedy draft (τ = 0).
 """
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Batched decoding: B prompts of different lengths decoded together, speculatively (a chain of fixed γ) or
-plainly, each row sampling exactly the target's distribution, as at batch size 1.
+plainly, each row sampling exactly the target's distribution, as at batch size 1 (docs/architecture.md, "Batches").
 
     out = speculative_generate_batch(target, draft, [ids_a, ids_b, ids_c], sampling=Sampling(0.7), plan=DraftPlan(4))
     out.tokens[1], out.stats[1].accepted
 
-Ragged rows: every row accepts its own number of drafts per pass, so the rows' committed lengths drift apart.
-Each model keeps one KV cache for the whole batch (a DynamicCache, [B, heads, slots, dim]) and, beside it, which
-slots are valid per row (`RaggedCache`): prompts are left-padded, a rejected draft's slot becomes a hole, and
-every forward gets a 4-D additive mask (each token sees its row's valid slots up to itself) and per-row position
-ids (how many valid slots the row has before the token). After a pass with holes the cache is compacted: each
-row's valid slots are gathered, in order, to the right end, and the columns no row uses are cut. Caches keep
-the chain path's convention (chain.py): the target lacks only the newest committed token, the draft one or two.
-
-As at batch size 1 the first target pass is a plain prefill (one token per row, no drafts), and plain batched
-decoding is this loop with γ = 0 (no draft, no holes): the baseline batched speculation is measured against.
-A row leaves the batch when it emits an EOS or reaches max_new_tokens; the others go on without it. The batch
-drafts γ tokens per pass for every row (clamped to what the row with the most room left can still use).
+Each model keeps one KV cache for the batch and which slots are valid per row (`RaggedCache`): prompts are
+left-padded, a rejected draft's slot becomes a hole, every forward gets a 4-D additive mask and per-row position
+ids, and after a pass with holes each row's valid slots are gathered to the right end. Caches keep the chain path's
+convention (chain.py): the target lacks only the newest committed token, the draft one or two. The batch drafts γ
+tokens per pass for every row (clamped to what the row with the most room left can still use).
 """
 from __future__ import annotations
 

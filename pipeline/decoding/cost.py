@@ -1,15 +1,10 @@
 """The one cost model every prediction uses (distill's calibration, its simulators, eval's report).
 
-A speculative pass drafts with D draft forwards and verifies with one target forward over the drafted tokens;
-it yields 1 + A tokens, A the accepted drafts. With c = draft forward / target 1-token forward and r the
-verify forward / target 1-token forward (Leviathan et al. 2023, Thm 3.8, with the verify pass costed as
-measured instead of as free), the predicted speedup over plain decoding is (1 + A) / (D·c + r).
-A chain of γ has D = γ and verifies γ tokens; a token tree has D = its depth and verifies all its nodes.
-
-Both kinds of pass also pay the decoder's host work between forwards (probabilities, sampling, acceptance, cache
-rollback): h_0 per plain pass, h(N) per speculative pass of N drafted tokens or tree nodes, in target steps, timed
-through the decoder (pipeline/pass_overhead.py). With them the speedup is (1 + A)(1 + h_0) / (D·c + r + h(N)); a
-cost summary without a `host` block prices them at 0.
+A pass of D draft forwards and one target verify yields 1 + A tokens; with c = draft forward / target 1-token
+forward, r the verify forward over the same step (Leviathan et al. 2023, Thm 3.8, the verify costed as measured)
+and the decoder's host work h_0 per plain pass, h(N) per speculative pass of N drafted tokens or tree nodes
+(pipeline/pass_overhead.py), the speedup over plain decoding is (1 + A)(1 + h_0) / (D·c + r + h(N)); a cost summary
+without a `host` block prices host work at 0. A chain of γ has D = γ; a token tree has D = its depth.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""How many tokens the draft proposes per target pass: the policy spec (calibrated by distill, stored in
-speculative.json, used by the eval decoder) and the small policy objects the decoder consults.
-
-- `fixed`: γ = `max` tokens every pass (Leviathan et al. 2023).
-- `confidence`: draft until the draft's probability of the token it just proposed falls below `threshold`
-  (that token is still proposed), at most `max` tokens. The rule of HF assisted generation's
-  `assistant_confidence_threshold`; the confidence-based stop of AdaEDL/SVIP-style dynamic draft lengths.
-- `heuristic`: HF's "heuristic" schedule: start at `max`, then +2 after a pass that accepted every draft and
-  −1 (at least 1) otherwise (transformers' AssistedCandidateGenerator.update_candidate_strategy).
-
-Losslessness does not depend on the policy: every drafted token is verified the same way, whatever decided
-how many there are.
+"""How many tokens the draft proposes per target pass: `fixed` (γ = `max`, Leviathan et al. 2023), `confidence`
+(draft until the proposed token's probability falls below `threshold`, that token included, at most `max`: HF's
+`assistant_confidence_threshold`, AdaEDL/SVIP-style) and `heuristic` (HF's schedule: start at `max`, +2 after a
+fully accepted pass, −1 otherwise). Every drafted token is verified the same way whatever the policy.
 """
 from __future__ import annotations
 

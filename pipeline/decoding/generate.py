@@ -66,16 +66,10 @@ def speculative_stream(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(
 def speculative_generate(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(), sampling: Sampling = GREEDY,
                          max_new_tokens: int = 128, eos_token_id=None,
                          generator: torch.Generator | None = None) -> GenerationOutput:
-    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `plan` says
-    (pipeline/decoding/plan.py; `spec.plan(domain, sampling)` applies a calibration): a chain whose length a
-    DraftLength policy decides, or a static token tree, at the plan's draft temperature, vocabulary subset and
-    guard. The first target pass is a plain prefill (one token, no drafts: the time to first token of plain
-    decoding); speculation starts at the second. A plan without drafting (PLAIN, a domain calibrated "off")
-    decodes plainly (autoregressive_generate).
-
-    generator, if given, must live on the models' device (it drives draft sampling and acceptance). The guard's
-    decisions land in `stats.guard`. The decode is speculative_stream's, collected.
-    """
+    """Samples from exactly the target's distribution `sampling`, drafting per target pass as `plan` says (a chain
+    whose length a DraftLength policy decides, or a token tree; its τ, vocabulary subset and guard); PLAIN decodes
+    plainly. The first target pass is a plain prefill. `generator`, if given, lives on the models' device; the guard's
+    decisions land in `stats.guard`. speculative_stream, collected."""
     return speculative_stream(target, draft, input_ids, plan=plan, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, generator=generator).collect()
 

@@ -1,25 +1,11 @@
-"""The online guard: speculation that switches itself down or off when the running acceptance says it loses.
+"""The online guard: speculation that switches itself down or off when the running acceptance says it loses
+(docs/architecture.md, "The online guard").
 
-A calibration plans with held-out acceptance; a request may be harder (a novel domain, a long answer in
-another language) and then drafting costs more than it yields. The guard is a draft-length policy wrapped
-around the calibrated one. Before each pass it prices every draft length γ = 0 … L with the one cost model
-(pipeline/decoding/cost.py: tokens per pass over the pass's cost in target steps) and drafts the best:
-
-- expected tokens of a pass of γ: 1 + Σ_{k ≤ γ} Π_{j ≤ k} a_j, with a_j the running chance that draft j is
-  accepted once drafts 1 … j−1 were (per position, decayed counts seeded from the calibrated acceptance);
-- its cost: γ draft steps and a verify of γ tokens (a token tree: its depth in draft steps and the verify of
-  its nodes up to that depth), priced from the calibrated cost profile the plan carries.
-
-The calibrated prices are checked against the clock (PassTimes): the passes the guard runs are timed, one
-plain pass in `measure_every` times the plain step, and one factor κ (measured over calibrated cost of a
-speculative pass) scales every speculative price, so a profile measured under other load, in another dtype
-or for another shape (a tree verify priced as a chain's) cannot keep a losing setting on.
-
-γ = 0 is a plain decoding step (1 token for 1 target step). When it wins, the guard stays off for
-`probe_every` passes and then probes with one draft, so a recovered acceptance re-enables speculation.
-
-Lossless by construction: the guard decides only how many tokens are drafted, never how they are drawn or
-accepted (every draft is verified by the same rule, and a pass of no drafts is the target's own step).
+A draft-length policy wrapped around the calibrated one: before each pass it prices every draft length γ = 0 … L
+with the one cost model (expected tokens from decayed per-position acceptance counts seeded with the calibrated
+ones, cost from the plan's cost profile scaled by the measured factor κ, `PassTimes`) and drafts the best; γ = 0 is
+the target's own step, after which it probes again every `probe_every` passes. Lossless by construction: it decides
+only how many tokens are drafted, never how they are drawn or accepted.
 """
 from __future__ import annotations
 

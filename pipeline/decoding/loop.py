@@ -1,20 +1,12 @@
 """The pieces every drafting shape shares: the decoded pair, one call's run (caches, clocks, the loop), the
 profile of the loop's parts, the statistics, the forward helper and the cache rollback.
 
-Batch size 1, HF `*ForCausalLM` models (Llama/Qwen2 family), `DynamicCache` KV caches for both models.
-p = target distribution, q = draft distribution (pipeline/sampling.py has the math).
-
-Caches: each model's cache holds a prefix of the committed tokens (prompt + accepted output) and the next
-forward feeds the rest. The first target pass is a plain prefill: the whole prompt, no drafts, one token,
-exactly plain decoding's first pass, so the first token of a stream comes as soon as plain decoding's (TTFT);
-the draft reads the prompt in its first forward, in the second pass. Every target pass yields tokens
-(accepted + 1; the prefill 0 + 1) and plain decoding is exactly 1.0 token per pass. The time of each model's
-first forward is reported as prefill_time, not in the per-forward lists, so that c compares decoding steps only.
-
-Timing: the parts of the loop are marked with a `pipeline.timing.Stopwatch` (CUDA events on GPU) and the
-marks are turned into seconds once, after the call, so profiling adds no host synchronisation to the loop;
-only `total_time` is bracketed with a synchronising clock. Each committed chunk is marked the same way
-(`chunk_times`: TTFT and inter-token latency cost one clock reading per pass, no sync).
+Batch size 1, HF `*ForCausalLM` models, `DynamicCache` KV caches for both models, each holding a prefix of the
+committed tokens; p = target distribution, q = draft distribution (pipeline/sampling.py has the math). The first
+target pass is a plain prefill (docs/architecture.md, "Streaming and the prefill pass"); each model's first forward
+is reported as prefill_time, not in the per-forward lists, so that c compares decoding steps only. The loop's parts
+and commits are marked with a `pipeline.timing.Stopwatch` and turned into seconds once, after the call, so profiling
+adds no host synchronisation; only `total_time` is bracketed with a synchronising clock.
 """
 from __future__ import annotations
 
@@ -138,11 +130,8 @@ class Pair:
 
 
 def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
-    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions.
-
-    Runs the base model and applies the head only to the positions we sample from: the head is the
-    biggest matmul of a small model, and a vocabulary subset (FR-Spec) needs only some of its rows.
-    """
+    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions. The
+    head (a small model's biggest matmul; FR-Spec needs only some rows) runs only on the positions sampled from."""
     hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
     return head_logits(hidden[0, -n_logits:], head)
 

@@ -1,12 +1,9 @@
-"""DraftPlan: one domain's drafting decision, the one object every decoder entry point takes.
+"""DraftPlan: one domain's drafting decision, the one object every decoder entry point takes, so a calibration
+(`spec.plan(domain, sampling)`), an eval override and a user decide the same four things in one place.
 
-    plan = spec.plan(domain, sampling)                # a calibration applied (pipeline/spec.py)
-    plan = DraftPlan(4)                               # a chain of 4 drafts per pass
+    plan = DraftPlan(4)                                 # a chain of 4 drafts per pass
     plan = DraftPlan((3, 2, 1), draft_temperature=0.8)  # a token tree, the draft sampled at τ = 0.8
-    plan = PLAIN                                      # plain decoding: a domain calibrated "off"
-
-A calibration, an eval override and a user all decide the same four things, so they hand the decoder the
-same object instead of restating them as keywords at every layer.
+    plan = PLAIN                                        # plain decoding: a domain calibrated "off"
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""A decode as a stream: the token ids each target pass commits, chunk by chunk, as soon as they are committed.
+"""A decode as a stream: the token ids each target pass commits, chunk by chunk, as soon as they are committed; the
+first chunk is the plain prefill's one token. speculative_generate and autoregressive_generate collect it.
 
-    stream = speculative_stream(target, draft, ids, sampling=Sampling(0.7), drafting=4, max_new_tokens=128)
-    for chunk in stream:          # [first token], then accepted + 1 tokens per verify pass
+    for chunk in speculative_stream(target, draft, ids, plan=DraftPlan(4), max_new_tokens=128):
         print(tokenizer.decode(chunk), end="", flush=True)
-    stream.stats.ttft, stream.stats.mean_itl, stream.stats.chunk_times
-
-The first chunk is one token from a plain prefill pass (no drafts), so time to first token is plain decoding's.
-speculative_generate and autoregressive_generate are this stream collected: one loop, the same tokens for
-the same seed.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Token-tree speculative decoding (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024), lossless at
-every temperature. Reached through `pipeline.decoding.speculative_generate(..., drafting=Tree | (3, 2, 1))`.
-
-A tree is a static shape: a tuple of branching factors per depth, or a list of parent indices (node i's
-parent is parents[i], −1 = the root, which is the newest committed token). The draft expands it one depth
-per forward, all frontier nodes in one forward under a tree attention mask with per-node position ids; the
-target verifies every node in one forward under a 4-D tree mask; the siblings at each node are verified by
-recursive rejection sampling (pipeline/decoding/tree_sampling.py), so the output follows exactly the target's p.
-
-Caches follow the chain path's convention (loop.py, chain.py): each holds a prefix of the committed tokens.
-After verification both keep exactly the accepted path, gathered along the sequence dim of every layer's keys
-and values (tree slots are not in sequence order, so a crop alone cannot do it). The draft feeds only nodes
-that have children (a leaf's own forward would predict tokens nobody proposes), so after a step it lacks
-the new token, or two tokens when the path ends in a leaf, fed together next time as on the chain path.
+"""Token-tree speculative decoding (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024), lossless at every
+temperature (docs/architecture.md, "The decoder"). A tree is a static shape (branching factors per depth, or parent
+indices, −1 = the newest committed token); the draft expands it one depth per forward under a tree mask, the target
+verifies every node in one forward under a 4-D mask, siblings by recursive rejection sampling (tree_sampling.py).
+Both caches then keep exactly the accepted path, gathered along the sequence (tree slots are not in order, so a crop
+cannot do it); the draft feeds only nodes with children, so it lacks one or two tokens after a step, as on the chain.
 """
 from __future__ import annotations
 

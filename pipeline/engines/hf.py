@@ -1,12 +1,8 @@
-"""Hugging Face `generate` as a serving engine: plain generation and assisted generation with a draft, with the
-drafted/accepted tokens of every target pass counted, and the per-pass costs HF itself runs at on this device
-(used by eval.engine=hf and eval.baselines, and by distill.calibration.engines=[hf]).
-
-HF assisted generation reads its draft length from the *draft's* generation_config
-(transformers/generation/candidate_generator.py, AssistedCandidateGenerator.__init__), filling unset
-fields with GenerationConfig._get_default_generation_params(): num_assistant_tokens=20, schedule
-"constant", assistant_confidence_threshold=0.4 (the draft stops early when its top probability drops
-below it; the threshold itself is re-fitted during generation when scikit-learn is installed).
+"""Hugging Face `generate` as a serving engine: plain and assisted generation, with the drafted/accepted tokens of
+every target pass counted and HF's per-pass costs on this device (eval.engine=hf, eval.baselines,
+distill.calibration.engines=[hf]). HF reads the draft length from the *draft's* generation_config
+(candidate_generator.py AssistedCandidateGenerator), defaulting to 20 tokens, schedule "constant" and confidence
+threshold 0.4 (re-fitted during generation when scikit-learn is installed).
 """
 from __future__ import annotations
 

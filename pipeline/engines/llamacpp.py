@@ -1,12 +1,9 @@
-"""llama.cpp as a serving engine: built from the pinned source inside llama-cpp-python's sdist (its own
-converter and quantizer make the GGUF files), `llama-server` started on 127.0.0.1 for evaluation, and
-`llama-bench` for the cost of the passes speculation runs there.
+"""llama.cpp as a serving engine: built from the pinned source inside llama-cpp-python's sdist (its converter and
+quantizer make the GGUF files), `llama-server` on 127.0.0.1 for evaluation, `llama-bench` for the passes' cost.
 
-llama.cpp's speculative rule (common/speculative.cpp, `draft-simple`): the draft proposes its most likely token
-while that token's probability is at least `p_min`, at most `n_max` tokens; the target samples its own token at
-each position and accepts the draft's while they are equal. So a drafted token is accepted with probability
-p_target(draft's argmax) (1[argmaxes equal] at greedy), and the block stops *before* an unsure token, where HF's
-confidence rule proposes it and then stops.
+Its speculative rule (common/speculative.cpp, `draft-simple`): the draft proposes its argmax while its probability is
+at least `p_min`, at most `n_max` tokens; the target accepts while its own sampled token equals the draft's. So a
+drafted token is accepted with p_target(draft's argmax), and the block stops *before* an unsure token.
 """
 from __future__ import annotations
 

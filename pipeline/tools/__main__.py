@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.params import CONF, compose_config
 
 SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tools/<subcommand>.yaml
     "learning-curve": "pipeline.tools.learning_curve",
@@ -19,27 +19,17 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
     "acceptance-gap": "pipeline.tools.acceptance_gap",
-    "batch": "pipeline.tools.batch",
-    "batching": "pipeline.tools.batching",
     "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
     "gpu-check": "pipeline.tools.gpu_check",
 }
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose(subcommand: str, overrides: list[str]):
     """conf/config.yaml with the subcommand's settings under `tool` (MLflow off: a tool makes no run)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
     from omegaconf import OmegaConf
 
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = hydra_compose("config", overrides=["tracking.enabled=false", f"+tools={subcommand}", *overrides])
-    except Exception as e:  # Hydra's override / composition errors: one line, as python -m pipeline gives them
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise PipelineError(f"bad configuration: {first.strip()}") from None
+    cfg = compose_config(["tracking.enabled=false", f"+tools={subcommand}", *overrides])
     declared = set(OmegaConf.load(CONF / "tools" / f"{subcommand}.yaml"))
     undeclared = sorted(set(cfg.tool) - declared)
     if undeclared:  # `+tool.<key>=...` gets past Hydra's own check

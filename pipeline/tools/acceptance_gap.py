@@ -1,14 +1,9 @@
-"""Where the plan and the decoder disagree: held-out acceptance as calibration predicts it beside the decoder's own
-acceptance on the same held-out prompts, same draft, same serving distribution, side by side in one run.
+"""Where the plan and the decoder disagree: per domain of the reporting part, the plan's acceptance averaged over
+every block start and over the starts the decoder visits (distill/policy.py `visit_weights`), beside the decoder's
+own accepted/drafted on the same rows' prompts (the export's τ and FR-Spec head, as many tokens as each completion),
+with a bootstrap CI over prompts.
 
-    python -m pipeline.tools acceptance-gap [hydra overrides, e.g. paths.draft=... distill.split.calibration_share=0.5]
-        (tool.gammas=[1,2] tool.repeats=2 tool.json=<file>)
-
-Per domain of the reporting part (the rows distill reports on): the plan's acceptance A/D averaged over every
-block start (how calibration averaged until the renewal fix) and over the starts the decoder visits
-(distill/policy.py `visit_weights`, what calibration uses now), and the decoder's accepted/drafted when it decodes
-each row's prompt with the export's τ and FR-Spec head, for as many tokens as the row's completion, with a
-bootstrap CI over prompts. Both predictions come from one teacher-forced pass over the rows' own completions.
+    python -m pipeline.tools acceptance-gap [tool.gammas=[1,2] tool.repeats=2 tool.json=<file>]
 """
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ import numpy as np
 import torch
 
 from distill import calibrate as cal
-from eval.metrics import _acceptance_stat, bootstrap_ci
+from eval.intervals import acceptance_stat, bootstrap_ci
 from distill.policy import simulate
 from pipeline.tools.offline import collect_heldouts
 from pipeline.decoding import DraftPlan, speculative_generate
@@ -56,7 +51,7 @@ def decoded(inputs, draft, spec, heldout, gamma: int, repeats: int, seed: int) -
 def ratio_ci(pairs: list[tuple[int, int]]) -> tuple[float, list[float] | None]:
     """accepted / drafted pooled over requests, with eval's paired bootstrap interval (None below 2 requests)."""
     accepted, drafted = np.array(pairs, dtype=float).T
-    return float(_acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), _acceptance_stat)
+    return float(acceptance_stat(accepted, drafted)), bootstrap_ci((accepted, drafted), acceptance_stat)
 
 
 def run(cfg) -> dict:

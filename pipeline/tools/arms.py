@@ -1,13 +1,8 @@
-"""Compare distillation objectives ("arms") trained on one collect with one budget: which buys most acceptance.
+"""Compare distillation objectives ("arms") trained on one collect with one budget: per export (its directory names
+the arm) the objective, steps, minutes and the trained draft's held-out acceptance per domain (`after_training`,
+reporting part) with the gain over the undistilled draft, one table per serving temperature. Writes arms.md and .json.
 
     python -m pipeline.tools arms 'tool.drafts=[<draft dir>,...]' tool.out=<dir>
-
-Each argument is a distill export (paths.draft) of the same collect and draft; its directory name names the arm.
-Per arm, from speculative.json: the objective (loss, on-policy share λ, AdaSPEC share, teacher), the steps and
-minutes it trained, and the trained draft's held-out acceptance per domain (`acceptance.after_training`, the
-reporting part, so neither keep_best nor the calibration chose on it) at the serving sampling it was calibrated
-for, with the gain over the undistilled draft. Exports calibrated for different temperatures get a table each
-(greedy acceptance and T = 0.7 acceptance are different quantities). Writes arms.md and arms.json.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Collect throughput: target tokens/s of the collect stage's HF backend at batch 1 against collect.batch_size, or
-against llama-server, on the same prompt chunks in eval's rotating order; the ratio with a paired 95% bootstrap
-interval over the chunks (eval/metrics.py).
+"""Collect throughput: target tokens/s of the collect stage's HF backend at batch 1 against collect.batch_size
+(tool.server=true: against llama-server on the target's GGUF, `tool.server_parallel` slots), on the same prompt
+chunks in eval's rotating order, the ratio with a paired 95% bootstrap interval over the chunks, then the disk cost
+of the rows with and without the top-k columns.
 
     python -m pipeline.tools collect-throughput [tool.prompts=16 tool.max_new_tokens=128] [hydra overrides]
-    e.g. python -m pipeline.tools collect-throughput collect.batch_size=32 runtime.device=cuda
-    python -m pipeline.tools collect-throughput tool.server=true tool.server_parallel=4 tool.prompts=64 \
-        collect.topk=0 runtime.threads=2
 
-tool.server=true: the HF backend at collect.batch_size against collect.backend=server on a llama-server this tool
-starts on the target's GGUF (pipeline/engines/llamacpp.py; `tool.server_parallel` slots, as many requests in
-flight), the same prompts, sampling settings and thread count (runtime.threads, else every core).
-
-Runs on the configured target (default: the embedded SmolLM2-135M-Instruct) with the configured sampling settings
-and top-k labels, then measures the disk cost of the rows with and without the top-k columns (bytes per million
-completion tokens). Prompts: first turns of the prepared train prompts, or of any prompt file (`tool.prompts_file`,
-e.g. Spec-Bench's question.jsonl, whose MT-Bench categories are then used). On a shared CPU pass runtime.threads=1:
-oversubscribed OpenMP threads make batch 1 several times slower and the comparison meaningless.
+On a shared CPU pass runtime.threads=1: oversubscribed OpenMP threads make batch 1 several times slower.
 """
 from __future__ import annotations
 
@@ -27,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from eval.metrics import _speedup_stat, bootstrap_ci
+from eval.intervals import paired_ratio
 from pipeline.errors import PipelineError
 from pipeline.timing import synced_clock
 from pipeline.tools.common import measure
@@ -116,11 +106,10 @@ def compare(methods: dict, prompts: list[dict], size: int, n: int, device) -> tu
     (first, tok_a, sec_a), (second, tok_b, sec_b) = (
         (name, np.array([len(r["tokens"]) for r in recs], float), np.array([r["time_s"] for r in recs]))
         for name, recs in records.items())
-    samples = (tok_b, sec_b, tok_a, sec_a)
     result = {name: {"tokens": int(tok.sum()), "seconds": float(sec.sum()), "tokens_per_s": float(tok.sum() / sec.sum())}
               for name, tok, sec in ((first, tok_a, sec_a), (second, tok_b, sec_b))}
-    result |= {"ratio": float(_speedup_stat(*samples)), "ratio_ci95": bootstrap_ci(samples, _speedup_stat),
-               "chunks": len(chunks)}
+    ratio, ci = paired_ratio((tok_b, sec_b, tok_a, sec_a))
+    result |= {"ratio": ratio, "ratio_ci95": ci, "chunks": len(chunks)}
     for name in (first, second):
         r = result[name]
         print(f"[collect-throughput] {name:>8}: {r['tokens']:>6} tokens in {r['seconds']:7.1f}s = "

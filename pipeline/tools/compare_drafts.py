@@ -1,16 +1,10 @@
 """Drafts side by side on one collect's held-out rows: held-out acceptance Σ min(p, q) per domain at the serving
-distribution (greedy serving: argmax agreement), and each draft's difference from the first with a paired
-bootstrap CI over held-out rows.
+distribution, and each draft's difference from the first with a paired bootstrap CI over the rows, so drafts
+trained on different rows (e.g. a server collect against an HF one) meet the same rows and target distribution.
+Each runs with its own FR-Spec head, at the serving temperature or (tool.temperature=calibrated, exports only) its
+own τ; a draft is an export or a distill stage's trained draft (`${paths.trained}/draft`, before any calibration).
 
-    python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]' \
-        (tool.part=reporting|calibration tool.temperature=calibrated tool.json=<file>)
-
-The question it answers: do drafts trained on different rows of equal size — e.g. rows a serving engine
-generated (collect.backend=server, another engine's numerics) against the HF backend's — differ beyond noise?
-Each draft's own run judged it on its own held-out rows; here every draft meets the same rows and the same
-target distribution, so the difference has the noise of the drafts, not of two samples of completions. Each draft
-runs with its own FR-Spec head (speculative.json `vocab_subset`) at the serving temperature (or, with
-tool.temperature=calibrated, at its own calibrated τ per domain).
+    python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]'
 """
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ import torch
 
 from distill import calibrate as cal
 from distill.stage import RECORD, read_record
-from eval.metrics import bootstrap_ci
+from eval.intervals import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
 from pipeline.models import load_model

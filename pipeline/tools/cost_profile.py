@@ -1,14 +1,9 @@
-"""Measure a cost profile on this machine: the target's forward time per number of tokens fed at two context
-lengths, the draft's step, c and the verify ratios (pipeline/cost_profile.py has the schema).
+"""Measure a cost profile on this machine (pipeline/cost_profile.py), at the points distill times
+(distill.calibration.cost). Step times depend on shapes, dtype and hardware, not on weight values, so
+`tool.*_config` builds random weights and a serving machine can be profiled before any training.
 
-    python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> \
-        tool.draft_config=<...|preset:draft> [tool.vocab_subset=K runtime.dtype=... runtime.device=... tool.out=...]
+    python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> tool.draft_config=<...>
     python -m pipeline.tools cost-profile tool.target=<model dir> tool.draft=<model dir>
-
-Step times depend on shapes, dtype and hardware, not on weight values, so `tool.*_config` builds random weights
-(no download) and a profile can be measured for a serving machine before any training. With `tool.draft=<dir>`
-holding a speculative.json, its FR-Spec subset sets the head rows unless tool.vocab_subset is given. The points
-timed are distill's (distill.calibration.cost), so a profile measured here is one distill would have measured.
 """
 from __future__ import annotations
 

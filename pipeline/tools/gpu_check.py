@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from eval.fidelity import divergence
-from eval.metrics import _speedup_stat, bootstrap_ci
+from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
 from pipeline.chat import encode_chat, stop_token_ids
 from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
@@ -32,7 +32,8 @@ from pipeline.errors import PipelineError
 from pipeline.machine import cpu_name
 from pipeline.models import load_model, load_tokenizer, resolve_device
 from pipeline.timing import synced_clock
-from pipeline.tools.common import first_turns, measure, model_dir
+from pipeline.prompts import load_prompts
+from pipeline.tools.common import measure
 
 
 # ---------------------------------------------------------------- the decoders, fn(models, ids, n) -> (tokens, stats)
@@ -86,7 +87,7 @@ def speed(m, prompts: list, n: int, repeats: int) -> dict:
     drafted, accepted = sum(s.n_drafted for s in stats), sum(s.n_accepted for s in stats)
     return {"requests": len(requests), "plain_tokens_per_s": float(tok["plain"].sum() / sec["plain"].sum()),
             "speculative_tokens_per_s": float(tok["speculative"].sum() / sec["speculative"].sum()),
-            "speedup": float(_speedup_stat(*samples)), "speedup_ci95": bootstrap_ci(samples, _speedup_stat),
+            "speedup": float(speedup_stat(*samples)), "speedup_ci95": bootstrap_ci(samples, speedup_stat),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": float(tok["speculative"].sum()) / max(1, sum(s.target_passes for s in stats))}
 
@@ -114,11 +115,11 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     from datasets import Dataset
     from omegaconf import OmegaConf
 
-    from pipeline.draft_init import build_draft
     from distill.export import save_draft
     from distill.settings import OUR_TRAINER_KEYS
     from distill.trainer import DistillConfig, DistillTrainer
     from distill.training import mixed_bf16
+    from pipeline.draft_init import build_draft
 
     rows = [r for r in rows if r["completion_ids"]]
     draft = build_draft(cfg.model.draft, m.target, m.tokenizer, cfg.paths, seed=int(cfg.seed))[0].train()
@@ -144,6 +145,26 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
 
 
 # ---------------------------------------------------------------- the run
+def first_turns(path: str | Path, n: int) -> list[dict]:
+    """{domain, text}: the first user turn of n prompts spread over the file (Spec-Bench groups its categories)."""
+    if not Path(path).is_file():
+        raise PipelineError(f"tool.prompts={path} is not a file: pass a prompt JSONL")
+    rows = load_prompts(Path(path))
+    step = max(1, len(rows) // n)
+    return [{"domain": row.get("domain", "default"), "text": row["turns"][0]} for row in rows[::step]][:n]
+
+
+def target_dir(cfg) -> Path:
+    """tool.target, else the model preset's (converted) target."""
+    from pipeline.models import resolve_model
+
+    if cfg.tool.target is None:
+        return resolve_model(cfg.model.target, "target", cfg.paths)
+    if not (Path(cfg.tool.target) / "config.json").is_file():
+        raise PipelineError(f"tool.target={cfg.tool.target} is not an HF model directory (no config.json)")
+    return Path(cfg.tool.target)
+
+
 def options(cfg) -> SimpleNamespace:
     args = SimpleNamespace(**cfg.tool)
     for key in ("n_prompts", "collect_tokens", "distill_steps", "max_new_tokens", "gamma", "repeats"):
@@ -156,7 +177,7 @@ def load(cfg, args) -> SimpleNamespace:
     """The target on tool.device in runtime.dtype (random weights of its config with tool.random_weights)."""
     from pipeline.cost_profile import random_model
 
-    path = model_dir(cfg, "target")
+    path = target_dir(cfg)
     device, dtype = resolve_device({"device": args.device, "dtype": cfg.runtime.dtype},
                                    None if args.random_weights else path, cfg.paths.models)
     target = random_model(path, dtype, device, cfg.seed) if args.random_weights else load_model(path, device, dtype)

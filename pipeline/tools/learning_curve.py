@@ -1,16 +1,8 @@
-"""Learning curves from draft exports: how held-out acceptance grows with target tokens and training minutes.
+"""Learning curves from draft exports: held-out acceptance against target tokens and training minutes, one point
+per export (`training.data_tokens`; nested subsets of one collect, experiment=curve, give the data-size curve) and
+each export's in-run `learning_curve`. Writes learning_curve.png, .md (with the gain per doubling) and .json.
 
     python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir>
-
-Two kinds of points, both from each export's speculative.json:
-  runs     one point per export: the completion tokens it trained on (`training.data_tokens`), its training
-           minutes and the trained draft's held-out acceptance per domain (reporting part, serving sampling) and
-           predicted speedup. Exports trained on nested subsets of one collect (distill.split.train_fraction,
-           experiment=curve) make the data-size curve a user sizes a collect job with.
-  in-run   each export's `learning_curve`: held-out acceptance every distill.heldout.eval_steps, against
-           completion tokens seen (later epochs see the same tokens again) and training minutes.
-Writes learning_curve.png, learning_curve.md (tables, and the gain per doubling of data) and
-learning_curve.json.
 """
 from __future__ import annotations
 
