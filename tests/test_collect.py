@@ -212,12 +212,14 @@ def test_topk_labels_match_a_fresh_target_forward(tmp_path, tiny_target):
 
 # ----------------------------------------------------------------------------- resume & scale-out
 
-def test_resume_after_a_crash_reproduces_an_uninterrupted_run(tmp_path, tiny_target, monkeypatch):
+def crash_then_resume(tmp_path, target, monkeypatch, extra=()) -> Path:
+    """Collects tmp_path/"whole" uninterrupted, then tmp_path/"crashed" with a Ctrl-C right after its first shard is
+    written, checks nothing final or temporary was left, resumes it and checks no finished shard was redone (shards of
+    2 prompts: chat 3, code 2) and the rows equal the uninterrupted run's. Returns the crashed run's root."""
     import data.collect as stage
 
     write_prompts(tmp_path / "whole")
-    collect(tmp_path / "whole", tiny_target)
-
+    collect(tmp_path / "whole", target, list(extra))
     crashed = tmp_path / "crashed"
     write_prompts(crashed)
     real_save, saved = stage._save_shard, []
@@ -225,21 +227,25 @@ def test_resume_after_a_crash_reproduces_an_uninterrupted_run(tmp_path, tiny_tar
     def save_then_crash(final, *args):
         real_save(final, *args)
         saved.append(final.name)
-        raise KeyboardInterrupt  # as a Ctrl-C right after the first shard was written
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(stage, "_save_shard", save_then_crash)
     with pytest.raises(KeyboardInterrupt):
-        collect(crashed, tiny_target)
-    # no final artifact, one finished shard, no temporary leftovers
+        collect(crashed, target, list(extra))
     assert not (crashed / "collect" / "dataset").exists() and not (crashed / "collect" / "manifest.json").exists()
     assert len(saved) == 1 and len(list((crashed / "collect" / "shards").glob("*/*"))) == 1
     assert not leftovers(crashed / "collect")
 
     redone = []
     monkeypatch.setattr(stage, "_save_shard", lambda final, *a: (redone.append(final.name), real_save(final, *a)))
-    collect(crashed, tiny_target)
-    assert saved[0] not in redone and len(redone) == 4  # shards of 2 prompts: chat 3, code 2
+    collect(crashed, target, list(extra))
+    assert saved[0] not in redone and len(redone) == 4
     assert rows_of(crashed) == rows_of(tmp_path / "whole")
+    return crashed
+
+
+def test_resume_after_a_crash_reproduces_an_uninterrupted_run(tmp_path, tiny_target, monkeypatch):
+    crash_then_resume(tmp_path, tiny_target, monkeypatch)
 
 
 def test_more_prompts_per_domain_later_only_add_shards(tmp_path, tiny_target, monkeypatch):

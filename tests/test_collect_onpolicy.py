@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.errors import PipelineError
-from tests.test_collect import (_cli, assert_topk_matches_fresh_forward, collect, compose, overrides, rows_of,
+from tests.test_collect import (_cli, crash_then_resume, assert_topk_matches_fresh_forward, collect, compose, overrides, rows_of,
                                 save_tiny_target, write_prompts)
 
 torch.set_num_threads(1)
@@ -120,27 +120,8 @@ def test_greedy_onpolicy_tokens_are_the_drafts_and_held_out_prompts_stay_the_tar
 
 def test_resume_after_a_crash_reproduces_an_uninterrupted_onpolicy_run(tmp_path, tiny_target, tiny_draft,
                                                                        monkeypatch):
-    import data.collect as stage
-
     extra = onpolicy(tiny_draft)
-    write_prompts(tmp_path / "whole")
-    collect(tmp_path / "whole", tiny_target, extra)
-    crashed = tmp_path / "crashed"
-    write_prompts(crashed)
-    real_save, saved = stage._save_shard, []
-
-    def save_then_crash(final, *args):
-        real_save(final, *args)
-        saved.append(final.name)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(stage, "_save_shard", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        collect(crashed, tiny_target, extra)
-    redone = []
-    monkeypatch.setattr(stage, "_save_shard", lambda final, *a: (redone.append(final.name), real_save(final, *a)))
-    collect(crashed, tiny_target, extra)
-    assert saved[0] not in redone and len(redone) == 4
+    crashed = crash_then_resume(tmp_path, tiny_target, monkeypatch, extra)
     rows = rows_of(crashed)
     assert rows == rows_of(tmp_path / "whole") and len({r["id"] for r in rows}) == len(rows)
     cost = manifest_of(crashed)["label_cost"]
