@@ -7,6 +7,10 @@ the trainer masks and averages), in fp32. **p is the target distribution, q the 
 - `tvd`  ½ Σ |p − q| = 1 − Σ min(p, q): one minus the acceptance rate itself (Leviathan et al. 2023; DistillSpec)
 - `ce`   −log q(y) on the target's sampled token (sequence-level KD, Kim & Rush 2016); no teacher distribution,
          no loss temperature
+- `top1` −log q(argmax p): greedy serving accepts a drafted token only where the argmaxes agree, so the draft is
+         taught the target's most likely token and nothing of the rest (DistillSpec's "divergence chosen for the
+         decoding mode"); no loss temperature. A position whose target argmax the draft cannot predict (outside its
+         vocabulary subset) gives 0
 - `lk_alpha` = −log α and `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV, λ = exp(−η·sg(ᾱ)), η = `LK_ETA` = 3, one detached
          λ per call (LK losses, Samarin et al. 2026, arXiv 2602.23881; the paper's text could not be retrieved, so
          the definitions are those of vLLM speculators' `nla` / `lk_hybrid` and NVIDIA Model-Optimizer's
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 
 from pipeline.errors import PipelineError
 
-LOSSES = ("fkl", "rkl", "jsd", "tvd", "lk_alpha", "lk_lambda", "ce")
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "lk_alpha", "lk_lambda")
+LOSSES = (*DIVERGENCES, "ce", "top1")
 TAILS = ("bucket", "renormalize")
 # η of LK^λ: the decay of the KL weight with acceptance, λ = exp(−η ᾱ); 3 in vLLM speculators' `lk_hybrid` and NVIDIA
 # Model-Optimizer's `masked_lk_lambda_loss` (both citing arXiv 2602.23881).
@@ -120,7 +125,7 @@ def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float 
         return lk_alpha(log_p, log_q)
     if name == "lk_lambda":
         return lk_lambda(log_p, log_q)
-    raise PipelineError(f"{name!r} is not a divergence between distributions: use one of {', '.join(LOSSES[:-1])}")
+    raise PipelineError(f"{name!r} is not a divergence between distributions: use one of {', '.join(DIVERGENCES)}")
 
 
 # ---------------------------------------------------------------- teachers
@@ -209,15 +214,30 @@ def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(draft_logits.float(), labels.clamp_min(0), reduction="none") * (labels >= 0)
 
 
+def teacher_argmax(teacher_logits: torch.Tensor | None = None, teacher: SparseTeacher | None = None) -> torch.Tensor:
+    """The target's most likely class per position [N] in the draft's columns; −100 where that token is outside the
+    draft's classes (a sparse teacher lists the target's top tokens over the full vocabulary)."""
+    if teacher_logits is not None:
+        return teacher_logits.argmax(-1)
+    if teacher is None:
+        raise PipelineError("loss=top1 needs a teacher: distill.teacher=online or topk")
+    best = teacher.logprobs.argmax(-1, keepdim=True)
+    column = teacher.ids.gather(-1, best).squeeze(-1)
+    return torch.where(column >= 0, column, torch.full_like(column, -100))
+
+
 def distillation_loss(name: str, draft_logits: torch.Tensor, *, teacher_logits: torch.Tensor | None = None,
                       teacher: SparseTeacher | None = None, labels: torch.Tensor | None = None,
                       temperature: float = 1.0, beta: float = 0.5, tail: str = "bucket") -> torch.Tensor:
     """Per-position loss [N] for draft logits [N, C] against a dense (teacher_logits [N, C], same classes)
-    or a sparse (SparseTeacher) teacher; `ce` uses labels [N] (class indices, −100 = ignore)."""
+    or a sparse (SparseTeacher) teacher; `ce` uses labels [N] (class indices, −100 = ignore), `top1` the teacher's
+    argmax."""
     if name == "ce":
         if labels is None:
             raise PipelineError("loss=ce needs the target's tokens as labels")
         return cross_entropy(draft_logits, labels)
+    if name == "top1":
+        return cross_entropy(draft_logits, teacher_argmax(teacher_logits, teacher))
     if teacher_logits is not None and name == "jsd":
         return trl_jsd(draft_logits, teacher_logits, beta, temperature)
     if teacher_logits is not None:

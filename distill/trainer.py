@@ -88,7 +88,7 @@ def _knob(help_text: str):
 class DistillConfig(GKDConfig):
     """GKDConfig plus our knobs, named as in conf/distill/default.yaml `objective:`. lmbda, beta, temperature and
     seq_kd and max_new_tokens are GKDConfig's own (their TRL defaults replaced by `_knob`: conf sets them)."""
-    loss: str = _knob("fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce (distill/losses.py)")
+    loss: str = _knob("fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce | top1 (distill/losses.py)")
     beta: float = _knob("GKDConfig.beta: JSD interpolation β (GKD eq. 1)")
     loss_temperature: float = _knob("softmax temperature inside the loss")
     teacher: str = _knob("online (target forward) | topk (cached labels)")

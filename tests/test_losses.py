@@ -43,6 +43,20 @@ def test_cross_entropy_is_negative_log_prob_of_the_target_token():
     assert distillation_loss("ce", logits(Q), labels=torch.tensor([-100])).item() == 0.0  # ignored position
 
 
+def test_top1_teaches_the_target_argmax_from_either_teacher():
+    # target argmax = token 0; q(0) = .2, so −ln .2; the cached teacher lists the target's tokens (1, 0) in any order
+    expected = -math.log(0.2)
+    assert distillation_loss("top1", logits(Q), teacher_logits=logits(P)).item() == pytest.approx(expected, abs=1e-6)
+    cached = sparse_teacher(torch.tensor([[1, 0]]), torch.tensor([P[1], P[0]]).log()[None], vocab_size=3)
+    assert distillation_loss("top1", logits(Q), teacher=cached).item() == pytest.approx(expected, abs=1e-6)
+    # wrong variant: the draft's own argmax (token 1) is not what greedy verification accepts
+    assert distillation_loss("ce", logits(Q), labels=torch.tensor([1])).item() != pytest.approx(expected, abs=1e-3)
+    # the target's argmax outside a subset draft's classes: nothing to learn at that position
+    outside = sparse_teacher(torch.tensor([[1, 0]]), torch.tensor([P[1], P[0]]).log()[None], 3,
+                             column_of=torch.tensor([-1, 0, 1]), subset_logmass=torch.tensor([math.log(0.5)]))
+    assert distillation_loss("top1", logits(Q)[:, :2], teacher=outside).item() == 0.0
+
+
 def test_loss_temperature_softens_both_distributions():
     # T=2: p ∝ √p = (.7071, .5477, .4472)/1.7020 = (.41545, .32180, .26275); q likewise = (.26275, .41545, .32180)
     # TVD = ½(.15270 + .09365 + .05905)
