@@ -67,6 +67,28 @@ def test_report_from_exports_of_nested_runs(tmp_path):
     assert data["tokens_needed"]["overall"]["gain_per_doubling"] > 0
 
 
+def test_a_trained_directory_is_a_point_and_tokens_are_priced_in_label_cpu_minutes(tmp_path):
+    # a distill stage's ${paths.trained} (no calibration) beside a collect whose target rows cost 0.3 CPU-s a token
+    curve = [{"step": 10, "train_tokens": 1500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}},
+             {"step": 20, "train_tokens": 3000, "train_minutes": 1.0, "acceptance": 0.25, "by_domain": {"chat": 0.25}}]
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "training.json").write_text(json.dumps({
+        "version": 1, "after_training": {"chat": 0.25, "overall": 0.25}, "learning_curve": curve,
+        "training": {"data_tokens": 2000, "train_fraction": 1.0, "train_tokens": 3000, "minutes": 1.0}}))
+    collect = tmp_path / "collect"
+    collect.mkdir()
+    (collect / "manifest.json").write_text(json.dumps({"label_cost": {"target": {"tokens": 1000, "cpu_s": 300.0}}}))
+    assert tools_main(["learning-curve", f"tool.drafts=['{trained}']", f"tool.out='{tmp_path / 'out'}'",
+                       f"paths.collect='{collect}'"]) == 0
+    data = json.loads((tmp_path / "out" / "learning_curve.json").read_text())
+    assert data["label_cpu_s_per_token"] == pytest.approx(0.3)
+    assert data["runs"][0]["label_cpu_minutes"] == pytest.approx(2000 * 0.3 / 60)  # the train rows' distinct tokens
+    # in-run: distinct tokens seen, capped at the data once epochs repeat it (wrong variant: 3000 seen tokens priced)
+    assert [c["label_cpu_minutes"] for c in data["in_run"]["run"]] == pytest.approx([1500 * 0.3 / 60, 2000 * 0.3 / 60])
+    assert data["runs"][0]["acceptance"]["overall"] == 0.25
+
+
 def test_doubling_gains_skip_runs_without_more_data():
     points = [{"data_tokens": 100, "acceptance": {"overall": 0.1}}, {"data_tokens": 100, "acceptance": {"overall": 0.2}}]
     assert doubling_gains(points) == []

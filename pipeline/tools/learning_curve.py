@@ -1,8 +1,10 @@
 """Learning curves from draft exports: held-out acceptance against target tokens and training minutes, one point
 per export (`training.data_tokens`; nested subsets of one collect, experiment=curve, give the data-size curve) and
-each export's in-run `learning_curve`. Writes learning_curve.png, .md (with the gain per doubling) and .json.
+each export's in-run `learning_curve`. A distill stage's `${paths.trained}` (before calibration) is a point too.
+Target tokens are also priced in CPU-minutes of label work: the collect's (`paths.collect`) manifest gives the CPU
+seconds its target rows cost per token. Writes learning_curve.png, .md (with the gain per doubling) and .json.
 
-    python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir>
+    python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir> [paths.collect=<collect>]
 """
 from __future__ import annotations
 
@@ -16,7 +18,21 @@ from pipeline.spec import SpeculativeSpec
 OVERALL = "overall"
 
 
-def run_point(spec: SpeculativeSpec, source: str) -> dict:
+def label_rate(collect: str | None) -> float | None:
+    """CPU seconds of label work per target token of the collect at `collect` (its manifest's `label_cost` for
+    target-generated rows), or None where it has no manifest or no cost recorded."""
+    manifest = Path(collect or "") / "manifest.json"
+    if not collect or not manifest.is_file():
+        return None
+    target = (json.loads(manifest.read_text()).get("label_cost") or {}).get("target") or {}
+    return target["cpu_s"] / target["tokens"] if target.get("cpu_s") and target.get("tokens") else None
+
+
+def label_minutes(tokens: int | None, rate: float | None) -> float | None:
+    return None if tokens is None or rate is None else tokens * rate / 60
+
+
+def run_point(spec: SpeculativeSpec, source: str, rate: float | None = None) -> dict:
     """One export as a point of the data-size curve."""
     training = spec.training or {}
     trained = (spec.acceptance or {}).get("after_training") or (spec.acceptance or {}).get("after") or {}
@@ -25,15 +41,30 @@ def run_point(spec: SpeculativeSpec, source: str) -> dict:
             "train_tokens": training.get("train_tokens"), "train_minutes": training.get("minutes"),
             "acceptance": dict(trained), "before": dict((spec.acceptance or {}).get("before") or {}),
             "predicted_speedup": predicted.get("default", predicted.get(OVERALL)),
-            "predicted_by_domain": {d: v for d, v in predicted.items() if d != "default"}}
+            "predicted_by_domain": {d: v for d, v in predicted.items() if d != "default"},
+            "label_cpu_minutes": label_minutes(training.get("data_tokens"), rate)}
+
+
+def trained_as_spec(directory: Path) -> SpeculativeSpec:
+    """A distill stage's ${paths.trained} (training.json) in an export's shape: the trained weights' held-out
+    acceptance, the training record and the in-run curve; no calibration, so no predicted speedup."""
+    from distill.stage import read_record
+
+    record = read_record(directory)
+    return SpeculativeSpec(target={}, sampling=None, draft={}, training=record["training"],
+                           acceptance={"after_training": record["after_training"]},
+                           learning_curve=record["learning_curve"])
 
 
 def load_exports(dirs: list[str]) -> list[tuple[str, SpeculativeSpec]]:
     out = []
     for d in dirs:
         spec = SpeculativeSpec.read(Path(d))  # one-line errors for another version or a broken file
+        if spec is None and (Path(d) / "training.json").is_file():
+            spec = trained_as_spec(Path(d))
         if spec is None:
-            raise PipelineError(f"{d} has no speculative.json: point at a draft export (a distill stage's paths.draft)")
+            raise PipelineError(f"{d} has no speculative.json: point at a draft export (a distill stage's paths.draft)"
+                                " or a distill stage's paths.trained")
         if not spec.distilled:
             raise PipelineError(f"{d} is an undistilled reference export (no training): point at paths.draft")
         out.append((str(d), spec))
@@ -96,10 +127,13 @@ def _need(entry: dict) -> str:
     return f"> {REACH}× the largest run"
 
 
-def _with_epochs(spec: SpeculativeSpec) -> list[dict]:
-    """The in-run curve with `epochs` = tokens seen / tokens of the train rows: below 1 every point is new data."""
+def _with_epochs(spec: SpeculativeSpec, rate: float | None = None) -> list[dict]:
+    """The in-run curve with `epochs` = tokens seen / tokens of the train rows (below 1 every point is new data) and
+    the label CPU-minutes of the distinct tokens seen so far."""
     data = spec.training.get("data_tokens")
-    return [c | {"epochs": c["train_tokens"] / data if data else None} for c in spec.learning_curve]
+    return [c | {"epochs": c["train_tokens"] / data if data else None,
+                 "label_cpu_minutes": label_minutes(min(c["train_tokens"], data or c["train_tokens"]), rate)}
+            for c in spec.learning_curve]
 
 
 def plot(points: list[dict], curves: list[tuple[str, list[dict]]], path: Path) -> None:
@@ -145,13 +179,14 @@ def _f(x, fmt=".3f") -> str:
 def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list[dict]]], needed: dict | None = None) -> str:
     domains = sorted({d for p in points for d in p["acceptance"] if d != OVERALL}) + [OVERALL]
     lines = ["# Learning curve", "", "Held-out acceptance of the trained draft (reporting part, serving sampling).", "",
-             "| target tokens | share | train minutes | " + " | ".join(domains) + " | predicted speedup |",
-             "|" + "---|" * (len(domains) + 4)]
+             "| target tokens | label CPU-min | share | train minutes | " + " | ".join(domains) + " | predicted speedup |",
+             "|" + "---|" * (len(domains) + 5)]
     for p in points:
-        lines.append(f"| {_f(p['data_tokens'], ',')} | {_f(p['train_fraction'], '.3g')} | {_f(p['train_minutes'], '.1f')} | "
+        lines.append(f"| {_f(p['data_tokens'], ',')} | {_f(p.get('label_cpu_minutes'), '.1f')} | "
+                     f"{_f(p['train_fraction'], '.3g')} | {_f(p['train_minutes'], '.1f')} | "
                      + " | ".join(_f(p["acceptance"].get(d)) for d in domains) + f" | {_f(p['predicted_speedup'], '.2f')}× |")
     if points and points[0]["before"]:
-        lines.append("| undistilled | | | " + " | ".join(_f(points[0]["before"].get(d)) for d in domains) + " | |")
+        lines.append("| undistilled | | | | " + " | ".join(_f(points[0]["before"].get(d)) for d in domains) + " | |")
     if gains:
         lines += ["", "Acceptance gained per doubling of the data:", "",
                   "| from → to tokens | " + " | ".join(domains) + " |", "|" + "---|" * (len(domains) + 1)]
@@ -165,9 +200,10 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
         lines += [f"| {d} | {v['gain_per_doubling']:+.3f} | " + " | ".join(_need(v["tokens"][t]) for t in targets) + " |"
                   for d, v in needed.items()]
     for name, curve in curves:
-        lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | minutes | overall | "
-                  + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 4)]
-        lines += [f"| {c['step']} | {c['train_tokens']:,} | {_f(c.get('epochs'), '.2f')} | {_f(c.get('train_minutes'), '.1f')} | "
+        lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | label CPU-min | minutes | "
+                  "overall | " + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 5)]
+        lines += [f"| {c['step']} | {c['train_tokens']:,} | {_f(c.get('epochs'), '.2f')} | "
+                  f"{_f(c.get('label_cpu_minutes'), '.1f')} | {_f(c.get('train_minutes'), '.1f')} | "
                   f"{_f(c['acceptance'])} | "
                   + " | ".join(_f(c.get("by_domain", {}).get(d)) for d in domains[:-1]) + " |" for c in curve]
     return "\n".join(lines) + "\n"
@@ -205,14 +241,16 @@ def drafts_and_out(tool) -> tuple[list[str], Path]:
 def run(cfg) -> dict:
     drafts, out = drafts_and_out(cfg.tool)
     exports = load_exports(drafts)
-    points = sorted((run_point(spec, src) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
+    rate = label_rate(cfg.paths.get("collect"))
+    points = sorted((run_point(spec, src, rate) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
     exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
-    curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec)) for src, spec in exports
+    curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec, rate)) for src, spec in exports
               if spec.learning_curve]
     gains = doubling_gains(points)
     needed = tokens_needed(points)
     md = markdown(points, gains, curves, needed)
-    result = {"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves)}
+    result = {"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves),
+              "label_cpu_s_per_token": rate}
     write_files(out, {"learning_curve.png": lambda path: plot(points, curves, path),
                       "learning_curve.md": lambda path: path.write_text(md),
                       "learning_curve.json": lambda path: path.write_text(json.dumps(result, indent=1))})
