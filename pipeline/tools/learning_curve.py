@@ -184,7 +184,7 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
     for p in points:
         lines.append(f"| {_f(p['data_tokens'], ',')} | {_f(p.get('label_cpu_minutes'), '.1f')} | "
                      f"{_f(p['train_fraction'], '.3g')} | {_f(p['train_minutes'], '.1f')} | "
-                     + " | ".join(_f(p["acceptance"].get(d)) for d in domains) + f" | {_f(p['predicted_speedup'], '.2f')}× |")
+                     + " | ".join(_f(p["acceptance"].get(d)) for d in domains) + f" | {_f(p['predicted_speedup'], '.2f')}{'×' if p['predicted_speedup'] else ''} |")
     if points and points[0]["before"]:
         lines.append("| undistilled | | | | " + " | ".join(_f(points[0]["before"].get(d)) for d in domains) + " | |")
     if gains:
