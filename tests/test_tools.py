@@ -106,3 +106,12 @@ def test_the_docs_name_only_the_two_commands_and_real_subcommands():
     assert modules == {"pipeline", "pipeline.tools", "pytest"} and subcommands and subcommands <= set(SUBCOMMANDS)
     retired = commands_in("run `python -m eval.bench --target t` or `python -m pipeline.tools ttft`")
     assert retired == ({"eval.bench", "pipeline.tools"}, {"ttft"})  # what the check would refuse
+
+
+def test_compare_drafts_headers_keep_the_part_that_tells_drafts_apart():
+    from pipeline.tools.compare_drafts import render
+
+    names = ["runs/trained-fkl1/draft_init", "runs/trained-fkl1/draft"]
+    entry = {"rows": 1, "positions": 2, "acceptance": dict.fromkeys(names, 0.5), "difference": {names[1]: [0.0, [0, 0]]}}
+    header = render({"overall": entry}, names).splitlines()[0].split()
+    assert "…-fkl1/draft_init" in header and "trained-fkl1/draft" in header  # wrong variant: both cut to the same head

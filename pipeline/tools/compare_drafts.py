@@ -89,10 +89,15 @@ def short_names(paths: list[str]) -> list[str]:
     return list(paths)
 
 
+def fit(name: str, width: int) -> str:
+    """`name` in at most `width` characters, keeping its end: the part short_names added to tell drafts apart."""
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
 def render(table: dict, names: list[str]) -> str:
     short = short_names(names)
-    header = f"{'domain':<15}{'rows':>6}{'positions':>11}" + "".join(f"{s[:18]:>20}" for s in short) + \
-        "".join(f"{('Δ ' + s)[:30]:>32}" for s in short[1:])
+    header = f"{'domain':<15}{'rows':>6}{'positions':>11}" + "".join(f"{fit(s, 18):>20}" for s in short) + \
+        "".join(f"{'Δ ' + fit(s, 28):>32}" for s in short[1:])
     lines = [header]
     for domain, entry in table.items():
         line = f"{domain:<15}{entry['rows']:>6}{entry['positions']:>11}"
