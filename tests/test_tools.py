@@ -111,7 +111,9 @@ def test_the_docs_name_only_the_two_commands_and_real_subcommands():
 def test_compare_drafts_headers_keep_the_part_that_tells_drafts_apart():
     from pipeline.tools.compare_drafts import render
 
-    names = ["runs/trained-fkl1/draft_init", "runs/trained-fkl1/draft"]
-    entry = {"rows": 1, "positions": 2, "acceptance": dict.fromkeys(names, 0.5), "difference": {names[1]: [0.0, [0, 0]]}}
+    names = ["runs/trained-fkl1/draft_init", "runs/trained-fkl1/draft", "runs/trained-top1/draft"]
+    entry = {"rows": 1, "positions": 2, "acceptance": dict.fromkeys(names, 0.5),
+             "difference": {n: [0.0, [0, 0]] for n in names[1:]}}
     header = render({"overall": entry}, names).splitlines()[0].split()
-    assert "…-fkl1/draft_init" in header and "trained-fkl1/draft" in header  # wrong variant: both cut to the same head
+    # wrong variant: the first two cut to the same 18-character head, "trained-fkl1/draft"
+    assert header[3:6] == ["…-fkl1/draft_init", "trained-fkl1/draft", "trained-top1/draft"]
