@@ -116,4 +116,4 @@ def test_compare_drafts_headers_keep_the_part_that_tells_drafts_apart():
              "difference": {n: [0.0, [0, 0]] for n in names[1:]}}
     header = render({"overall": entry}, names).splitlines()[0].split()
     # wrong variant: the first two cut to the same 18-character head, "trained-fkl1/draft"
-    assert header[3:6] == ["…-fkl1/draft_init", "trained-fkl1/draft", "trained-top1/draft"]
+    assert header[3:6] == ["…d-fkl1/draft_init", "trained-fkl1/draft", "trained-top1/draft"]
