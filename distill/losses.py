@@ -216,7 +216,8 @@ def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 def teacher_argmax(teacher_logits: torch.Tensor | None = None, teacher: SparseTeacher | None = None) -> torch.Tensor:
     """The target's most likely class per position [N] in the draft's columns; −100 where that token is outside the
-    draft's classes (a sparse teacher lists the target's top tokens over the full vocabulary)."""
+    draft's classes (a sparse teacher lists the target's top tokens over the full vocabulary; a dense teacher comes
+    sliced to a subset draft's rows, so there it is the subset's argmax)."""
     if teacher_logits is not None:
         return teacher_logits.argmax(-1)
     if teacher is None:
