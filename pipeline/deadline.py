@@ -24,26 +24,31 @@ class DeadlineSettings:
     margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
     shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
     fixed_steps: dict[str, float]       # each stage's fixed work, in target 1-token steps
+    overshoot_steps: float = 0.0        # held back at every plan: a loop's last item may end past its budget
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
         d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
         settings = cls(minutes=d.get("minutes"), margin=float(d.get("margin", 0.0)),
                        shares={s: float((d.get("shares") or {}).get(s, 0.0)) for s in STAGES},
-                       fixed_steps={s: float((d.get("fixed_steps") or {}).get(s, 0.0)) for s in STAGES})
+                       fixed_steps={s: float((d.get("fixed_steps") or {}).get(s, 0.0)) for s in STAGES},
+                       overshoot_steps=float(d.get("overshoot_steps", 0.0)))
         if settings.minutes is not None and not (isinstance(settings.minutes, (int, float)) and settings.minutes > 0):
             raise PipelineError(f"deadline.minutes={settings.minutes} must be a positive number of minutes "
                                 "(null = no run-level deadline)")
-        if not 0 <= settings.margin or min(settings.shares.values()) < 0 or sum(settings.shares.values()) <= 0:
-            raise PipelineError("deadline.margin must be >= 0 and deadline.shares be >= 0 with a positive sum")
+        shares = settings.shares.values()
+        if min(settings.margin, settings.overshoot_steps, *shares) < 0 or sum(shares) <= 0:
+            raise PipelineError("deadline.margin, deadline.overshoot_steps and deadline.shares must be >= 0, the "
+                                "shares with a positive sum")
         return settings
 
 
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
     """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
-    stage (priced `margin` dearer), split among the budgeted loops still to run in proportion to their shares."""
+    stage (priced `margin` dearer) and the overshoot held back, split among the budgeted loops still to run in proportion to their shares."""
     ahead = STAGES[STAGES.index(stage):]
-    fixed_s = step_s * sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
+    fixed_steps = sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
+    fixed_s = step_s * (fixed_steps + settings.overshoot_steps)
     flexible_s = left_s - fixed_s
     share = settings.shares[stage] / sum(settings.shares.get(s, 0.0) for s in ahead)
     return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s,

@@ -3,6 +3,8 @@ leaves, a stage's own budget only gets lower, a loop never starts an item that w
 simulated run replanning from the clock ends inside the deadline on slower machines where a static split does not."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -23,6 +25,8 @@ def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
     assert distill["budget_s"] == pytest.approx(0.5 * (600 - 1.25 * 0.02 * 13000))
     last = stage_budget_s(SETTINGS, "eval", left_s=300, step_s=0.02)  # the last loop gets all that is left
     assert last["budget_s"] == pytest.approx(300 - 125)
+    held = dataclasses.replace(SETTINGS, overshoot_steps=500)  # a loop's last item may end past its budget
+    assert stage_budget_s(held, "eval", left_s=300, step_s=0.02)["budget_s"] == pytest.approx(300 - 125 - 10)
     starved = stage_budget_s(SETTINGS, "eval", left_s=60, step_s=0.02)
     assert starved["flexible_s"] < 0 and starved["budget_s"] == 60 * deadline.FLOOR_MINUTES
 
@@ -54,6 +58,7 @@ def test_no_item_starts_that_would_end_past_the_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [{"minutes": 0}, {"minutes": "soon"}, {"minutes": 15, "margin": -0.1},
+                                 {"minutes": 15, "overshoot_steps": -1},
                                  {"minutes": 15, "shares": {"collect": 0, "distill": 0, "eval": 0}}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(PipelineError, match="deadline"):
