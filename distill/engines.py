@@ -24,7 +24,7 @@ import torch
 from distill import calibrate as cal
 from distill.batch import completion_hidden
 from distill.export import exported_weights
-from distill.policy import simulate
+from distill.policy import pass_profile, simulate
 from pipeline.decoding.cost import pass_speedup, verify_cost
 from pipeline.engines import hf, llamacpp
 from pipeline.engines.rules import UNFILTERED_DRAFT, VERSIONS, candidate_rules, rule_record
@@ -110,10 +110,16 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
         drafted, accepted = simulate(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
         return pass_speedup(accepted, drafted, drafted, cost), accepted / max(drafted, 1e-9)
 
+    def per_pass(mask, setting):  # per draft position, what llama-server's counters measure (eval.engine=llamacpp)
+        alpha, keep, heldout = parts["reporting"]
+        proposed, accepted = pass_profile(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
+        return {"proposed": [round(v, 4) for v in proposed], "accepted": [round(v, 4) for v in accepted]}
+
     def keys(best, shown):  # and the prediction for llama-server's own defaults beside the chosen setting
-        defaults = predict("reporting", shown, (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min))
+        server = (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)
         return {"rule": "greedy", "n_max": best[0], "p_min": best[1],
-                "predicted_speedup_server_defaults": round(defaults[0], 3)}
+                "predicted_speedup_server_defaults": round(predict("reporting", shown, server)[0], 3),
+                "predicted_per_pass": per_pass(shown, best), "predicted_per_pass_server_defaults": per_pass(shown, server)}
     return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
 
 

@@ -86,6 +86,15 @@ def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, p
     holds (llama.cpp's p_min: the block stops before an unsure token), not after it (HF's confidence rule)."""
     if not bool(positions.any()):
         return float(max_len), 0.0
+    proposed, accepted = pass_profile(alpha, keep, heldout, positions, max_len, stop_before, renewal)
+    return sum(proposed), sum(accepted)
+
+
+def pass_profile(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
+                 max_len: int, stop_before: bool = False, renewal: bool = True) -> tuple[list[float], list[float]]:
+    """Per draft position k = 1..max_len, the chance a pass proposes a k-th draft and the chance it accepts at least
+    k (what llama-server counts per position, `spec_decode_num_accepted_tokens_per_pos_total`), averaged as
+    `simulate` averages; their sums are its (D, A)."""
     a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
     k = torch.ones_like(a) if keep is None else _by_row(keep, heldout, positions, max_len, 1.0)[0]
     starts = torch.zeros_like(a, dtype=torch.bool)
@@ -93,22 +102,21 @@ def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, p
         starts[i, :n] = True
     proposed = torch.ones_like(a)  # P(token k proposed), for every start t at once
     all_accepted = torch.ones_like(a)
-    drafted, accepted, at_least = torch.zeros_like(a), torch.zeros_like(a), []
+    drafted, at_least = [], []
     for step in range(max_len):
         shifted_a = torch.nn.functional.pad(a[:, step:], (0, step), value=0.0)
         shifted_k = torch.nn.functional.pad(k[:, step:], (0, step), value=1.0)
         all_accepted = all_accepted * shifted_a
         if stop_before:
             proposed = proposed * shifted_k
-        drafted += proposed
+        drafted.append(proposed)
         at_least.append(proposed * all_accepted)  # P(at least step + 1 drafts accepted)
-        accepted += at_least[-1]
         if not stop_before:
             proposed = proposed * shifted_k
-    weight = visit_weights(at_least) if renewal else torch.ones_like(a)
-    weight = weight * starts
+    weight = (visit_weights(at_least) if renewal else torch.ones_like(a)) * starts
     total = float(weight.sum())
-    return float((drafted * weight).sum()) / total, float((accepted * weight).sum()) / total
+    return ([float((d * weight).sum()) / total for d in drafted],
+            [float((n * weight).sum()) / total for n in at_least])
 
 
 def visit_weights(at_least: list[torch.Tensor]) -> torch.Tensor:

@@ -15,10 +15,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig
 
 from eval import metrics as M
 from eval.harness import rotated
+from pipeline import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.engines import llamacpp
@@ -108,9 +110,9 @@ def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed
     def call(method, request, request_seed):
         out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
                                                                settings.sampling, request_seed, stop)
-        timings = out["timings"]
+        timings, passes = out["timings"], out.get("passes") or []
         return out["tokens"], (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3, \
-            EngineStats([int(timings.get("draft_n_accepted", 0))], [int(timings.get("draft_n", 0))])
+            EngineStats([a for a, _ in passes], [d for _, d in passes])
     return engine_records(requests, list(plan), call, seed, "llamacpp")
 
 
@@ -123,13 +125,54 @@ def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, 
         name, setting = key
         servers[key] = stack.enter_context(llamacpp.Server(
             root, target, drafts.get(name), setting, engine.threads, int(engine.context),
-            out_dir / f"server-{name or 'plain'}-{len(servers)}.log", float(engine.start_timeout)))
+            out_dir / f"server-{name or 'plain'}-{len(servers)}.log", float(engine.start_timeout), trace=True))
         log(f"llama-server {name or 'plain'} {' '.join(setting.flags()) or '(defaults)'} on {servers[key].url}")
     return servers
 
 
-def method_metrics(records: list[dict], greedy: bool) -> dict:
-    """Per method: throughput, speedup over the plain server with its paired bootstrap CI, acceptance with its CI."""
+def predicted_per_pass(spec: SpeculativeSpec | None, domain: str, setting) -> dict | None:
+    """The calibration's per-position prediction (distill/engines.py `predicted_per_pass`) for the setting a
+    domain's server runs: the calibrated one, or the server's defaults; None where it predicted neither."""
+    entry = calibrated(spec, domain)
+    if entry is None:
+        return None
+    if setting.n_max is None:
+        return entry.get("predicted_per_pass_server_defaults")
+    return entry.get("predicted_per_pass") if (setting.n_max, setting.p_min) == (entry["n_max"], entry["p_min"]) \
+        else None
+
+
+def per_pass(records: list[dict], predicted: dict | None) -> dict | None:
+    """Per draft position k, measured from the servers' per-pass logs: the share of decoding passes that proposed a
+    k-th draft and that accepted at least k (llama-server's own per-position counter), with bootstrap intervals over
+    requests, beside the calibration's prediction (`inside`: the prediction lies in the measured interval). A pass
+    that drafted nothing is a plain step the log does not list: a request's passes are its tokens after the first
+    less its accepted drafts."""
+    counts = [(sum(r["stats"].accepted), r["stats"].accepted, r["stats"].drafted, len(r["tokens"])) for r in records]
+    width = max((max(drafted, default=0) for _, _, drafted, _ in counts), default=0)
+    if width == 0:
+        return None
+    accepted, proposed, passes = (np.zeros((len(counts), width)) for _ in range(3))
+    for u, (total, acc, drafted, n_tokens) in enumerate(counts):
+        passes[u] = max(n_tokens - 1 - total, len(drafted))
+        for k in range(width):
+            accepted[u, k] = sum(a > k for a in acc)
+            proposed[u, k] = sum(d > k for d in drafted)
+    rates, offered = sp.section(accepted, passes), sp.section(proposed, passes)
+    out = {"accepted": rates["marginal_accept_rates"], "accepted_ci95": rates["marginal_accept_rates_ci95"],
+           "proposed": offered["marginal_accept_rates"], "proposed_ci95": offered["marginal_accept_rates_ci95"],
+           "passes": int(passes[:, 0].sum()), "requests": len(counts)}
+    if predicted:
+        out["predicted"] = predicted
+        out["inside"] = {key: [bool(ci and ci[0] - 5e-4 <= v <= ci[1] + 5e-4) for v, ci in
+                               zip(predicted[key], out[f"{key}_ci95"] + [None] * len(predicted[key]))]
+                         for key in ("accepted", "proposed")}
+    return out
+
+
+def method_metrics(records: list[dict], greedy: bool, predictions: dict | None = None) -> dict:
+    """Per method: throughput, speedup over the plain server with its paired bootstrap CI, acceptance with its CI,
+    and per draft position the measured rates beside `predictions[method]` (per_pass)."""
     ar = [r for r in records if r["method"] == "autoregressive"]
     ar_tps = M.throughput(ar)["tokens_per_s"]
     out = {}
@@ -143,6 +186,7 @@ def method_metrics(records: list[dict], greedy: bool) -> dict:
                       if drafted else 0.0, "acceptance_rate_ci95": M.acceptance_ci(recs) if drafted else None})
             if greedy:
                 m["greedy_match"] = M.greedy_match(recs, ar)
+            m["per_pass"] = per_pass(recs, (predictions or {}).get(method))
         out[method] = m
     return out
 
@@ -169,8 +213,8 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     # draft.gguf; any other export is converted here
     tokenizer = load_tokenizer(target_path)
     stop = stop_token_ids(tokenizer)  # EOS and the template's end-of-turn marker
-    spec = SpeculativeSpec.read(draft_dirs["speculative"]) if draft_dirs["speculative"].is_dir() else None
-    plan = server_plan(spec, list(prompts), drafts)
+    specs = {name: SpeculativeSpec.read(path) for name, path in draft_dirs.items() if path.is_dir()}
+    plan = server_plan(specs.get("speculative"), list(prompts), drafts)
     requests = requests_of(prompts, tokenizer)
     log(f"{len(requests)} requests in {len(prompts)} domains from {source}; methods {', '.join(plan)}; target "
         f"{target.name}, drafts {', '.join(p.name for p in drafts.values())}")
@@ -182,7 +226,9 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                    "methods": list(plan), "target_gguf": target.name,
                    "drafts": {name: p.name for name, p in drafts.items()},
                    "plan": {m: {d: {"draft": e[0], "flags": e[1].flags()} for d, e in by.items()} for m, by in plan.items()},
-                   "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
+                   "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy,
+                                                 {m: predicted_per_pass(specs.get(by[d][0]), d, by[d][1])
+                                                  for m, by in plan.items()}) for d in prompts},
                    "overall": method_metrics(records, greedy)}
         write_engine_outputs(tmp, metrics, records)
     finish(metrics, tracker)
@@ -198,8 +244,10 @@ def write_engine_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> N
     with open(out_dir / "requests.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
-                                "n_tokens": len(r["tokens"]), "accepted": r["stats"].accepted[0],
-                                "drafted": r["stats"].drafted[0]}) + "\n")
+                                "n_tokens": len(r["tokens"]), "accepted": sum(r["stats"].accepted),
+                                "drafted": sum(r["stats"].drafted), "passes": [list(p) for p in
+                                                                             zip(r["stats"].accepted, r["stats"].drafted)]})
+                    + "\n")
     (out_dir / "report.md").write_text(report(metrics))
 
 
@@ -222,4 +270,24 @@ def report(metrics: dict) -> str:
             accept = "–" if not m.get("n_drafted") else (
                 f"{m['acceptance_rate']:.3f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else ""))
             lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + per_pass_table(metrics)) + "\n"
+
+
+def per_pass_table(metrics: dict) -> list[str]:
+    """Per draft position: the share of passes accepting at least k drafts, measured [95% CI over requests] beside
+    the calibration's prediction, where it made one."""
+    rows = [(d, method, m["per_pass"]) for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]
+            for method, m in by.items() if m.get("per_pass")]
+    if not rows:
+        return []
+    lines = ["", "Per draft position k, the share of verify passes that accepted at least k drafts (llama-server's "
+             "per-pass log; 95% CI over requests), beside the calibration's prediction on the held-out rows:", "",
+             "| domain | method | passes | k | measured [95% CI] | predicted | inside |", "|---|---|---|---|---|---|---|"]
+    for domain, method, m in rows:
+        predicted = (m.get("predicted") or {}).get("accepted", [])
+        for k, (value, ci) in enumerate(zip(m["accepted"], m["accepted_ci95"])):
+            interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+            guess = f"{predicted[k]:.3f}" if k < len(predicted) else "–"
+            inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if k < len(predicted) else "–"
+            lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{interval} | {guess} | {inside} |")
+    return lines

@@ -59,8 +59,10 @@ def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llama
     with llamacpp.Server(llamacpp_root, target_gguf, log_path=tmp_path / "plain.log") as plain:
         reference = plain.complete(ids, 24, Sampling(), 0, stop)
     settings = llamacpp.DraftSettings(n_max=4, p_min=0.0)
-    with llamacpp.Server(llamacpp_root, target_gguf, draft, settings, log_path=tmp_path / "spec.log") as server:
+    with llamacpp.Server(llamacpp_root, target_gguf, draft, settings, log_path=tmp_path / "spec.log",
+                         trace=True) as server:
         speculative = server.complete(ids, 24, Sampling(), 0, stop)
+        again = server.complete(ids, 24, Sampling(), 0, stop)  # the next request's passes are its own
         process = server.process
     assert process.poll() is not None  # stopped with the context
     assert "127.0.0.1" in server.url
@@ -68,6 +70,11 @@ def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llama
     timings = speculative["timings"]
     assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
     assert "draft_n" not in reference["timings"]
+    # per verify pass (LLAMA_TRACE): they add up to the response's counters (complete() checks) and never exceed n_max
+    passes = speculative["passes"]
+    assert passes == again["passes"] and all(0 <= a <= d <= 4 for a, d in passes) and max(d for _, d in passes) == 4
+    with pytest.raises(PipelineError, match="disagrees with its response"):  # a log read at the wrong place
+        server.passes_logged(0, {"draft_n": timings["draft_n"] + 1, "draft_n_accepted": timings["draft_n_accepted"]})
 
 
 @pytest.mark.smoke
@@ -115,7 +122,7 @@ def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_root, tm
 def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
     """llama.cpp stops before an unsure token (κ of the token itself), HF after it (κ of the token before)."""
     from distill.calibrate import HeldOut
-    from distill.policy import simulate
+    from distill.policy import pass_profile, simulate
 
     n = 6
     heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
@@ -131,6 +138,9 @@ def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
     # the passes the decoder runs start at 0, 2 (after 1 accepted + 1) and 5 (after 2 + 1): 1, 2 and 3 drafts
     visited, _ = simulate(alpha, keep, heldout, everywhere, 3, stop_before=True)
     assert visited == pytest.approx((1 + 2 + 3) / 3)
+    # per position, what llama-server counts: those passes accept 1, 2 and 1 (past the end nothing is accepted)
+    proposed, accepted = pass_profile(alpha, keep, heldout, everywhere, 3, stop_before=True)
+    assert proposed == pytest.approx([1, 2 / 3, 1 / 3]) and accepted == pytest.approx([1, 1 / 3, 0])
 
 
 @pytest.mark.smoke
@@ -151,7 +161,7 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
 
     model, tokenizer = real_target
     draft, draft_tokenizer, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, model, tokenizer, {})
-    on = {"speculate": True, "n_max": 2, "p_min": 0.0}
+    on = {"speculate": True, "n_max": 2, "p_min": 0.0, "predicted_per_pass": {"proposed": [1, 1], "accepted": [.5, .2]}}
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
                            draft_length={"default": DraftLength("fixed", 2).to_dict()},
                            engines={"llamacpp": {"by_domain": {"code": on, "default": {**on, "speculate": False}}}})
@@ -174,6 +184,12 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
     records = [json.loads(line) for line in (tmp_path / "eval" / "requests.jsonl").read_text().splitlines()]
     by = {(r["method"], r["domain"]): r for r in records}
     assert by[("speculative", "math")]["drafted"] == 0 and by[("speculative", "code")]["drafted"] > 0
+    code = metrics["domains"]["code"]["speculative"]["per_pass"]  # the per-pass log, beside the prediction
+    assert code["predicted"] == on["predicted_per_pass"] and len(code["inside"]["accepted"]) == 2
+    assert code["passes"] >= len(by[("speculative", "code")]["passes"]) > 0 and code["proposed"][0] == pytest.approx(
+        len(by[("speculative", "code")]["passes"]) / code["passes"], abs=1e-6)  # n_max 2, p_min 0: every pass drafts
+    assert metrics["domains"]["math"]["speculative"]["per_pass"] is None  # off: the plain server drafts nothing
+    assert "Per draft position k" in (tmp_path / "eval" / "report.md").read_text()
     for domain in ("code", "math"):
         entry = metrics["domains"][domain]
         assert entry["speculative"]["greedy_match"] == 1.0
@@ -193,3 +209,39 @@ def test_a_server_that_dies_mid_eval_is_one_line_not_a_hang(llamacpp_root, gguf_
         with pytest.raises(PipelineError, match="llama-server died mid-request") as info:
             server.complete([1, 2, 3], 4, Sampling(), 0)
     assert "\n" not in str(info.value)
+
+
+def test_per_pass_rates_count_passes_that_drafted_nothing_and_meet_the_prediction_for_the_setting_served():
+    """eval.engine=llamacpp's per-position table: the share of decoding passes accepting at least k drafts, where a
+    pass without drafts (p_min stopped before the first) is a plain step the log omits; and the prediction is the
+    one made for the setting the server ran, never another's."""
+    from types import SimpleNamespace
+
+    from eval.engine_llamacpp import EngineStats, per_pass, predicted_per_pass
+    from pipeline.engines.llamacpp import DraftSettings
+
+    def record(passes, n_tokens):
+        stats = EngineStats([a for a, _ in passes], [d for _, d in passes])
+        return {"stats": stats, "tokens": [0] * n_tokens}
+
+    # request 1: passes (2 of 2), (0 of 2), (1 of 1) and 2 plain steps: tokens = 1 + 3 + 1 + 2 + 1 + 1 = 9
+    # request 2: one pass (2 of 2) and nothing else: tokens = 1 + 3 = 4
+    records = [record([(2, 2), (0, 2), (1, 1)], 9), record([(2, 2)], 4)]
+    predicted = {"proposed": [0.6, 0.5], "accepted": [0.5, 0.9]}
+    out = per_pass(records, predicted)
+    assert out["passes"] == 5 + 1 and out["requests"] == 2
+    assert out["accepted"] == pytest.approx([3 / 6, 2 / 6], abs=1e-6)  # ≥ 1 accepted in 3 passes, ≥ 2 in 2
+    assert out["proposed"] == pytest.approx([4 / 6, 3 / 6], abs=1e-6)
+    lo, hi = out["accepted_ci95"][0]
+    assert lo <= 0.5 <= hi and out["inside"]["accepted"] == [True, hi > 0.9]
+    ignoring_plain_steps = 3 / 4  # the deliberately wrong denominator: logged passes only
+    assert out["accepted"][0] != pytest.approx(ignoring_plain_steps)
+    assert per_pass([record([], 5)], None) is None  # a plain server: nothing drafted, nothing to tabulate
+
+    entry = {"speculate": True, "n_max": 2, "p_min": 0.5, "predicted_per_pass": predicted,
+             "predicted_per_pass_server_defaults": {"proposed": [1, 1, 1], "accepted": [0.4, 0.2, 0.1]}}
+    spec = SimpleNamespace(engines={"llamacpp": {"by_domain": {"default": entry}}})
+    assert predicted_per_pass(spec, "code", DraftSettings(2, 0.5)) is predicted
+    assert predicted_per_pass(spec, "code", DraftSettings()) is entry["predicted_per_pass_server_defaults"]
+    assert predicted_per_pass(spec, "code", DraftSettings(3, 0.5)) is None  # not what was calibrated
+    assert predicted_per_pass(None, "code", DraftSettings()) is None

@@ -197,4 +197,8 @@ def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(qui
         assert (entry["predicted_speedup_if_on"] > 1.05) == entry["speculate"]  # the 5% margin of conf/distill
         assert ("-md" in llama["flags"][domain]) == entry["speculate"] and entry["rule"] == "greedy"
         assert unknown_keys("llamacpp", llama["flags"][domain]) == []  # flags of the pinned llama-server only
+        for key, n_max in (("predicted_per_pass", entry["n_max"]), ("predicted_per_pass_server_defaults", 3)):
+            proposed, accepted = entry[key]["proposed"], entry[key]["accepted"]  # per position, for eval's table
+            assert len(proposed) == len(accepted) == n_max and all(0 <= a <= p <= 1 for a, p in zip(accepted, proposed))
+            assert accepted == sorted(accepted, reverse=True) and proposed == sorted(proposed, reverse=True)
     assert llama["rules"]["greedy"]["verification"] == "strict"

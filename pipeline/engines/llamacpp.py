@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -166,6 +167,7 @@ class DraftSettings:
 # llama-server's own defaults for draft-simple (tools/server/README.md of the pinned version: --spec-draft-n-max 3,
 # --spec-draft-p-min 0.00): what a user who passes only -md gets, predicted beside the calibrated setting.
 SERVER_DEFAULTS = DraftSettings(n_max=3, p_min=0.0)
+PASS_LINE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens")  # a verify pass, logged under LLAMA_TRACE
 
 
 def draft_flags(draft: str | Path, settings: DraftSettings) -> list[str]:
@@ -186,7 +188,8 @@ class Server:
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
-                 log_path: str | Path | None = None, start_timeout: float = 120.0, parallel: int = 1):
+                 log_path: str | Path | None = None, start_timeout: float = 120.0, parallel: int = 1,
+                 trace: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
@@ -196,10 +199,12 @@ class Server:
         if draft is not None:
             command += draft_flags(draft, settings)
         self.command, self.start_timeout, self.process = command, start_timeout, None
+        self.trace = trace  # LLAMA_TRACE=1: the server logs every verify pass (passes_logged)
 
     def __enter__(self) -> "Server":
         self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT)
+        env = {**os.environ, "LLAMA_TRACE": "1"} if self.trace else None
+        self.process = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -242,6 +247,7 @@ class Server:
                 "samplers": ["temperature", "top_k", "top_p"]}
         request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
+        logged_from = self.log_path.stat().st_size if self.trace else 0
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 out = json.loads(response.read())
@@ -255,7 +261,31 @@ class Server:
             if token in stops:
                 tokens = tokens[:i + 1]
                 break
-        return {"tokens": tokens, "timings": out.get("timings") or {}, "stop_type": out.get("stop_type")}
+        result = {"tokens": tokens, "timings": out.get("timings") or {}, "stop_type": out.get("stop_type")}
+        if self.trace:
+            result["passes"] = self.passes_logged(logged_from, result["timings"])
+        return result
+
+    def passes_logged(self, offset: int, timings: dict, wait_s: float = 10.0) -> list[tuple[int, int]]:
+        """(accepted, drafted) of every verify pass of the request whose log starts at byte `offset`, from the
+        server's trace lines (tools/server/server-context.cpp: "accepted %2zu/%2zu draft tokens", then "stop
+        processing" at the slot's release, which may be logged after the response is sent). They must add up to
+        the response's draft counters, or this reading of the log is wrong."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            if "stop processing" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        passes = [(int(a), int(d)) for a, d in PASS_LINE.findall(text.split("stop processing")[0])]
+        counted = (sum(a for a, _ in passes), sum(d for _, d in passes))
+        if counted != (int(timings.get("draft_n_accepted", 0)), int(timings.get("draft_n", 0))):
+            raise PipelineError(f"llama-server's per-pass log ({counted[0]} of {counted[1]} drafts accepted) disagrees "
+                                f"with its response (draft_n_accepted {timings.get('draft_n_accepted')}, draft_n "
+                                f"{timings.get('draft_n')}): see {self.log_path}")
+        return passes
 
 
 # ---------------------------------------------------------------- the cost of the passes
