@@ -119,7 +119,8 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
         server = (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)
         return {"rule": "greedy", "n_max": best[0], "p_min": best[1],
                 "predicted_speedup_server_defaults": round(predict("reporting", shown, server)[0], 3),
-                "predicted_per_pass": per_pass(shown, best), "predicted_per_pass_server_defaults": per_pass(shown, server)}
+                "predicted_per_pass": per_pass(shown, best),
+                "predicted_per_pass_server_defaults": per_pass(shown, server)}
     return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
 
 

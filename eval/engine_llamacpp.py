@@ -243,11 +243,11 @@ def write_engine_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> N
     write_json(out_dir / "metrics.json", metrics)
     with open(out_dir / "requests.jsonl", "w") as f:
         for r in records:
+            stats = r["stats"]
             f.write(json.dumps({**{k: r[k] for k in ("method", "domain", "prompt_id", "turn", "time_s")},
-                                "n_tokens": len(r["tokens"]), "accepted": sum(r["stats"].accepted),
-                                "drafted": sum(r["stats"].drafted), "passes": [list(p) for p in
-                                                                             zip(r["stats"].accepted, r["stats"].drafted)]})
-                    + "\n")
+                                "n_tokens": len(r["tokens"]), "accepted": sum(stats.accepted),
+                                "drafted": sum(stats.drafted),
+                                "passes": [list(p) for p in zip(stats.accepted, stats.drafted)]}) + "\n")
     (out_dir / "report.md").write_text(report(metrics))
 
 
@@ -280,14 +280,16 @@ def per_pass_table(metrics: dict) -> list[str]:
             for method, m in by.items() if m.get("per_pass")]
     if not rows:
         return []
-    lines = ["", "Per draft position k, the share of verify passes that accepted at least k drafts (llama-server's "
-             "per-pass log; 95% CI over requests), beside the calibration's prediction on the held-out rows:", "",
-             "| domain | method | passes | k | measured [95% CI] | predicted | inside |", "|---|---|---|---|---|---|---|"]
+    caption = ("Per draft position k, the share of verify passes that accepted at least k drafts (llama-server's "
+               "per-pass log; 95% CI over requests), beside the calibration's prediction on the held-out rows:")
+    lines = ["", caption, "", "| domain | method | passes | k | measured [95% CI] | predicted | inside |",
+             "|---|---|---|---|---|---|---|"]
     for domain, method, m in rows:
         predicted = (m.get("predicted") or {}).get("accepted", [])
         for k, (value, ci) in enumerate(zip(m["accepted"], m["accepted_ci95"])):
             interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
             guess = f"{predicted[k]:.3f}" if k < len(predicted) else "–"
             inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if k < len(predicted) else "–"
-            lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{interval} | {guess} | {inside} |")
+            lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{interval} | {guess} "
+                         f"| {inside} |")
     return lines

@@ -45,7 +45,8 @@ class DeadlineSettings:
 
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
     """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
-    stage (priced `margin` dearer) and the overshoot held back, split among the budgeted loops still to run in proportion to their shares."""
+    stage (priced `margin` dearer) and the overshoot held back, split among the budgeted loops still to run in
+    proportion to their shares."""
     ahead = STAGES[STAGES.index(stage):]
     fixed_steps = sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
     fixed_s = step_s * (fixed_steps + settings.overshoot_steps)
