@@ -75,7 +75,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     profile = cost_profile(main_job, split.vocab)
     laps.lap("cost_profile")
     spec, calibration = calibrate_draft(main_job, split, heldouts, before, profile, main)
-    spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log)
+    initial = init_job.draft if init_job is not None and main.selected == "distilled" else None
+    spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log, initial)
     spec = calibrate_batching(main_job, split, spec, log)
     save_calibrated(main_job, spec, profile, calibration.head_fill, main, engine_files,
                     speculation_profile(main_job, split, heldouts, spec, main))

@@ -24,10 +24,16 @@ import torch
 from distill import calibrate as cal
 from distill.batch import completion_hidden
 from distill.export import exported_weights
-from distill.policy import pass_profile, simulate
+from distill.policy import pass_profile_rows, simulate
+from pipeline import speculation_profile as sp
 from pipeline.decoding.cost import pass_speedup, verify_cost
 from pipeline.engines import hf, llamacpp
-from pipeline.engines.rules import UNFILTERED_DRAFT, VERSIONS, candidate_rules, rule_record
+from pipeline.engines.rules import (
+    UNFILTERED_DRAFT,
+    VERSIONS,
+    candidate_rules,
+    rule_record,
+)
 from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
@@ -49,6 +55,17 @@ def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=No
         top = logits.topk(min(DRAFT_TOP_K, logits.shape[-1]), -1).values.softmax(-1)[:, 0]
         out.append((top >= limits).float().cpu())
     return torch.cat(out, 1)
+
+
+def weights_for_rule(trained, initial, heldout: cal.HeldOut, vocab=None) -> tuple[str, dict[str, float]]:
+    """keep_best under greedy drafting, on the calibration part: distill's keep_best judged the trained weights by
+    α with the draft sampled at τ (our decoder's rule); an engine that drafts the argmax accepts p_T(argmax q),
+    which training can lower while Σ min(p_T, q) rises (docs/results.md: the refined Qwen draft in llama-server).
+    ("init", α) where the initial weights accept more under that rule, else ("distilled", α): ties keep the
+    trained ones, as keep_best does."""
+    alpha = {name: float(cal.acceptance(model, heldout, [0.0], vocab)[0].mean())
+             for name, model in (("distilled", trained), ("init", initial))}
+    return ("init" if alpha["init"] > alpha["distilled"] else "distilled"), {k: round(v, 4) for k, v in alpha.items()}
 
 
 def engine_cost(root: Path, target_gguf: Path, draft_gguf: Path, max_draft: int, depth: int, repeats: int,
@@ -112,8 +129,8 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
 
     def per_pass(mask, setting):  # per draft position, what llama-server's counters measure (eval.engine=llamacpp)
         alpha, keep, heldout = parts["reporting"]
-        proposed, accepted = pass_profile(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
-        return {"proposed": [round(v, 4) for v in proposed], "accepted": [round(v, 4) for v in accepted]}
+        rows = pass_profile_rows(alpha, keep[setting[1]], heldout, mask, setting[0], stop_before=True)
+        return per_pass_prediction(*rows)
 
     def keys(best, shown):  # and the prediction for llama-server's own defaults beside the chosen setting
         server = (llamacpp.SERVER_DEFAULTS.n_max, llamacpp.SERVER_DEFAULTS.p_min)
@@ -141,6 +158,21 @@ def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options:
     return out
 
 
+def per_pass_prediction(proposed: torch.Tensor, accepted: torch.Tensor, passes: torch.Tensor) -> dict:
+    """pass_profile's rates with percentile bootstrap intervals over held-out rows (pipeline/speculation_profile.py
+    section: a ratio of sums resampled by row), so eval can judge measured − predicted with both errors in it."""
+    rows = passes > 0  # rows with no position in the domain carry no passes
+    if not rows.any():
+        return {"proposed": [], "accepted": [], "proposed_ci95": [], "accepted_ci95": [], "rows": 0}
+    passes = passes[rows, None].expand(-1, proposed.shape[1]).numpy()  # every position's denominator
+    out = {"rows": int(rows.sum())}
+    for key, counts in (("proposed", proposed[rows]), ("accepted", accepted[rows])):
+        section = sp.section(counts.numpy(), passes)
+        out[key] = [round(float(v), 4) for v in section["marginal_accept_rates"]]
+        out[f"{key}_ci95"] = section["marginal_accept_rates_ci95"]
+    return out
+
+
 def describe_table(table: dict, setting) -> str:
     """A chosen table in one log line: per domain setting(entry) and its predicted speedup, or "off"."""
     return "; ".join(f"{d} " + (f"{setting(e)} → {e['predicted_speedup']:.2f}×" if e["speculate"] else
@@ -161,9 +193,11 @@ def typical_context(heldout: cal.HeldOut) -> int:
     return max(1, int(sum(lengths) / max(len(lengths), 1)))
 
 
-def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill, log) -> tuple[SpeculativeSpec, dict[str, Path]]:
+def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill, log,
+                      initial=None) -> tuple[SpeculativeSpec, dict[str, Path]]:
     """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
-    ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for."""
+    ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for. `initial`: the draft's weights before
+    training, which llama.cpp's draft.gguf is made from where they accept more under its rule (weights_for_rule)."""
     settings = inputs.settings.calibration
     gpu_engines = [name for name in GPU_CONFIGS if name in settings.engines]
     if gpu_engines:
@@ -185,13 +219,22 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
         if not target.is_file():
             llamacpp.hf_to_gguf(root, resolve_model(inputs.cfg.model.target, "target", paths), target, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
-    weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
-    gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / f"draft-{split.fingerprint}.gguf", quant)
+    draft, chosen_weights = inputs.draft, {"selected": spec.selected}
+    if initial is not None:
+        selected, alpha = weights_for_rule(inputs.draft, initial, heldouts.calibration, split.vocab)
+        chosen_weights = {"selected": selected, "acceptance_calibration": alpha}
+        if selected == "init":
+            draft, head_fill = initial, cal.out_of_subset_fill(initial, heldouts.calibration, split.vocab)
+        log(f"llama.cpp serves the {selected} weights: under its greedy drafting they accept "
+            f"{alpha[selected]:.3f} on the calibration part (the other {min(alpha.values()):.3f})")
+    weights = exported_weights(draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
+    name = f"draft-{split.fingerprint}-{chosen_weights['selected']}.gguf"
+    gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / name, quant)
     cost = engine_cost(root, target, gguf, max(chosen.n_max), typical_context(heldouts.reporting), chosen.repeats,
                        engine.threads)
     prompts = [list(r["prompt_ids"]) for r in heldouts.reporting.rows[:HOST_PROMPTS]]
     cost["host"] = server_host(root, target, gguf, prompts, cost, engine.threads)
-    table = choose_llamacpp(inputs.draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
+    table = choose_llamacpp(draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
                             list(chosen.n_max), list(chosen.p_min), chosen.margin)
     flags = {domain: llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(entry["n_max"], entry["p_min"]))
              if entry["speculate"] else [] for domain, entry in table.items()}
@@ -200,7 +243,7 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
         ", ".join(f"{n} → {h:.2f}" for n, h in cost["host"]["chain"].items()),
         describe_table(table, lambda e: f"n_max {e['n_max']} p_min {e['p_min']:g}")))
     entry = {"version": str(engine.version), "quant": quant, "target_gguf": target.name, "draft_gguf": "draft.gguf",
-             "cost": cost, "by_domain": table, "flags": flags,
+             "weights": chosen_weights, "cost": cost, "by_domain": table, "flags": flags,
              "rules": {"greedy": rule_record("llamacpp", "greedy", inputs.sampling.temperature)}}
     return replace(spec, engines={**spec.engines, "llamacpp": entry}), {"draft.gguf": gguf}
 

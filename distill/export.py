@@ -184,6 +184,18 @@ def _rule_line(name: str, rule: dict) -> str:
     return f"rule {name}: the draft proposes {draft}, {rule['verification']} verification ({how})"
 
 
+def _weights_line(spec: SpeculativeSpec, weights: dict | None) -> list[str]:
+    """Which weights an engine with a file of its own (llama.cpp's draft.gguf) serves, where it was judged apart."""
+    alpha = (weights or {}).get("acceptance_calibration")
+    if not alpha:
+        return []
+    if weights["selected"] == spec.selected:
+        return [f"- weights: the same as the checkpoint's; under this engine's rule they accept {_fmt(alpha['distilled'])} "
+                f"on the calibration part, the initial draft {_fmt(alpha['init'])}"]
+    return [f"- weights: **the initial draft's**, not the checkpoint's: under this engine's rule the trained weights "
+            f"accept {_fmt(alpha['distilled'])} on the calibration part, the initial ones {_fmt(alpha['init'])}"]
+
+
 def _engine_lines(spec: SpeculativeSpec) -> list[str]:
     """Per serving engine calibrated for (speculative.json `engines`): the rules it was planned under, what each
     domain runs there, and what each engine's config can and cannot express."""
@@ -201,6 +213,7 @@ def _engine_lines(spec: SpeculativeSpec) -> list[str]:
                                 f"off, serve without the draft ({e['predicted_speedup_if_on']:.2f}× if on)")
                   for d, e in table.items()]
         lines += [f"- {_rule_line(r, rule)}" for r, rule in entry.get("rules", {}).items()]
+        lines += _weights_line(spec, entry.get("weights"))
     known = [name for name in spec.engines if name in EXPRESSES]
     if known:
         lines += ["", "What each engine's config can express (its version above):", "",

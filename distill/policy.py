@@ -95,6 +95,19 @@ def pass_profile(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOu
     """Per draft position k = 1..max_len, the chance a pass proposes a k-th draft and the chance it accepts at least
     k (what llama-server counts per position, `spec_decode_num_accepted_tokens_per_pos_total`), averaged as
     `simulate` averages; their sums are its (D, A)."""
+    proposed, accepted, passes = pass_profile_rows(alpha, keep, heldout, positions, max_len, stop_before, renewal)
+    total = float(passes.sum())
+    return [float(v) / total for v in proposed.sum(0)], [float(v) / total for v in accepted.sum(0)]
+
+
+def pass_profile_rows(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
+                      max_len: int, stop_before: bool = False,
+                      renewal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pass_profile per held-out row, for intervals over rows: (proposed [rows, max_len], accepted [rows, max_len],
+    passes [rows]), each row's expected passes and its expected passes proposing / accepting ≥ k drafts."""
+    if not bool(positions.any()):
+        return torch.zeros(0, max_len, dtype=torch.float64), torch.zeros(0, max_len, dtype=torch.float64), \
+            torch.zeros(0, dtype=torch.float64)
     a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
     k = torch.ones_like(a) if keep is None else _by_row(keep, heldout, positions, max_len, 1.0)[0]
     starts = torch.zeros_like(a, dtype=torch.bool)
@@ -114,9 +127,8 @@ def pass_profile(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOu
         if not stop_before:
             proposed = proposed * shifted_k
     weight = (visit_weights(at_least) if renewal else torch.ones_like(a)) * starts
-    total = float(weight.sum())
-    return ([float((d * weight).sum()) / total for d in drafted],
-            [float((n * weight).sum()) / total for n in at_least])
+    return (torch.stack([(d * weight).sum(1) for d in drafted], 1),
+            torch.stack([(n * weight).sum(1) for n in at_least], 1), weight.sum(1))
 
 
 def visit_weights(at_least: list[torch.Tensor]) -> torch.Tensor:

@@ -167,7 +167,23 @@ def per_pass(records: list[dict], predicted: dict | None) -> dict | None:
         out["inside"] = {key: [bool(ci and ci[0] - 5e-4 <= v <= ci[1] + 5e-4) for v, ci in
                                zip(predicted[key], out[f"{key}_ci95"] + [None] * len(predicted[key]))]
                          for key in ("accepted", "proposed")}
+        if predicted.get("accepted_ci95"):  # a prediction with its own interval (over held-out rows)
+            out["difference"] = {key: [difference(*pair) for pair in zip(
+                zip(out[key], out[f"{key}_ci95"]), zip(predicted[key], predicted[f"{key}_ci95"]))]
+                for key in ("accepted", "proposed")}
     return out
+
+
+def difference(measured: tuple, predicted: tuple) -> list[float] | None:
+    """measured − predicted with a 95% interval: two independent estimates (eval's requests, calibrate's held-out
+    rows), each interval read as ±1.96 standard errors and the errors added in quadrature. [d, lo, hi]; None where
+    either has no interval."""
+    (m, m_ci), (p, p_ci) = measured, predicted
+    if not m_ci or not p_ci:
+        return None
+    se = (((m_ci[1] - m_ci[0]) / 3.92) ** 2 + ((p_ci[1] - p_ci[0]) / 3.92) ** 2) ** 0.5
+    d = m - p
+    return [round(d, 4), round(d - 1.96 * se, 4), round(d + 1.96 * se, 4)]
 
 
 def method_metrics(records: list[dict], greedy: bool, predictions: dict | None = None) -> dict:
@@ -281,15 +297,25 @@ def per_pass_table(metrics: dict) -> list[str]:
     if not rows:
         return []
     caption = ("Per draft position k, the share of verify passes that accepted at least k drafts (llama-server's "
-               "per-pass log; 95% CI over requests), beside the calibration's prediction on the held-out rows:")
-    lines = ["", caption, "", "| domain | method | passes | k | measured [95% CI] | predicted | inside |",
-             "|---|---|---|---|---|---|---|"]
+               "per-pass log; 95% CI over requests), beside the calibration's prediction on the held-out rows (95% "
+               "CI over rows); inside: the prediction lies in the measured interval; difference: measured − "
+               "predicted with both errors:")
+    header = "| domain | method | passes | k | measured [95% CI] | predicted [95% CI] | inside | difference [95% CI] |"
+    lines = ["", caption, "", header, "|---|---|---|---|---|---|---|---|"]
     for domain, method, m in rows:
-        predicted = (m.get("predicted") or {}).get("accepted", [])
+        predicted = m.get("predicted") or {}
+        guesses = predicted.get("accepted", [])
         for k, (value, ci) in enumerate(zip(m["accepted"], m["accepted_ci95"])):
-            interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-            guess = f"{predicted[k]:.3f}" if k < len(predicted) else "–"
-            inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if k < len(predicted) else "–"
-            lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{interval} | {guess} "
-                         f"| {inside} |")
+            known = k < len(guesses)
+            guess = f"{guesses[k]:.3f}{_interval((predicted.get('accepted_ci95') or [None] * (k + 1))[k])}" \
+                if known else "–"
+            inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if known else "–"
+            diff = (m.get("difference") or {}).get("accepted", [])
+            shown = f"{diff[k][0]:+.3f}{_interval(diff[k][1:])}" if k < len(diff) and diff[k] else "–"
+            lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{_interval(ci)} | {guess} "
+                         f"| {inside} | {shown} |")
     return lines
+
+
+def _interval(ci) -> str:
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""

@@ -199,3 +199,51 @@ def test_the_simulator_averages_over_the_passes_the_decoder_runs_not_over_every_
     _, uniform = simulate(alpha.flatten(), None, heldout, everywhere, gamma, renewal=False)
     assert abs(renewal - mean) < 3 * se, (renewal, mean, se)
     assert abs(uniform - mean) > 10 * se, (uniform, mean, se)
+
+
+# ---------------------------------------------------------------- keep_best under an engine's rule
+def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_under_its_rule():
+    """Refinement can raise Σ min(p_T, q_T) while lowering p_T(argmax q) (the refined Qwen draft in llama-server):
+    a flattened copy of the target (same argmaxes) against a noisier sharper one. Our decoder's rule prefers the
+    noisy draft, llama.cpp's greedy drafting the flat one, and weights_for_rule must judge by the engine's rule;
+    the same draft on both sides is a tie, which keeps the trained weights as keep_best does."""
+    import copy
+
+    from distill.batch import Truncation
+    from distill.calibrate import acceptance, build_heldout
+    from distill.engines import weights_for_rule
+    from pipeline.sampling import Sampling
+
+    target = peaked_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1 / 5)
+    flat, noisy = copy.deepcopy(target), copy.deepcopy(target)
+    noise = torch.randn(noisy.lm_head.weight.shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        flat.lm_head.weight.mul_(0.2)
+        noisy.lm_head.weight.add_(0.3 * noisy.lm_head.weight.std() * noise)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
+             "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
+    T = 0.7
+    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), Truncation(512, 256), support=VOCAB,
+                            pad_token_id=1)
+    sampled = {name: float(acceptance(m, heldout, [T])[0].mean()) for name, m in (("flat", flat), ("noisy", noisy))}
+    assert sampled["noisy"] > sampled["flat"] + 0.1  # the wrong judge (our decoder's rule) would ship the noisy one
+    selected, alpha = weights_for_rule(noisy, flat, heldout)
+    assert selected == "init" and alpha["init"] > alpha["distilled"] + 0.03
+    assert weights_for_rule(flat, noisy, heldout)[0] == "distilled"
+    assert weights_for_rule(noisy, copy.deepcopy(noisy), heldout)[0] == "distilled"
+
+
+def test_the_model_card_says_which_weights_an_engine_serves():
+    from types import SimpleNamespace
+
+    from distill.export import _weights_line
+
+    spec = SimpleNamespace(selected="distilled")
+    assert _weights_line(spec, None) == [] and _weights_line(spec, {"selected": "distilled"}) == []
+    apart = _weights_line(spec, {"selected": "init", "acceptance_calibration": {"distilled": 0.5, "init": 0.6}})
+    assert "initial draft's" in apart[0] and "0.500" in apart[0] and "0.600" in apart[0]
+    same = _weights_line(spec, {"selected": "distilled", "acceptance_calibration": {"distilled": 0.6, "init": 0.5}})
+    assert "same as the checkpoint's" in same[0]

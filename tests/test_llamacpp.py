@@ -245,3 +245,44 @@ def test_per_pass_rates_count_passes_that_drafted_nothing_and_meet_the_predictio
     assert predicted_per_pass(spec, "code", DraftSettings()) is entry["predicted_per_pass_server_defaults"]
     assert predicted_per_pass(spec, "code", DraftSettings(3, 0.5)) is None  # not what was calibrated
     assert predicted_per_pass(None, "code", DraftSettings()) is None
+
+
+def test_the_per_pass_prediction_has_an_interval_over_held_out_rows():
+    """predicted_per_pass's rates are pass_profile's, with a bootstrap interval over rows: rows that disagree widen
+    it, identical rows leave none, and a domain without rows predicts nothing rather than a rate."""
+    from distill.calibrate import HeldOut
+    from distill.engines import per_pass_prediction
+    from distill.policy import pass_profile, pass_profile_rows
+
+    rows, length = 8, 12
+    n = rows * length
+    heldout = HeldOut([{}] * rows, ["d"] * rows, torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1),
+                      torch.zeros(n), torch.arange(rows).repeat_interleave(length), Sampling(), rows, 0)
+    everywhere = torch.ones(n, dtype=torch.bool)
+    alpha = torch.tensor([0.95 if r % 2 else 0.2 for r in range(rows)]).repeat_interleave(length)
+    keep = torch.ones(n)
+    per_row = pass_profile_rows(alpha, keep, heldout, everywhere, 3, stop_before=True)
+    out = per_pass_prediction(*per_row)
+    assert out["rows"] == rows
+    assert out["accepted"] == pytest.approx(pass_profile(alpha, keep, heldout, everywhere, 3, True)[1], abs=1e-4)
+    for value, (lo, hi) in zip(out["accepted"], out["accepted_ci95"]):
+        assert lo <= value <= hi and hi - lo > 0.05  # half the rows accept 0.95, half 0.2
+    same = per_pass_prediction(*pass_profile_rows(torch.full((n,), 0.6), keep, heldout, everywhere, 3, True))
+    assert all(hi - lo < 1e-6 for lo, hi in same["accepted_ci95"])
+    none = per_pass_prediction(*pass_profile_rows(alpha, keep, heldout, torch.zeros(n, dtype=torch.bool), 3, True))
+    assert none["rows"] == 0 and none["accepted"] == []
+
+
+def test_measured_and_predicted_are_judged_as_a_difference_with_both_errors():
+    """The eval's verdict on a prediction with an interval: measured − predicted, the two errors in quadrature. A
+    prediction far from the measurement is refused even with wide intervals; the point-in-interval test alone
+    (the wrong judge) refuses a prediction whose own error covers the gap."""
+    from eval.engine_llamacpp import difference
+
+    near = difference((0.60, [0.50, 0.70]), (0.75, [0.62, 0.88]))  # outside the measured CI, inside the joint one
+    assert near[0] == pytest.approx(-0.15) and near[1] < 0 < near[2]
+    half = ((0.10 / 1.96) ** 2 + (0.13 / 1.96) ** 2) ** 0.5 * 1.96
+    assert near[2] - near[0] == pytest.approx(half, abs=1e-3)
+    far = difference((0.60, [0.55, 0.65]), (0.85, [0.80, 0.90]))
+    assert far[2] < 0
+    assert difference((0.6, None), (0.7, [0.6, 0.8])) is None

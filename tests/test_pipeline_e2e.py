@@ -202,3 +202,10 @@ def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(qui
             assert len(proposed) == len(accepted) == n_max and all(0 <= a <= p <= 1 for a, p in zip(accepted, proposed))
             assert accepted == sorted(accepted, reverse=True) and proposed == sorted(proposed, reverse=True)
     assert llama["rules"]["greedy"]["verification"] == "strict"
+    weights = llama["weights"]  # keep_best again under llama.cpp's greedy drafting, where training ran and was kept
+    if spec["selected"] == "distilled":
+        alpha = weights["acceptance_calibration"]
+        assert weights["selected"] == ("init" if alpha["init"] > alpha["distilled"] else "distilled")
+        assert "- weights:" in (artifacts / "draft" / "README.md").read_text()
+    else:
+        assert weights == {"selected": "init"}
