@@ -10,15 +10,26 @@ from tests.conftest import WORD_VOCAB as VOCAB, peaked_target
 
 
 # ---------------------------------------------------------------- calibration
+def random_heldout(target, temperature: float, rows: int = 6, seed: int = 1):
+    """Held-out rows of random prompts and completions in two domains, labelled by `target` at `temperature`."""
+    from distill.batch import Truncation
+    from distill.calibrate import build_heldout
+    from pipeline.sampling import Sampling
+
+    g = torch.Generator().manual_seed(seed)
+    samples = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
+                "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(rows)]
+    return build_heldout(target, samples, ["a", "b"] * (rows // 2), Sampling(temperature), Truncation(512, 256),
+                         support=VOCAB, pad_token_id=1)
+
+
 @pytest.mark.parametrize("scale", [1.5, 1 / 1.5])
 def test_calibration_recovers_a_known_temperature(scale):
     """Draft logits = target logits × s, so q_τ = p_T exactly at τ = s·T: calibration must find it
     (s = 1/1.5 is "draft = target logits / 1.5", whose best τ is T/1.5)."""
     import copy
 
-    from distill.batch import Truncation
-    from distill.calibrate import build_heldout, calibrate_temperature
-    from pipeline.sampling import Sampling
+    from distill.calibrate import calibrate_temperature
 
     target = peaked_target()
     with torch.no_grad():
@@ -26,12 +37,8 @@ def test_calibration_recovers_a_known_temperature(scale):
     draft = copy.deepcopy(target)
     with torch.no_grad():
         draft.lm_head.weight.mul_(scale)
-    g = torch.Generator().manual_seed(1)
-    rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
-             "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
     T = 0.8
-    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), Truncation(512, 256), support=VOCAB,
-                            pad_token_id=1)
+    heldout = random_heldout(target, T)
     result = calibrate_temperature(draft, heldout, [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0], refine=7)
     for domain in ("a", "b", "overall"):
         assert result["temperature"][domain] == pytest.approx(scale * T, rel=0.04)
@@ -209,10 +216,8 @@ def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_und
     the same draft on both sides is a tie, which keeps the trained weights as keep_best does."""
     import copy
 
-    from distill.batch import Truncation
-    from distill.calibrate import acceptance, build_heldout
+    from distill.calibrate import acceptance
     from distill.engines import weights_for_rule
-    from pipeline.sampling import Sampling
 
     target = peaked_target()
     with torch.no_grad():
@@ -222,12 +227,8 @@ def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_und
     with torch.no_grad():
         flat.lm_head.weight.mul_(0.2)
         noisy.lm_head.weight.add_(0.3 * noisy.lm_head.weight.std() * noise)
-    g = torch.Generator().manual_seed(1)
-    rows = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
-             "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(6)]
     T = 0.7
-    heldout = build_heldout(target, rows, ["a", "b"] * 3, Sampling(T), Truncation(512, 256), support=VOCAB,
-                            pad_token_id=1)
+    heldout = random_heldout(target, T)
     sampled = {name: float(acceptance(m, heldout, [T])[0].mean()) for name, m in (("flat", flat), ("noisy", noisy))}
     assert sampled["noisy"] > sampled["flat"] + 0.1  # the wrong judge (our decoder's rule) would ship the noisy one
     selected, alpha = weights_for_rule(noisy, flat, heldout)
