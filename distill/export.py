@@ -139,7 +139,7 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
              f"{cost.get('torch_threads')} threads; cost_profile.json): cost ratio c = {_fmt(cost.get('c'))} "
              f"({_fmt(cost.get('draft_forward_ms'), 2)} ms / {_fmt(cost.get('target_forward_ms'), 2)} ms)",
              f"- FR-Spec vocabulary subset: {_subset_line(spec)}",
-             f"- held-out prompts: {_kv(spec.heldout)}",
+             f"- held-out prompts: {_kv({k: v for k, v in spec.heldout.items() if k != 'prompt_ids'})}",
              f"- speculation: {_off_line(spec, domains)}", "",
              "Held-out expected acceptance Σ min(p, q) (teacher-forced on held-out collected rows; τ, γ and the "
              "exported weights were chosen on the calibration part, every number here is from the reporting part) "

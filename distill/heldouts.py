@@ -105,7 +105,10 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
 
     calibration, reporting = part(calibration_idx), part(reporting_idx)
     sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}
-                                      for name, h in (("calibration", calibration), ("reporting", reporting))}}
+                                      for name, h in (("calibration", calibration), ("reporting", reporting))},
+             # which prompts: eval.prompts_file=heldout measures on the reporting part's, where the predictions are
+             "prompt_ids": {name: sorted({held["prompt_id"][i] for i in indices})
+                            for name, indices in (("calibration", calibration_idx), ("reporting", reporting_idx))}}
     return HeldOuts(calibration, reporting, sizes)
 
 

@@ -58,7 +58,8 @@ class EvalSettings:
     """`eval.*` of the composed config, checked and normalised (see the module docstring)."""
     draft: str | None                    # the draft evaluated: null = ${paths.draft} (or a fallback), a directory, derive
     draft_init: str | None               # the undistilled draft for before/after: null = ${paths.draft_init}, a dir, none
-    prompts_file: str | None             # a prompt-schema or Spec-Bench JSONL; null = the prepare stage's held-out split
+    prompts_file: str | None             # a prompt-schema or Spec-Bench JSONL; null = the prepare stage's eval split;
+                                         #   heldout = the train prompts the draft's calibration reported on
     domains: tuple[str, ...] | None      # keep only these domains; null = all
     max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
     max_new_tokens: int                  # tokens generated per request (one user turn)

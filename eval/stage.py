@@ -29,7 +29,7 @@ from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.spec import CALIBRATED
+from pipeline.spec import CALIBRATED, SpeculativeSpec
 from pipeline.timing import Laps
 
 # ---------------------------------------------------------------- inputs
@@ -53,7 +53,11 @@ def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
     from pipeline.prompts import by_domain, keep_domains, load_prompts, load_split
 
-    if settings.prompts_file:  # our schema or Spec-Bench's
+    if settings.prompts_file == HELDOUT:
+        ids = heldout_prompt_ids(Path(settings.draft or cfg.paths.draft))
+        source = f"{cfg.paths.prompts}/train.jsonl, the draft's reporting part ({len(ids)} prompts)"
+        rows = [row for row in load_split(cfg.paths.prompts, "train", settings.domains) if row["id"] in ids]
+    elif settings.prompts_file:  # our schema or Spec-Bench's
         source = str(settings.prompts_file)
         rows = keep_domains(load_prompts(source), settings.domains, f"(eval.domains) have no prompts in {source}",
                             "fix eval.domains or the file")
@@ -61,6 +65,19 @@ def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str
         source = f"{cfg.paths.prompts}/eval.jsonl (held-out split of the prepare stage)"
         rows = load_split(cfg.paths.prompts, "eval", settings.domains)
     return by_domain(rows, settings.max_prompts_per_domain), source
+
+
+HELDOUT = "heldout"  # eval.prompts_file: the prompts the calibration's predictions were made on
+
+
+def heldout_prompt_ids(draft: Path) -> set[str]:
+    """The prompts of the reporting part the draft's calibration predicted on (evidence.json heldout.prompt_ids)."""
+    spec = SpeculativeSpec.read(draft) if draft.is_dir() else None
+    ids = ((spec.heldout if spec else {}).get("prompt_ids") or {}).get("reporting")
+    if not ids:
+        raise PipelineError(f"eval.prompts_file={HELDOUT}: {draft} records no held-out prompts (a calibration from "
+                            "before they were recorded, or none): rerun stage=calibrate, or give a prompts file")
+    return set(ids)
 
 
 # ---------------------------------------------------------------- plans

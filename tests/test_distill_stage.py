@@ -165,7 +165,10 @@ def test_the_export_reports_on_the_reporting_part(distilled):
     spec = read_spec(out / "draft")
     parts = spec["heldout"]
     assert parts["disjoint"] and parts["calibration"]["rows"] > 0 and parts["reporting"]["rows"] > 0
-    assert "reporting part" in (out / "draft" / "README.md").read_text()
+    ids = parts["prompt_ids"]  # which prompts, for eval.prompts_file=heldout
+    assert ids["reporting"] and ids["calibration"] and not set(ids["reporting"]) & set(ids["calibration"])
+    card = (out / "draft" / "README.md").read_text()
+    assert "reporting part" in card and ids["reporting"][0] not in card
 
 
 def test_distill_leaves_the_collected_data_untouched(distilled, setup):

@@ -552,3 +552,28 @@ def test_a_budget_stops_before_a_prompt_that_would_overrun_after_one_per_domain(
     assert metrics["budget"] == {"max_minutes": 0.0001, "prompts_done": 2, "prompts_planned": 4}
     assert {domain: d["n_prompts"] for domain, d in metrics["domains"].items()} == {"chat": 1, "code": 1}
     assert "eval.max_minutes" in (out / "report.md").read_text()
+
+
+def test_heldout_prompts_are_the_reporting_part_the_calibration_predicted_on(tmp_path, models):
+    """eval.prompts_file=heldout: the train prompts whose ids the draft's evidence.json lists for the reporting part,
+    nothing else (not the calibration part's, not eval.jsonl's); a draft without that record is one line."""
+    from eval.stage import load_eval_prompts
+    from pipeline.spec import SpeculativeSpec
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    write_jsonl(prompts / "train.jsonl", [{"id": f"t{i}", "domain": "chat", "turns": [f"train {i}"]} for i in range(5)])
+    write_jsonl(prompts / "eval.jsonl", [{"id": "e0", "domain": "chat", "turns": ["eval"]}])
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    spec = SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.7), draft={"init": "derive"},
+                           heldout={"prompt_ids": {"calibration": ["t1"], "reporting": ["t3", "t4"]}})
+    spec.write(draft)
+    cfg = compose_cfg(tmp_path / "artifacts", models["target"], f"paths.prompts={prompts}", "eval.prompts_file=heldout",
+                      f"eval.draft={draft}")
+    settings = eval_settings(tmp_path, f"paths.prompts={prompts}", "eval.prompts_file=heldout", f"eval.draft={draft}")
+    by_domain, source = load_eval_prompts(cfg, settings)
+    assert [p["id"] for p in by_domain["chat"]] == ["t3", "t4"] and "reporting part" in source
+    SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.7), draft={"init": "derive"}).write(draft)
+    with pytest.raises(PipelineError, match="records no held-out prompts"):
+        load_eval_prompts(cfg, settings)
