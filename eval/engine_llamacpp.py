@@ -142,6 +142,17 @@ def predicted_per_pass(spec: SpeculativeSpec | None, domain: str, setting) -> di
         else None
 
 
+def overall_predictions(specs: dict, plan: dict) -> dict:
+    """Per method, the calibration's prediction over all its reporting rows (its default entry) where every domain's
+    server ran the same setting (the server's defaults); a per-domain setting mixes predictions, so none there."""
+    out = {}
+    for method, by in plan.items():
+        served = set(by.values())
+        if len(served) == 1 and (only := served.pop())[0] is not None:
+            out[method] = predicted_per_pass(specs.get(only[0]), DEFAULT, only[1])
+    return out
+
+
 def per_pass(records: list[dict], predicted: dict | None) -> dict | None:
     """Per draft position k, measured from the servers' per-pass logs: the share of decoding passes that proposed a
     k-th draft and that accepted at least k (llama-server's own per-position counter), with bootstrap intervals over
@@ -245,7 +256,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                    "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy,
                                                  {m: predicted_per_pass(specs.get(by[d][0]), d, by[d][1])
                                                   for m, by in plan.items()}) for d in prompts},
-                   "overall": method_metrics(records, greedy)}
+                   "overall": method_metrics(records, greedy, overall_predictions(specs, plan))}
         write_engine_outputs(tmp, metrics, records)
     finish(metrics, tracker)
     return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}

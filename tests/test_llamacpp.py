@@ -286,3 +286,22 @@ def test_measured_and_predicted_are_judged_as_a_difference_with_both_errors():
     far = difference((0.60, [0.55, 0.65]), (0.85, [0.80, 0.90]))
     assert far[2] < 0
     assert difference((0.6, None), (0.7, [0.6, 0.8])) is None
+
+
+def test_the_overall_row_is_predicted_only_where_every_domain_ran_one_setting():
+    """The overall per-pass row gets the calibration's default entry (all reporting rows) for a method whose servers
+    ran one setting everywhere (the server's defaults); a per-domain calibrated setting mixes predictions: none."""
+    from types import SimpleNamespace
+
+    from eval.engine_llamacpp import overall_predictions
+    from pipeline.engines.llamacpp import DraftSettings
+
+    defaults = {"proposed": [1, 1, 1], "accepted": [0.6, 0.4, 0.2]}
+    entry = {"speculate": True, "n_max": 2, "p_min": 0.5, "predicted_per_pass": {"proposed": [1], "accepted": [0.5]},
+             "predicted_per_pass_server_defaults": defaults}
+    spec = SimpleNamespace(engines={"llamacpp": {"by_domain": {"default": entry, "code": entry}}})
+    plan = {"autoregressive": {"code": (None, DraftSettings()), "chat": (None, DraftSettings())},
+            "speculative": {"code": ("speculative", DraftSettings(2, 0.5)), "chat": (None, DraftSettings())},
+            "speculative_defaults": {"code": ("speculative", DraftSettings()), "chat": ("speculative", DraftSettings())}}
+    out = overall_predictions({"speculative": spec}, plan)
+    assert out == {"speculative_defaults": defaults}
