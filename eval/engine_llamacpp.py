@@ -285,19 +285,48 @@ def finish(metrics: dict, tracker) -> None:
                          for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
 
 
+CONTROL_BAND = 0.05  # plain server against plain server: a reading further than this from 1.00× is other load
+
+
 def report(metrics: dict) -> str:
     name = ENGINE_NAMES[metrics["engine"]]
     lines = [f"# {name} {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "",
              "| domain | method | tok/s | speedup [95% CI] | acceptance [95% CI] |", "|---|---|---|---|---|"]
+    plan = metrics.get("plan") or {}
     for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method, m in by.items():
             ci, aci = m.get("speedup_ci95"), m.get("acceptance_rate_ci95")
             speed = "1.00×" if method == "autoregressive" else (
                 f"{m['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+            if method != "autoregressive" and _plain_only(plan.get(method), domain):
+                speed = f"off (plain server: {speed})"
             accept = "–" if not m.get("n_drafted") else (
                 f"{m['acceptance_rate']:.3f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else ""))
             lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
-    return "\n".join(lines + per_pass_table(metrics)) + "\n"
+    return "\n".join(lines + control_flags(metrics) + per_pass_table(metrics)) + "\n"
+
+
+def _plain_only(by_domain: dict | None, domain: str) -> bool:
+    """Whether a method's requests in `domain` ("overall": in every domain) were all answered by the plain server."""
+    if not by_domain:
+        return False
+    served = by_domain.values() if domain == "overall" else [by_domain.get(domain, {"draft": ""})]
+    return all(entry["draft"] is None for entry in served)
+
+
+def control_flags(metrics: dict) -> list[str]:
+    """Rows where a method was served by the plain server (calibrated "off") but read beyond ±CONTROL_BAND of 1.00×:
+    the same computation timed twice disagreed, so that run's timings were disturbed by other load."""
+    plan = metrics.get("plan") or {}
+    flagged = [f"{domain} {method} {m['speedup']:.2f}×"
+               for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]
+               for method, m in by.items() if method != "autoregressive" and _plain_only(plan.get(method), domain)
+               and abs(m.get("speedup", 1.0) - 1.0) > CONTROL_BAND]
+    if not flagged:
+        return []
+    return ["", f"**Timings disturbed:** plain server against plain server read beyond ±{CONTROL_BAND:.0%} of 1.00× "
+                f"({', '.join(flagged)}): other load on this machine; read no speedup of this run (acceptance counts "
+                "are unaffected)."]
 
 
 def per_pass_table(metrics: dict) -> list[str]:

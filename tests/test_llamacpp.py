@@ -305,3 +305,30 @@ def test_the_overall_row_is_predicted_only_where_every_domain_ran_one_setting():
             "speculative_defaults": {"code": ("speculative", DraftSettings()), "chat": ("speculative", DraftSettings())}}
     out = overall_predictions({"speculative": spec}, plan)
     assert out == {"speculative_defaults": defaults}
+
+
+def test_an_off_domain_reads_off_and_a_disturbed_plain_against_plain_reading_is_flagged():
+    """A method served by the plain server in a domain (calibrated "off") is plain decoding timed twice: the report
+    says "off", and a reading beyond ±5% of 1.00× flags the run's timings; a drafting domain's slow reading is a
+    result, never a flag."""
+    from eval.engine_llamacpp import report
+
+    def row(speedup, drafted=0):
+        return {"tokens_per_s": 10.0, "speedup": speedup, "speedup_ci95": [speedup - 0.01, speedup + 0.01],
+                "n_drafted": drafted, "acceptance_rate": 0.5, "acceptance_rate_ci95": None, "per_pass": None}
+
+    plain = {"tokens_per_s": 10.0}
+    plan = {"autoregressive": {"chat": {"draft": None}, "code": {"draft": None}},
+            "speculative": {"chat": {"draft": None}, "code": {"draft": "speculative"}}}
+
+    def metrics(chat_speedup):
+        return {"engine": "llamacpp", "version": "0.3.36", "temperature": 0.7, "plan": plan,
+                "domains": {"chat": {"autoregressive": plain, "speculative": row(chat_speedup)},
+                            "code": {"autoregressive": plain, "speculative": row(0.5, drafted=10)}},
+                "overall": {"autoregressive": plain, "speculative": row(0.75, drafted=10)}}
+
+    quiet = report(metrics(1.02))
+    assert "| chat | speculative | 10.0 | off (plain server: 1.02×" in quiet and "disturbed" not in quiet
+    assert "| code | speculative | 10.0 | 0.50×" in quiet  # drafting: its number, unflagged
+    loud = report(metrics(1.40))
+    assert "**Timings disturbed:**" in loud and "chat speculative 1.40×" in loud and "code speculative" not in loud
