@@ -57,15 +57,18 @@ def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=No
     return torch.cat(out, 1)
 
 
-def weights_for_rule(trained, initial, heldout: cal.HeldOut, vocab=None) -> tuple[str, dict[str, float]]:
+def weights_for_rule(trained, initial, heldout: cal.HeldOut, vocab=None, rule: str = "interval") -> dict:
     """keep_best under greedy drafting, on the calibration part: distill's keep_best judged the trained weights by
     α with the draft sampled at τ (our decoder's rule); an engine that drafts the argmax accepts p_T(argmax q),
     which training can lower while Σ min(p_T, q) rises (docs/results.md: the refined Qwen draft in llama-server).
-    ("init", α) where the initial weights accept more under that rule, else ("distilled", α): ties keep the
-    trained ones, as keep_best does."""
-    alpha = {name: float(cal.acceptance(model, heldout, [0.0], vocab)[0].mean())
-             for name, model in (("distilled", trained), ("init", initial))}
-    return ("init" if alpha["init"] > alpha["distilled"] else "distilled"), {k: round(v, 4) for k, v in alpha.items()}
+    Returns speculative.json's `weights` record: {"selected": "distilled" | "init", "acceptance_calibration":
+    {"distilled", "init"}, "difference", "ci95", "rule"}, judged as keep_best judges (distill/calibrate.py)."""
+    greedy = {name: cal.acceptance(model, heldout, [0.0], vocab)[0] for name, model in (("init", initial),
+                                                                                       ("distilled", trained))}
+    verdict = cal.keep_best(greedy["init"], greedy["distilled"], heldout, rule)
+    return {"selected": verdict["selected"], "acceptance_calibration": {"distilled": verdict["trained"],
+                                                                       "init": verdict["initial"]},
+            **{key: verdict[key] for key in ("difference", "ci95", "rule")}}
 
 
 def engine_cost(root: Path, target_gguf: Path, draft_gguf: Path, max_draft: int, depth: int, repeats: int,
@@ -221,12 +224,14 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft, chosen_weights = inputs.draft, {"selected": spec.selected}
     if initial is not None:
-        selected, alpha = weights_for_rule(inputs.draft, initial, heldouts.calibration, split.vocab)
-        chosen_weights = {"selected": selected, "acceptance_calibration": alpha}
-        if selected == "init":
+        chosen_weights = weights_for_rule(inputs.draft, initial, heldouts.calibration, split.vocab,
+                                          settings.keep_best_rule)
+        if chosen_weights["selected"] == "init":
             draft, head_fill = initial, cal.out_of_subset_fill(initial, heldouts.calibration, split.vocab)
-        log(f"llama.cpp serves the {selected} weights: under its greedy drafting they accept "
-            f"{alpha[selected]:.3f} on the calibration part (the other {min(alpha.values()):.3f})")
+        alpha = chosen_weights["acceptance_calibration"]
+        log(f"llama.cpp serves the {chosen_weights['selected']} weights: under its greedy drafting the trained ones "
+            f"accept {alpha['distilled']:.3f} on the calibration part, the initial ones {alpha['init']:.3f} "
+            f"({chosen_weights['rule']} rule, interval of the difference {chosen_weights['ci95']})")
     weights = exported_weights(draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
     name = f"draft-{split.fingerprint}-{chosen_weights['selected']}.gguf"
     gguf = draft_gguf(root, weights, inputs.draft_tokenizer, scratch / name, quant)

@@ -93,6 +93,21 @@ def _kv(d: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (d or {}).items())
 
 
+def _shipped_line(spec: SpeculativeSpec) -> str:
+    """Which weights the checkpoint holds and keep_best's reason (distill/calibrate.py keep_best)."""
+    if not spec.training.get("steps"):  # the probe found no step size worth taking, or draft_init
+        return "the initial draft: it was not trained"
+    verdict = spec.training.get("keep_best") or {}
+    ci = verdict.get("ci95")
+    judged = (f"; on the calibration part the trained weights {verdict['difference']:+.3f}"
+              + (" [{:+.3f}, {:+.3f}]".format(*ci) if ci else "") + f" over the initial ones ({verdict['rule']} rule)"
+              if verdict else "")
+    if spec.selected == "distilled":
+        return "the distilled draft" + judged
+    return ("the initial draft (keep_best): training did not raise held-out acceptance" + judged
+            + f"; the trained weights' reporting part: {_fmt(spec.acceptance.get('after_training', {}).get('overall'))}")
+
+
 def _recipe_lines(recipe: dict | None, steps: int) -> list[str]:
     """The step size training ran at and why (distill/training.py probe_learning_rate), and what the stop rule did;
     none for a draft without a training run of its own (steps 0 and a rate chosen: draft_init)."""
@@ -121,17 +136,14 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
     """A short README: what the draft is, for which target, and its held-out numbers per domain."""
     acceptance, length, cost = spec.acceptance, spec.mean_accepted_length, spec.cost
     domains = [d for d in acceptance.get("after", {}) if d not in (DEFAULT, "overall")]
-    shipped = ("the distilled draft" if spec.selected == "distilled" else "the initial draft (keep_best): training "
-               f"lowered held-out acceptance to {_fmt(acceptance.get('after_training', {}).get('overall'))}")
-    if not spec.training.get("steps"):  # the probe found no step size worth taking, or draft_init
-        shipped = "the initial draft: it was not trained"
+    shipped = _shipped_line(spec)
     lines = [f"# {title}", "",
              f"Draft model for speculative decoding with **{spec.target.get('name') or spec.target.get('path')}** "
              f"(target sha256 `{str(spec.target.get('source_sha256'))[:12]}`), distilled on the target's own "
              "generations by this project's distill stage. Loads with `AutoModelForCausalLM.from_pretrained` and "
              "works as `assistant_model` in HF `generate`; `speculative.json` holds the calibration below.", "",
              f"- draft: {_kv(spec.draft)}",
-             f"- training: {_kv({k: v for k, v in spec.training.items() if k != 'recipe'})}",
+             f"- training: {_kv({k: v for k, v in spec.training.items() if k not in ('recipe', 'keep_best')})}",
              *_recipe_lines(spec.training.get("recipe"), int(spec.training.get("steps") or 0)),
              f"- exported weights: {shipped}",
              f"- serving sampling calibrated for: {_kv(spec.sampling.to_dict())}",
@@ -189,11 +201,14 @@ def _weights_line(spec: SpeculativeSpec, weights: dict | None) -> list[str]:
     alpha = (weights or {}).get("acceptance_calibration")
     if not alpha:
         return []
+    ci = weights.get("ci95")
+    judged = (f"under this engine's rule the trained weights accept {_fmt(alpha['distilled'])} on the calibration part, "
+              f"the initial ones {_fmt(alpha['init'])}" + (" (difference [{:+.3f}, {:+.3f}], {} rule)".format(
+                  *ci, weights.get("rule")) if ci else ""))
     if weights["selected"] == spec.selected:
-        return [f"- weights: the same as the checkpoint's; under this engine's rule they accept {_fmt(alpha['distilled'])} "
-                f"on the calibration part, the initial draft {_fmt(alpha['init'])}"]
-    return [f"- weights: **the initial draft's**, not the checkpoint's: under this engine's rule the trained weights "
-            f"accept {_fmt(alpha['distilled'])} on the calibration part, the initial ones {_fmt(alpha['init'])}"]
+        return [f"- weights: the same as the checkpoint's; {judged}"]
+    which = "the initial draft's" if weights["selected"] == "init" else "the trained draft's"
+    return [f"- weights: **{which}**, not the checkpoint's: {judged}"]
 
 
 def _engine_lines(spec: SpeculativeSpec) -> list[str]:

@@ -112,10 +112,14 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
     return HeldOuts(calibration, reporting, sizes)
 
 
+def serving_alpha(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> torch.Tensor:
+    """α per held-out position with the draft sampling at the serving temperature."""
+    return cal.acceptance(inputs.draft, heldout, [inputs.sampling.temperature], vocab)[0]
+
+
 def serving_acceptance(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:
-    """Per-domain summary of α with the draft sampling at the serving temperature."""
-    alpha = cal.acceptance(inputs.draft, heldout, [inputs.sampling.temperature], vocab)[0]
-    return cal.summarize(alpha, heldout, int(inputs.settings.heldout.gamma))
+    """Per-domain summary of serving_alpha."""
+    return cal.summarize(serving_alpha(inputs, heldout, vocab), heldout, int(inputs.settings.heldout.gamma))
 
 
 def acceptances(summary: dict) -> dict[str, float]:

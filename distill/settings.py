@@ -171,6 +171,7 @@ class HfCalibrationSettings:
                                 f"{self.prompts} >= 1, max_new_tokens={self.max_new_tokens} >= 2: use e.g. gammas=[1,2,4]")
 
 
+KEEP_BEST_RULES = ("interval", "mean")  # the trained weights' paired interval above the initial's, or their mean
 ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can calibrate the export for, beside this project's decoder
 
 
@@ -178,7 +179,8 @@ ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can 
 class CalibrationSettings:
     """`distill.calibration`: keep_best (distill) and the serving settings the calibrate stage gives a draft
     (distill/calibrate_stage.py, distill/serving.py)."""
-    keep_best: bool                    # export the initial draft when training lowered held-out acceptance
+    keep_best: bool                    # export the initial draft unless training raised held-out acceptance
+    keep_best_rule: str                # what "raised" means: KEEP_BEST_RULES (distill/calibrate.py keep_best)
     draft: str | None                  # calibrate this draft directory alone; null = ${paths.trained}'s two
     speculate_margin: float            # a domain speculates only when predicted above 1 + this; else plain decoding
     calibrate_init: bool               # calibrate ${paths.draft_init} too
@@ -201,6 +203,9 @@ class CalibrationSettings:
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise PipelineError(f"distill.calibration.batch_sizes={list(self.batch_sizes)} must be integers >= 1: use "
                                 "e.g. [1,2,4,8,16], or [] to skip the per-batch-size calibration")
+        if self.keep_best_rule not in KEEP_BEST_RULES:
+            raise PipelineError(f"distill.calibration.keep_best_rule={self.keep_best_rule!r}: use one of "
+                                f"{', '.join(KEEP_BEST_RULES)}")
         unknown = sorted(set(self.engines) - set(ENGINES))
         if unknown:
             raise PipelineError(f"distill.calibration.engines={list(self.engines)} names unknown engines {unknown}: "

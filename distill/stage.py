@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from distill import calibrate as cal
 from distill.draft import vocab_subset
 from distill.export import save_draft
-from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
+from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, serving_acceptance, serving_alpha,
+                             split_collected)
 from distill.job import HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
 from distill.training import TrainingResult, generation_length, train_draft
@@ -170,8 +171,9 @@ def measure_before(inputs: Inputs, heldouts: HeldOuts | None, vocab: torch.Tenso
     """Held-out acceptance of the undistilled draft on both parts ({} off the main process)."""
     if heldouts is None:
         return {}
-    before = {"calibration": serving_acceptance(inputs, heldouts.calibration, vocab),
-              "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
+    alpha = serving_alpha(inputs, heldouts.calibration, vocab)  # per position: keep_best's paired judge
+    before = {"calibration": cal.summarize(alpha, heldouts.calibration, int(inputs.settings.heldout.gamma)),
+              "calibration_alpha": alpha, "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
     gamma = int(inputs.settings.heldout.gamma)
     inputs.tracker.log_metrics(cal.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
     log(f"held-out acceptance before: {before['reporting'][cal.OVERALL]['acceptance']:.3f} "
@@ -181,18 +183,21 @@ def measure_before(inputs: Inputs, heldouts: HeldOuts | None, vocab: torch.Tenso
 
 
 def select_weights(inputs: Inputs, heldouts: HeldOuts, vocab: torch.Tensor | None, before: dict) -> dict:
-    """keep_best on the calibration part: the initial weights when training lowered held-out acceptance.
-    Returns {"selected", "after_training" (reporting part, trained weights), "after" (reporting part, the
-    selected weights: the initial draft's numbers are the `before` ones)}."""
+    """keep_best on the calibration part (distill/calibrate.py keep_best): the initial weights unless training raised
+    held-out acceptance. Returns {"selected", "verdict" (the judge's numbers), "after_training" (reporting part,
+    trained weights), "after" (reporting part, the selected weights: the initial draft's are the `before` ones)}."""
     trained_summary = serving_acceptance(inputs, heldouts.reporting, vocab)
     trained = acceptances(trained_summary)
-    after = serving_acceptance(inputs, heldouts.calibration, vocab)[cal.OVERALL]["acceptance"]
-    first = before["calibration"][cal.OVERALL]["acceptance"]
-    if inputs.settings.calibration.keep_best and after < first:
-        log(f"held-out acceptance fell in training ({first:.3f} → {after:.3f} on the calibration part): keeping "
-            "the initial draft (distill.calibration.keep_best=false ships the trained one)")
-        return {"selected": "init", "after_training": trained, "after": before["reporting"]}
-    return {"selected": "distilled", "after_training": trained, "after": trained_summary}
+    calibration = inputs.settings.calibration
+    verdict = cal.keep_best(before["calibration_alpha"], serving_alpha(inputs, heldouts.calibration, vocab),
+                            heldouts.calibration, calibration.keep_best_rule)
+    ci = verdict["ci95"] and "[{:+.3f}, {:+.3f}]".format(*verdict["ci95"])
+    log(f"keep_best ({calibration.keep_best_rule}): the trained weights {verdict['difference']:+.3f} {ci or ''} over "
+        f"the initial ones on the calibration part ({verdict['initial']:.3f} → {verdict['trained']:.3f})")
+    if calibration.keep_best and verdict["selected"] == "init":
+        log("keeping the initial draft (distill.calibration.keep_best=false ships the trained one)")
+        return {"selected": "init", "verdict": verdict, "after_training": trained, "after": before["reporting"]}
+    return {"selected": "distilled", "verdict": verdict, "after_training": trained, "after": trained_summary}
 
 
 # ---------------------------------------------------------------- the stage's output
@@ -218,7 +223,8 @@ def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: Tra
               "heldout_idx": list(split.heldout_idx), "heldout": heldouts.sizes, "vocab_subset": split.vocab_list,
               "draft": {**inputs.draft_info, "parameters": sum(p.numel() for p in inputs.draft.parameters())},
               "selected": selected["selected"], "after_training": selected["after_training"],
-              "training": training_record(inputs, split, training), "learning_curve": training.curve}
+              "training": {**training_record(inputs, split, training), "keep_best": selected["verdict"]},
+              "learning_curve": training.curve}
     with atomic_dir(paths.trained) as tmp:
         save_draft(shipped, inputs.draft_tokenizer, tmp / "draft", None, None, inputs.target.generation_config)
         save_draft(initial, inputs.draft_tokenizer, tmp / "draft_init", None, None, inputs.target.generation_config)

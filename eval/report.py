@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from eval.intervals import N_RESAMPLES
 from eval.metrics import flat_metrics
 from eval.plots import write_plots
 from eval.tables import (BATCH_PREDICTIONS, batch_rows, batch_verdict, comparison_lines, comparison_text, domain_rows,
@@ -17,6 +16,7 @@ from eval.tables import (BATCH_PREDICTIONS, batch_rows, batch_verdict, compariso
                          speedup_text)
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.decoding.cost import predicted_speedup
+from pipeline.intervals import N_RESAMPLES
 from pipeline.machine import cpu_name
 
 CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RESAMPLES:,} resamples, BCa, "

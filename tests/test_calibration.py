@@ -231,10 +231,43 @@ def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_und
     heldout = random_heldout(target, T)
     sampled = {name: float(acceptance(m, heldout, [T])[0].mean()) for name, m in (("flat", flat), ("noisy", noisy))}
     assert sampled["noisy"] > sampled["flat"] + 0.1  # the wrong judge (our decoder's rule) would ship the noisy one
-    selected, alpha = weights_for_rule(noisy, flat, heldout)
-    assert selected == "init" and alpha["init"] > alpha["distilled"] + 0.03
-    assert weights_for_rule(flat, noisy, heldout)[0] == "distilled"
-    assert weights_for_rule(noisy, copy.deepcopy(noisy), heldout)[0] == "distilled"
+    for rule in ("interval", "mean"):
+        judged = weights_for_rule(noisy, flat, heldout, rule=rule)
+        alpha = judged["acceptance_calibration"]
+        assert judged["selected"] == "init" and alpha["init"] > alpha["distilled"] + 0.03 and judged["rule"] == rule
+        assert weights_for_rule(flat, noisy, heldout, rule=rule)["selected"] == "distilled"
+    same = copy.deepcopy(noisy)
+    assert weights_for_rule(noisy, same, heldout, rule="mean")["selected"] == "distilled"  # a tie keeps the trained
+    assert weights_for_rule(noisy, same, heldout, rule="interval")["selected"] == "init"  # a tie shows no gain
+
+
+def _rows_heldout(positions_per_row: int, rows: int):
+    from types import SimpleNamespace
+
+    row_of = torch.arange(rows).repeat_interleave(positions_per_row)
+    return SimpleNamespace(row_of=row_of, n_positions=len(row_of))
+
+
+def test_keep_best_ships_trained_weights_only_for_a_gain_the_rows_resolve():
+    """A gain that sits within the rows' spread (half the rows up, half down, a small mean gain) ships under the
+    mean rule — the deliberately weaker judge, shown to disagree — and not under the interval rule; a gain every row
+    shares ships under both; a loss under neither. One row has no interval: the interval rule judges as the mean."""
+    from distill.calibrate import keep_best
+
+    heldout = _rows_heldout(10, 12)
+    initial = torch.full((heldout.n_positions,), 0.6)
+    swing = torch.tensor([0.12, -0.10] * 6).repeat_interleave(10)  # mean +0.01, rows ±0.1
+    noisy_gain = keep_best(initial, initial + swing, heldout, "interval")
+    assert noisy_gain["selected"] == "init" and noisy_gain["ci95"][0] < 0 < noisy_gain["ci95"][1]
+    assert abs(noisy_gain["difference"] - 0.01) < 1e-6
+    assert keep_best(initial, initial + swing, heldout, "mean")["selected"] == "distilled"  # the wrong judge ships it
+    shared = initial + 0.01 + torch.linspace(0, 0.002, heldout.n_positions)
+    for rule in ("interval", "mean"):
+        assert keep_best(initial, shared, heldout, rule)["selected"] == "distilled"
+        assert keep_best(initial, initial - 0.01, heldout, rule)["selected"] == "init"
+    one_row = _rows_heldout(10, 1)
+    single = keep_best(initial[:10], initial[:10] + 0.01, one_row, "interval")
+    assert single["ci95"] is None and single["selected"] == "distilled"
 
 
 def test_the_model_card_says_which_weights_an_engine_serves():
@@ -244,7 +277,8 @@ def test_the_model_card_says_which_weights_an_engine_serves():
 
     spec = SimpleNamespace(selected="distilled")
     assert _weights_line(spec, None) == [] and _weights_line(spec, {"selected": "distilled"}) == []
-    apart = _weights_line(spec, {"selected": "init", "acceptance_calibration": {"distilled": 0.5, "init": 0.6}})
-    assert "initial draft's" in apart[0] and "0.500" in apart[0] and "0.600" in apart[0]
+    apart = _weights_line(spec, {"selected": "init", "acceptance_calibration": {"distilled": 0.5, "init": 0.6},
+                                 "ci95": [-0.15, -0.05], "rule": "interval"})
+    assert "initial draft's" in apart[0] and "0.500" in apart[0] and "0.600" in apart[0] and "[-0.150, -0.050]" in apart[0]
     same = _weights_line(spec, {"selected": "distilled", "acceptance_calibration": {"distilled": 0.6, "init": 0.5}})
     assert "same as the checkpoint's" in same[0]

@@ -435,6 +435,8 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     assert spec["acceptance"]["after_training"]["overall"] < spec["acceptance"]["before"]["overall"]
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
+    verdict = spec["training"]["keep_best"]
+    assert verdict["difference"] < 0 and verdict["ci95"][1] < 0 and verdict["selected"] == "init"
 
 
 def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, distilled, tmp_path, capsys):

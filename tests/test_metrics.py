@@ -10,9 +10,10 @@ import pytest
 from scipy.stats import bootstrap
 
 from eval import metrics as M
-from eval.intervals import N_RESAMPLES, speedup_stat
+from eval.intervals import speedup_stat
 from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
+from pipeline.intervals import N_RESAMPLES
 
 STEP_S = 0.01  # seconds per generated token of the autoregressive target
 

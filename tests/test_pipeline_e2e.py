@@ -204,8 +204,9 @@ def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(qui
     assert llama["rules"]["greedy"]["verification"] == "strict"
     weights = llama["weights"]  # keep_best again under llama.cpp's greedy drafting, where training ran and was kept
     if spec["selected"] == "distilled":
-        alpha = weights["acceptance_calibration"]
-        assert weights["selected"] == ("init" if alpha["init"] > alpha["distilled"] else "distilled")
+        alpha, ci = weights["acceptance_calibration"], weights["ci95"]  # the default rule: an interval above 0 ships
+        assert weights["rule"] == "interval" and abs(weights["difference"] - (alpha["distilled"] - alpha["init"])) < 2e-4
+        assert weights["selected"] == ("distilled" if ci[0] > 0 else "init")
         assert "- weights:" in (artifacts / "draft" / "README.md").read_text()
     else:
         assert weights == {"selected": "init"}

@@ -62,6 +62,9 @@ def test_a_stub_draft_is_trained_at_the_largest_probed_rate_that_gains_and_gains
     card = (out / "draft" / "README.md").read_text()
     assert f"- learning rate: {recipe['learning_rate']:g}, the largest rate whose held-out acceptance" in card
     assert "- stop rule: " in card and "the distilled draft" in card
+    verdict = read_spec(out / "draft")["training"]["keep_best"]  # shipped because the rows resolve the gain
+    assert verdict["rule"] == "interval" and verdict["ci95"][0] > 0 and verdict["trained"] > verdict["initial"]
+    assert "over the initial ones (interval rule)" in card
 
 
 # ---------------------------------------------------------------- the stop rule

@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from distill import calibrate as cal
 from distill.stage import RECORD, read_record
-from eval.intervals import bootstrap_ci
 from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
@@ -44,36 +42,18 @@ def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibr
         return cal.acceptance(draft, heldout, [heldout.sampling.temperature], vocab)[0]
 
 
-def row_sums(alpha: torch.Tensor, heldout: cal.HeldOut, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per held-out row of the domain `mask`: Σ α over its positions and its position count."""
-    rows = heldout.row_of[mask].numpy()
-    values = alpha[mask].double().numpy()
-    present = np.unique(rows)
-    return (np.array([values[rows == r].sum() for r in present]), np.array([(rows == r).sum() for r in present]))
-
-
-def _difference(base, other, counts, axis=-1):
-    """(other − base) of the position-weighted means over rows."""
-    return (np.sum(other, axis=axis) - np.sum(base, axis=axis)) / np.sum(counts, axis=axis)
-
-
-def paired_difference(base: np.ndarray, other: np.ndarray, counts: np.ndarray) -> tuple[float, list[float] | None]:
-    """The difference with eval's paired bootstrap interval over rows (both drafts resampled with the same rows)."""
-    return float(_difference(base, other, counts)), bootstrap_ci((base, other, counts), _difference)
-
-
 def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
     """{domain: {"rows", "positions", "acceptance": {draft: α}, "difference": {draft: [Δ, [lo, hi]]}}}."""
     names = list(alphas)
     table = {}
     for domain, mask in cal.domain_index(heldout).items():
-        sums = {name: row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
+        sums = {name: cal.row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
         counts = sums[names[0]][1]
         entry = {"rows": len(counts), "positions": int(counts.sum()),
                  "acceptance": {name: float(s.sum() / counts.sum()) for name, (s, _) in sums.items()},
                  "difference": {}}
         for name in names[1:]:
-            delta, ci = paired_difference(sums[names[0]][0], sums[name][0], counts)
+            delta, ci = cal.paired_difference(sums[names[0]][0], sums[name][0], counts)
             entry["difference"][name] = [delta, ci]
         table[domain] = entry
     return table
