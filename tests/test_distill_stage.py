@@ -436,7 +436,7 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     assert spec["selected"] == "init" and spec["acceptance"]["after"] == spec["acceptance"]["before"]
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
     verdict = spec["training"]["keep_best"]
-    assert verdict["difference"] < 0 and verdict["ci95"][1] < 0 and verdict["selected"] == "init"
+    assert verdict["difference"] < 0 and verdict["rule"] == "interval" and verdict["selected"] == "init"
 
 
 def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, distilled, tmp_path, capsys):
@@ -469,6 +469,12 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     assert abs(delta) < 1e-3
     with pytest.raises(PipelineError, match="not a draft export"):
         main(overrides(setup, tmp_path, trained, "tool.temperature=calibrated"))
+    # drafting the argmax (llama.cpp's rule): another measure of the same drafts, on the same rows
+    argmax = main(overrides(setup, tmp_path, drafts, "tool.temperature=argmax"))["domains"]["overall"]
+    assert argmax["difference"][str(copy)][0] == 0 and argmax["rows"] == overall["rows"]
+    assert abs(argmax["acceptance"][str(run / "draft")] - overall["acceptance"][str(run / "draft")]) > 1e-3
+    with pytest.raises(PipelineError, match="tool.temperature='hot'"):
+        main(overrides(setup, tmp_path, drafts, "tool.temperature=hot"))
 
 
 def test_acceptance_gap_puts_the_plan_beside_the_decoder_on_the_reporting_rows(setup, distilled, tmp_path):

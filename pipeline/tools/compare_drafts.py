@@ -1,8 +1,9 @@
 """Drafts side by side on one collect's held-out rows: held-out acceptance Σ min(p, q) per domain at the serving
 distribution, and each draft's difference from the first with a paired bootstrap CI over the rows, so drafts
 trained on different rows (e.g. a server collect against an HF one) meet the same rows and target distribution.
-Each runs with its own FR-Spec head, at the serving temperature or (tool.temperature=calibrated, exports only) its
-own τ; a draft is an export or a distill stage's trained draft (`${paths.trained}/draft`, before any calibration).
+Each runs with its own FR-Spec head, at the serving temperature, (tool.temperature=calibrated, exports only) its own
+τ, or drafting its argmax (`argmax`, llama.cpp's rule); a draft is an export or a distill stage's trained draft
+(`${paths.trained}/draft`, before any calibration).
 
     python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]'
 """
@@ -21,9 +22,14 @@ from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
 
 
-def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibrated: bool) -> torch.Tensor:
+TEMPERATURES = ("serving", "calibrated", "argmax")
+
+
+def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temperature: str) -> torch.Tensor:
     """α per held-out position [N] of the draft at `path` (an export, or draft/ or draft_init/ of a distill stage's
-    ${paths.trained}, uncalibrated), through its own FR-Spec head."""
+    ${paths.trained}, uncalibrated), through its own FR-Spec head, the draft at the serving temperature, its own
+    calibrated τ, or drafting its argmax (llama.cpp's and SGLang's rule: α = p_T(argmax q))."""
+    calibrated = temperature == "calibrated"
     record = Path(path).parent / RECORD
     if (Path(path) / "speculative.json").is_file():
         spec = SpeculativeSpec.read(path)
@@ -38,8 +44,9 @@ def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, calibr
     if calibrated:
         taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
         return cal.acceptance_at(draft, heldout, taus, vocab)
+    tau = 0.0 if temperature == "argmax" else heldout.sampling.temperature
     with torch.no_grad():
-        return cal.acceptance(draft, heldout, [heldout.sampling.temperature], vocab)[0]
+        return cal.acceptance(draft, heldout, [tau], vocab)[0]
 
 
 def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
@@ -98,20 +105,19 @@ def run(cfg) -> dict:
         raise PipelineError("name two or more different draft exports: 'tool.drafts=[<export A>,<export B>]'")
     if part not in ("reporting", "calibration"):
         raise PipelineError(f"tool.part={part!r}: use reporting or calibration")
-    if options.temperature not in ("serving", "calibrated"):
-        raise PipelineError(f"tool.temperature={options.temperature!r}: use serving or calibrated")
-    calibrated = options.temperature == "calibrated"
+    if options.temperature not in TEMPERATURES:
+        raise PipelineError(f"tool.temperature={options.temperature!r}: use one of {', '.join(TEMPERATURES)}")
     inputs, heldouts = collect_heldouts(cfg)
     heldout = getattr(heldouts, part)
     dtype = next(inputs.target.parameters()).dtype
-    alphas = {path: draft_acceptance(path, heldout, dtype, calibrated) for path in drafts}
+    alphas = {path: draft_acceptance(path, heldout, dtype, str(options.temperature)) for path in drafts}
     table = compare(alphas, heldout)
     print(f"held-out {part} part of {cfg.paths.collect}: {len(heldout.rows)} rows, {heldout.n_positions} positions, "
-          f"{inputs.sampling}, draft temperature {'calibrated' if calibrated else 'serving'}; Δ = draft − "
+          f"{inputs.sampling}, draft temperature {options.temperature}; Δ = draft − "
           f"{short_names(drafts)[0]} [95% paired bootstrap over rows]")
     print(render(table, drafts))
     result = {"collect": str(cfg.paths.collect), "part": part, "sampling": inputs.sampling.to_dict(),
-              "draft_temperature": "calibrated" if calibrated else "serving", "drafts": drafts, "domains": table}
+              "draft_temperature": str(options.temperature), "drafts": drafts, "domains": table}
     if options.json:
         Path(options.json).write_text(json.dumps(result, indent=2))
     return result
