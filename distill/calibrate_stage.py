@@ -75,8 +75,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     profile = cost_profile(main_job, split.vocab)
     laps.lap("cost_profile")
     spec, calibration = calibrate_draft(main_job, split, heldouts, before, profile, main)
-    initial = init_job.draft if init_job is not None and main.selected == "distilled" else None
-    spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log, initial)
+    spec, engine_files = calibrate_engines(main_job, split, heldouts, spec, calibration.head_fill, log,
+                                           engine_rival(init_job, main, inputs.settings.calibration.keep_best))
     spec = calibrate_batching(main_job, split, spec, log)
     save_calibrated(main_job, spec, profile, calibration.head_fill, main, engine_files,
                     speculation_profile(main_job, split, heldouts, spec, main))
@@ -123,6 +123,13 @@ def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split
                          own.selected if own else "init", own.draft if own else {"init": "pretrained", "path": str(weights)},
                          own.training if own else {}, own.learning_curve if own else [], None)
     return source, None, Split(None, heldout_idx, name, vocab)
+
+
+def engine_rival(init_job: Inputs | None, main: DraftSource, keep_best: bool):
+    """The initial weights an engine with a rule of its own judges the trained ones against (distill/engines.py
+    weights_for_rule): only where training ran, was kept, and keep_best is on (keep_best=false ships the trained
+    weights to every engine)."""
+    return init_job.draft if init_job is not None and main.selected == "distilled" and keep_best else None
 
 
 def check_draft_dir(weights: Path) -> None:

@@ -113,3 +113,16 @@ def test_a_calibration_setting_reruns_calibrate_and_not_distill_under_dvc():
     assert reads(params["distill"], "distill.trainer.max_steps") and reads(params["distill"], "distill.objective.loss")
     # the deliberately wrong dvc.yaml (before the split): distill read the whole group, so every knob retrained
     assert calibration_keys_rerunning({**params, "distill": ["distill"]}, "distill")
+
+
+def test_an_engine_judges_the_trained_weights_only_where_keep_best_may_choose():
+    from types import SimpleNamespace
+
+    from distill.calibrate_stage import engine_rival
+
+    init_job = SimpleNamespace(draft="initial weights")
+    trained, kept_init = SimpleNamespace(selected="distilled"), SimpleNamespace(selected="init")
+    assert engine_rival(init_job, trained, keep_best=True) == "initial weights"
+    assert engine_rival(init_job, trained, keep_best=False) is None  # keep_best=false: the trained weights everywhere
+    assert engine_rival(init_job, kept_init, keep_best=True) is None  # nothing trained to judge
+    assert engine_rival(None, trained, keep_best=True) is None  # a given draft alone
