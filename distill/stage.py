@@ -168,12 +168,12 @@ def split_rows(inputs: Inputs) -> Split:
 
 # ---------------------------------------------------------------- held-out acceptance
 def measure_before(inputs: Inputs, heldouts: HeldOuts | None, vocab: torch.Tensor | None) -> dict:
-    """Held-out acceptance of the undistilled draft on both parts ({} off the main process)."""
+    """Held-out acceptance of the undistilled draft: per position on the calibration part (keep_best's paired judge),
+    per domain on the reporting part ({} off the main process)."""
     if heldouts is None:
         return {}
-    alpha = serving_alpha(inputs, heldouts.calibration, vocab)  # per position: keep_best's paired judge
-    before = {"calibration": cal.summarize(alpha, heldouts.calibration, int(inputs.settings.heldout.gamma)),
-              "calibration_alpha": alpha, "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
+    before = {"calibration_alpha": serving_alpha(inputs, heldouts.calibration, vocab),  # keep_best's paired judge
+              "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
     gamma = int(inputs.settings.heldout.gamma)
     inputs.tracker.log_metrics(cal.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
     log(f"held-out acceptance before: {before['reporting'][cal.OVERALL]['acceptance']:.3f} "
