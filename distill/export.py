@@ -207,8 +207,7 @@ def _weights_line(spec: SpeculativeSpec, weights: dict | None) -> list[str]:
                   *ci, weights.get("rule")) if ci else ""))
     if weights["selected"] == spec.selected:
         return [f"- weights: the same as the checkpoint's; {judged}"]
-    which = "the initial draft's" if weights["selected"] == "init" else "the trained draft's"
-    return [f"- weights: **{which}**, not the checkpoint's: {judged}"]
+    return [f"- weights: **the initial draft's**, not the checkpoint's: {judged}"]  # judged only for a trained one
 
 
 def _engine_lines(spec: SpeculativeSpec) -> list[str]:
