@@ -14,7 +14,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, target_step_seconds
+from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, verify_pass_seconds
 from pipeline.errors import PipelineError
 from pipeline.params import compose_config, from_params_file, write_params
 from pipeline.tracking import start_run
@@ -120,13 +120,13 @@ def run_all(cfg: DictConfig) -> dict:
     (pipeline/deadline.py)."""
     settings = DeadlineSettings.from_cfg(cfg)
     clock = RunDeadline(settings) if settings.minutes is not None else None
-    results, step_s = {}, None
+    results, unit_s = {}, None
     with start_run(cfg, "all") as tracker:
         for name in ORDER:
             stage_cfg = cfg
             if clock is not None and name in BUDGET_KEYS:
-                step_s = step_s or target_step_seconds(cfg)  # timed once: off a CPU it loads the target
-                stage_cfg, plan = clock.apply(cfg, name, step_s)
+                unit_s = unit_s or verify_pass_seconds(cfg)  # timed once: off a CPU it loads the target
+                stage_cfg, plan = clock.apply(cfg, name, unit_s)
                 print(describe(plan))
                 tracker.log_metrics({f"deadline/{name}_budget_min": plan["minutes"],
                                      f"deadline/{name}_left_min": plan["left_s"] / 60})

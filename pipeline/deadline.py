@@ -1,6 +1,6 @@
 """A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows:
-before each stage the time left, less the fixed work of the stages still to run (priced in target steps at the
-step this machine measured), is split among the budgeted loops still to run (docs/architecture.md, "A deadline for
+before each stage the time left, less the fixed work of the stages still to run (priced in target verify passes at
+the pass this machine measured), is split among the budgeted loops still to run (docs/architecture.md, "A deadline for
 the whole run"). A stage's own budget only ever gets lower, and the next stage plans again from the clock.
 """
 from __future__ import annotations
@@ -23,33 +23,33 @@ class DeadlineSettings:
     minutes: float | None               # the whole run; None = off
     margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
     shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
-    fixed_steps: dict[str, float]       # each stage's fixed work, in target 1-token steps
-    overshoot_steps: float = 0.0        # held back at every plan: a loop's last item may end past its budget
+    fixed_passes: dict[str, float]       # each stage's fixed work, in target 5-token verify passes
+    overshoot_passes: float = 0.0        # held back at every plan: a loop's last item may end past its budget
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
         d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
         settings = cls(minutes=d.get("minutes"), margin=float(d.get("margin", 0.0)),
                        shares={s: float((d.get("shares") or {}).get(s, 0.0)) for s in STAGES},
-                       fixed_steps={s: float((d.get("fixed_steps") or {}).get(s, 0.0)) for s in STAGES},
-                       overshoot_steps=float(d.get("overshoot_steps", 0.0)))
+                       fixed_passes={s: float((d.get("fixed_passes") or {}).get(s, 0.0)) for s in STAGES},
+                       overshoot_passes=float(d.get("overshoot_passes", 0.0)))
         if settings.minutes is not None and not (isinstance(settings.minutes, (int, float)) and settings.minutes > 0):
             raise PipelineError(f"deadline.minutes={settings.minutes} must be a positive number of minutes "
                                 "(null = no run-level deadline)")
         shares = settings.shares.values()
-        if min(settings.margin, settings.overshoot_steps, *shares) < 0 or sum(shares) <= 0:
-            raise PipelineError("deadline.margin, deadline.overshoot_steps and deadline.shares must be >= 0, the "
+        if min(settings.margin, settings.overshoot_passes, *shares) < 0 or sum(shares) <= 0:
+            raise PipelineError("deadline.margin, deadline.overshoot_passes and deadline.shares must be >= 0, the "
                                 "shares with a positive sum")
         return settings
 
 
-def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s: float) -> dict:
+def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, unit_s: float) -> dict:
     """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
     stage (priced `margin` dearer) and the overshoot held back, split among the budgeted loops still to run in
     proportion to their shares."""
     ahead = STAGES[STAGES.index(stage):]
-    fixed_steps = sum(settings.fixed_steps.get(s, 0.0) for s in ahead) * (1 + settings.margin)
-    fixed_s = step_s * (fixed_steps + settings.overshoot_steps)
+    fixed_passes = sum(settings.fixed_passes.get(s, 0.0) for s in ahead) * (1 + settings.margin)
+    fixed_s = unit_s * (fixed_passes + settings.overshoot_passes)
     flexible_s = left_s - fixed_s
     share = settings.shares[stage] / sum(settings.shares.get(s, 0.0) for s in ahead)
     return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s,
@@ -57,7 +57,7 @@ def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, step_s
 
 
 class RunDeadline:
-    """The run's clock: `apply(cfg, stage, step_s)` returns cfg with that stage's budget lowered to fit."""
+    """The run's clock: `apply(cfg, stage, unit_s)` returns cfg with that stage's budget lowered to fit."""
 
     def __init__(self, settings: DeadlineSettings):
         self.settings, self.started = settings, time.time()
@@ -65,22 +65,22 @@ class RunDeadline:
     def left_s(self) -> float:
         return 60 * self.settings.minutes - (time.time() - self.started)
 
-    def apply(self, cfg: DictConfig, stage: str, step_s: float) -> tuple[DictConfig, dict]:
-        plan = stage_budget_s(self.settings, stage, self.left_s(), step_s)
+    def apply(self, cfg: DictConfig, stage: str, unit_s: float) -> tuple[DictConfig, dict]:
+        plan = stage_budget_s(self.settings, stage, self.left_s(), unit_s)
         key = BUDGET_KEYS[stage]
         own = OmegaConf.select(cfg, key)
         minutes = plan["budget_s"] / 60 if own is None else min(float(own), plan["budget_s"] / 60)
         cfg = cfg.copy()
         OmegaConf.update(cfg, key, round(minutes, 3))
-        plan.update(key=key, own_minutes=own, minutes=round(minutes, 3), step_ms=1e3 * step_s)
+        plan.update(key=key, own_minutes=own, minutes=round(minutes, 3), unit_ms=1e3 * unit_s)
         return cfg, plan
 
 
 def describe(plan: dict) -> str:
     own = "none" if plan["own_minutes"] is None else f"{plan['own_minutes']:g}"
     return (f"[pipeline] deadline: {plan['left_s'] / 60:.1f} min left; {plan['key']}={plan['minutes']:g} "
-            f"(its own {own}; fixed work ahead ≈ {plan['fixed_s'] / 60:.1f} min at {plan['step_ms']:.1f} ms a "
-            f"target step)")
+            f"(its own {own}; fixed work ahead ≈ {plan['fixed_s'] / 60:.1f} min at {plan['unit_ms']:.1f} ms a "
+            f"target verify pass)")
 
 
 def would_overrun(started: float, done: int, budget_minutes: float | None, first_round: int = 1) -> bool:
@@ -92,14 +92,17 @@ def would_overrun(started: float, done: int, budget_minutes: float | None, first
     return elapsed + elapsed / done > 60 * budget_minutes
 
 
-def target_step_seconds(cfg: DictConfig) -> float:
-    """The target's 1-token decoding step on the run's device and dtype: the dtype probe's figure on a CPU (timed
-    once per machine and cached), a timed forward elsewhere."""
-    from pipeline.dtype import cpu_timings, time_forward
+def verify_pass_seconds(cfg: DictConfig) -> float:
+    """The unit the fixed work is priced in: the target's 5-token verify pass on the run's device and dtype (the
+    dtype probe's figure on a CPU, timed once per machine and cached; a timed forward elsewhere). The fixed work is
+    mostly multi-token forwards (held-out passes, the cost profile's verify sweeps, the fidelity check), whose time
+    tracks this pass across machines where the 1-token step's does not (docs/results.md, "The default run, fresh
+    clone, 2026-12-03")."""
+    from pipeline.dtype import VERIFY_FED, cpu_timings, time_forward
     from pipeline.models import load_model, resolve_device, resolve_model
 
     path = resolve_model(cfg.model.target, "target", cfg.paths)
     device, dtype = resolve_device(cfg.get("runtime"), path, cfg.paths.models)
     if device.type == "cpu":
-        return cpu_timings(path, cfg.paths.models)[str(dtype).removeprefix("torch.")]["step_ms"] / 1e3
-    return time_forward(load_model(path, device, dtype))
+        return cpu_timings(path, cfg.paths.models)[str(dtype).removeprefix("torch.")]["verify5_ms"] / 1e3
+    return time_forward(load_model(path, device, dtype), fed=VERIFY_FED)
