@@ -332,3 +332,27 @@ def test_an_off_domain_reads_off_and_a_disturbed_plain_against_plain_reading_is_
     assert "| code | speculative | 10.0 | 0.50×" in quiet  # drafting: its number, unflagged
     loud = report(metrics(1.40))
     assert "**Timings disturbed:**" in loud and "chat speculative 1.40×" in loud and "code speculative" not in loud
+
+
+def test_a_cached_build_with_other_flags_is_rebuilt_and_x86_builds_leave_out_the_amx_kernels(tmp_path):
+    """A tree built before a flag changed (ggml's AMX kernels segfault on multi-token batches in the pinned version)
+    is not taken as built: the build is redone with today's flags."""
+    import json
+    import platform
+
+    from pipeline.engines import llamacpp
+
+    root = tmp_path / "llama.cpp-pinned"
+    for name in llamacpp.BINARIES:
+        llamacpp.binary(root, name).parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.binary(root, name).touch()
+    (root / "src").mkdir()
+    (root / "src" / "convert_hf_to_gguf.py").touch()
+    stamp = root / "build" / "cmake_flags.json"
+    assert not llamacpp.is_built(root)  # no record of its flags: an older build
+    stamp.write_text(json.dumps(llamacpp.CMAKE_FLAGS))
+    assert llamacpp.is_built(root)
+    stamp.write_text(json.dumps([f for f in llamacpp.CMAKE_FLAGS if "amx" not in f]))
+    assert llamacpp.is_built(root) == (platform.machine().lower() not in ("x86_64", "amd64"))
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert any("-mno-amx-int8" in flag for flag in llamacpp.CMAKE_FLAGS)

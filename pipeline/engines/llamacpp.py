@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -30,6 +31,12 @@ BINARIES = ("llama-server", "llama-bench", "llama-quantize")
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+# Without ggml's AMX kernels, which -march=native compiles in on an AMX Xeon: in this version they segfault on every
+# multi-token batch (ggml_backend_amx_mul_mat; llama-bench -p 5 on a 2-core AMX Xeon, 2026-12-03), i.e. on every
+# prompt and verify pass. GCC's explicit -mno-* wins over -march=native wherever it stands on the command line.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
 
 
 def home(engines_dir: str | Path, version: str = VERSION) -> Path:
@@ -41,7 +48,10 @@ def binary(root: Path, name: str) -> Path:
 
 
 def is_built(root: Path) -> bool:
-    return all(binary(root, name).is_file() for name in BINARIES) and (root / "src" / "convert_hf_to_gguf.py").is_file()
+    """The binaries are there and were built with today's CMAKE_FLAGS (a cached build with other flags is redone)."""
+    stamp = root / "build" / "cmake_flags.json"
+    return (all(binary(root, name).is_file() for name in BINARIES) and (root / "src" / "convert_hf_to_gguf.py").is_file()
+            and stamp.is_file() and json.loads(stamp.read_text()) == CMAKE_FLAGS)
 
 
 def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
@@ -64,6 +74,7 @@ def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
         for step in steps:
             if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
                 raise PipelineError(f"the llama.cpp build failed (log: {logfile}): fix the toolchain and rerun")
+    (build_dir / "cmake_flags.json").write_text(json.dumps(CMAKE_FLAGS))
     return root
 
 
