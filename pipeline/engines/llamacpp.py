@@ -32,7 +32,7 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
 # Without ggml's AMX kernels, which -march=native compiles in on an AMX Xeon: in this version they segfault on every
-# multi-token batch (ggml_backend_amx_mul_mat; llama-bench -p 5 on a 2-core AMX Xeon, 2026-12-03), i.e. on every
+# multi-token batch (ggml_backend_amx_mul_mat; docs/results.md, "llama-server per draft position with 8 prompts"), i.e. on every
 # prompt and verify pass. GCC's explicit -mno-* wins over -march=native wherever it stands on the command line.
 if platform.machine().lower() in ("x86_64", "amd64"):
     _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
