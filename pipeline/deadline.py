@@ -23,8 +23,8 @@ class DeadlineSettings:
     minutes: float | None               # the whole run; None = off
     margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
     shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
-    fixed_passes: dict[str, float]       # each stage's fixed work, in target 5-token verify passes
-    overshoot_passes: float = 0.0        # held back at every plan: a loop's last item may end past its budget
+    fixed_passes: dict[str, float]      # each stage's fixed work, in target 5-token verify passes
+    overshoot_passes: float = 0.0       # held back at every plan: a loop's last item may end past its budget
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
@@ -96,8 +96,9 @@ def verify_pass_seconds(cfg: DictConfig) -> float:
     """The unit the fixed work is priced in: the target's 5-token verify pass on the run's device and dtype (the
     dtype probe's figure on a CPU, timed once per machine and cached; a timed forward elsewhere). The fixed work is
     mostly multi-token forwards (held-out passes, the cost profile's verify sweeps, the fidelity check), whose time
-    tracks this pass across machines where the 1-token step's does not (docs/results.md, "The default run, fresh
-    clone, 2026-12-03")."""
+    tracked this pass across days on one machine where the 1-token step's did not; across thread counts it tracks
+    eval's but over-prices calibrate's, whose batched passes scale less (docs/results.md, "The default run with the
+    fixed work priced in verify passes")."""
     from pipeline.dtype import VERIFY_FED, cpu_timings, time_forward
     from pipeline.models import load_model, resolve_device, resolve_model
 

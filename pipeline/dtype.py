@@ -47,7 +47,8 @@ def measure(model_path: Path) -> dict:
     timings = {}
     for name in CANDIDATES:
         model = model.to(getattr(torch, name))
-        timings[name] = {"step_ms": 1e3 * time_forward(model, fed=1), "verify5_ms": 1e3 * time_forward(model, fed=VERIFY_FED)}
+        timings[name] = {"step_ms": 1e3 * time_forward(model, fed=1),
+                         "verify5_ms": 1e3 * time_forward(model, fed=VERIFY_FED)}
     return timings
 
 
