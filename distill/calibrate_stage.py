@@ -11,8 +11,9 @@ profile into the draft's serving recipe, and writes the exports eval and users r
     save_calibrated(...)                           ${paths.draft}, its card and speculation_profile.json
     and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
 
-Each draft is loaded from disk in fp32 and exported as a copy in the serving dtype: no step changes a model another
-step uses, so a calibration setting reruns this stage and eval, never training.
+Each draft is loaded from disk in the serving dtype (the target's), so every number is measured on the weights and
+arithmetic that serve (docs/results.md, "The draft judged as it serves"), and exported as a copy: no step changes a
+model another step uses, so a calibration setting reruns this stage and eval, never training.
 """
 from __future__ import annotations
 
@@ -139,9 +140,10 @@ def check_draft_dir(weights: Path) -> None:
 
 
 def with_draft(inputs: Inputs, weights: Path) -> Inputs:
-    """`inputs` with the draft at `weights`, loaded in fp32 on the target's device, its tokenizer checked."""
+    """`inputs` with the draft at `weights`, loaded in the serving dtype on the target's device, its tokenizer
+    checked."""
     device = next(inputs.target.parameters()).device
-    draft, tokenizer = load_model(weights, device, torch.float32), load_tokenizer(weights)
+    draft, tokenizer = load_model(weights, device, inputs.serving_dtype), load_tokenizer(weights)
     check_compatible(inputs.tokenizer, tokenizer, inputs.target, draft)
     return replace(inputs, draft=draft, draft_tokenizer=tokenizer, draft_info={})
 

@@ -4,6 +4,7 @@ keep_best, τ and γ are chosen on the same calibration part and reported on the
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -112,9 +113,17 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
     return HeldOuts(calibration, reporting, sizes)
 
 
+def as_served(draft, dtype: torch.dtype):
+    """The draft in the serving dtype (the target's), as the decoder and the exports run it: a copy when the dtypes
+    differ. Training autocasts to that dtype, so the function it optimised is the rounded one too; the fp32 master
+    weights run in fp32 are neither (docs/results.md, "The draft judged as it serves")."""
+    return draft if next(draft.parameters()).dtype == dtype else copy.deepcopy(draft).to(dtype)
+
+
 def serving_alpha(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> torch.Tensor:
-    """α per held-out position with the draft sampling at the serving temperature."""
-    return cal.acceptance(inputs.draft, heldout, [inputs.sampling.temperature], vocab)[0]
+    """α per held-out position of the draft as served, sampling at the serving temperature."""
+    return cal.acceptance(as_served(inputs.draft, inputs.serving_dtype), heldout, [inputs.sampling.temperature],
+                          vocab)[0]
 
 
 def serving_acceptance(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:

@@ -17,6 +17,7 @@ import torch
 
 from distill import calibrate as cal
 from distill.draft import freeze_shared
+from distill.heldouts import as_served
 from distill.job import HeldOuts, Inputs, Split
 from distill.progress import AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress, TimeBudgetCallback
 from distill.settings import OUR_TRAINER_KEYS
@@ -202,16 +203,16 @@ def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> Tr
 
 def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
     """(evaluate: the curve's metrics on the reporting part, judge: keep_best's measure, overall acceptance on the
-    calibration part) of a model, at the serving temperature."""
-    gamma, temperature = int(job.settings.heldout.gamma), [job.sampling.temperature]
+    calibration part) of a model as served (its serving dtype), at the serving temperature."""
+    gamma, temperature, dtype = int(job.settings.heldout.gamma), [job.sampling.temperature], job.serving_dtype
 
     def evaluate(model):
-        alpha = cal.acceptance(model, heldouts.reporting, temperature, split.vocab)[0]
+        alpha = cal.acceptance(as_served(model, dtype), heldouts.reporting, temperature, split.vocab)[0]
         return cal.heldout_metrics(cal.summarize(alpha, heldouts.reporting, gamma), gamma)
 
     def judge(model):
         was_training = model.training
-        alpha = cal.acceptance(model.eval(), heldouts.calibration, temperature, split.vocab)[0]
+        alpha = cal.acceptance(as_served(model.eval(), dtype), heldouts.calibration, temperature, split.vocab)[0]
         model.train(was_training)
         return cal.summarize(alpha, heldouts.calibration, gamma)[cal.OVERALL]["acceptance"]
 

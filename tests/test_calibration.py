@@ -282,3 +282,31 @@ def test_the_model_card_says_which_weights_an_engine_serves():
     assert "initial draft's" in apart[0] and "0.500" in apart[0] and "0.600" in apart[0] and "[-0.150, -0.050]" in apart[0]
     same = _weights_line(spec, {"selected": "distilled", "acceptance_calibration": {"distilled": 0.6, "init": 0.5}})
     assert "same as the checkpoint's" in same[0]
+
+
+def test_the_draft_is_judged_as_it_serves_in_the_serving_dtype():
+    """keep_best, the learning curve and calibrate judge the draft in the serving dtype (the target's): an update of the
+    fp32 master weights below bf16's half spacing, which the bf16 export and bf16 training forwards both round away,
+    leaves the judged α exactly the served draft's; the fp32 draft run in fp32 (the old judge) reads a difference."""
+    import copy
+    from types import SimpleNamespace
+
+    from distill.calibrate import acceptance
+    from distill.heldouts import as_served, serving_alpha
+    from pipeline.sampling import Sampling
+
+    target = peaked_target()
+    heldout = random_heldout(target, 1.0)
+    served = copy.deepcopy(target).to(torch.bfloat16)
+    draft = copy.deepcopy(served).float()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.mul_(1 + 2 ** -10)  # below half of bf16's relative spacing (≥ 2^-9): rounds back to the served value
+    assert all(torch.equal(a.bfloat16(), b) for a, b in zip(draft.parameters(), served.parameters()))
+
+    judged = serving_alpha(SimpleNamespace(draft=draft, serving_dtype=torch.bfloat16, sampling=Sampling(1.0)),
+                           heldout, None)
+    assert torch.equal(judged, acceptance(served, heldout, [1.0])[0])
+    assert not torch.equal(acceptance(draft, heldout, [1.0])[0], judged)  # wrong variant: the fp32 judge
+    assert next(draft.parameters()).dtype == torch.float32  # the trained model itself is left as it was
+    assert as_served(draft, torch.float32) is draft
