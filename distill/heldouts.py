@@ -117,7 +117,14 @@ def as_served(draft, dtype: torch.dtype):
     """The draft in the serving dtype (the target's), as the decoder and the exports run it: a copy when the dtypes
     differ. Training autocasts to that dtype, so the function it optimised is the rounded one too; the fp32 master
     weights run in fp32 are neither (docs/results.md, "The draft judged as it serves")."""
-    return draft if next(draft.parameters()).dtype == dtype else copy.deepcopy(draft).to(dtype)
+    if next(draft.parameters()).dtype == dtype:
+        return draft
+    # each float tensor converted straight into the copy: no second fp32 model in memory (a 0.5B draft's 2.5 GB beside
+    # its optimizer, best-weights snapshot and target); shared tensors (tied embeddings) stay shared
+    memo = {id(t): (torch.nn.Parameter(t.detach().to(dtype), requires_grad=False) if isinstance(t, torch.nn.Parameter)
+                    else t.detach().to(dtype))
+            for t in [*draft.parameters(), *draft.buffers()] if t.is_floating_point()}
+    return copy.deepcopy(draft, memo)
 
 
 def serving_alpha(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> torch.Tensor:

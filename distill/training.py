@@ -5,6 +5,7 @@ resume and token accounting.
 """
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 import time
@@ -198,7 +199,22 @@ def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> Tr
         log(f"trained {steps} steps, {tokens:,} completion tokens, {minutes:.1f} min over the whole run "
             f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; this process {(time.process_time() - cpu0) / 60:.1f} "
             "CPU-minutes)")
-    return TrainingResult(steps, tokens, minutes, progress.curve, recipe_record(progress.recipe, stop))
+    result = TrainingResult(steps, tokens, minutes, progress.curve, recipe_record(progress.recipe, stop))
+    _release(job, trainer, stop, progress)
+    return result
+
+
+def _release(job: Inputs, trainer, stop: BestWeightsCallback | None, progress: RunProgress) -> None:
+    """Frees the optimizer state, gradients and best-weights snapshot (put back already) before keep_best and the
+    export: ~7 GB for a 0.5B draft, held in cycles (Trainer, callbacks, progress) that refcounting alone never frees;
+    the real pair's keep_best ran out of 24 GiB without this."""
+    progress.trainer = None
+    if stop is not None:
+        stop.weights = None
+    trainer.accelerator.free_memory()
+    trainer.optimizer = trainer.lr_scheduler = None
+    job.draft.zero_grad(set_to_none=True)
+    gc.collect()
 
 
 def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):

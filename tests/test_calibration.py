@@ -310,3 +310,21 @@ def test_the_draft_is_judged_as_it_serves_in_the_serving_dtype():
     assert not torch.equal(acceptance(draft, heldout, [1.0])[0], judged)  # wrong variant: the fp32 judge
     assert next(draft.parameters()).dtype == torch.float32  # the trained model itself is left as it was
     assert as_served(draft, torch.float32) is draft
+
+
+def test_the_served_copy_is_the_model_cast_with_ties_kept_and_the_original_untouched(tiny_llama_factory):
+    """as_served converts each tensor straight into the copy (no second fp32 model): the same weights and logits as
+    deepcopy(model).to(dtype), tied embeddings still one tensor, the fp32 model as it was."""
+    import copy
+
+    from distill.heldouts import as_served
+
+    model = tiny_llama_factory(tie=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    served, cast = as_served(model, torch.bfloat16), copy.deepcopy(model).to(torch.bfloat16)
+    assert served.lm_head.weight is served.model.embed_tokens.weight
+    assert all(torch.equal(a, b) for a, b in zip(served.state_dict().values(), cast.state_dict().values()))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 7))
+    assert torch.equal(served(tokens).logits, cast(tokens).logits)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert next(model.parameters()).dtype == torch.float32
