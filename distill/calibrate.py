@@ -287,8 +287,9 @@ def out_of_subset_fill(draft, heldout: HeldOut, vocab: torch.Tensor | None) -> t
     if vocab is None:
         return None
     device = _device(draft)
-    hidden = torch.cat([completion_hidden(draft, batch)[mask].float() for batch, mask in heldout.batches(device)])
+    states = torch.cat([completion_hidden(draft, batch)[mask] for batch, mask in heldout.batches(device)])
+    hidden = states.float()
     direction = hidden.mean(0)
     direction = direction / direction.norm()
-    best = head_logits(hidden, head_rows(draft, vocab.to(device))).amax(-1).median()
+    best = head_logits(states, head_rows(draft, vocab.to(device))).amax(-1).median()  # in the draft's own dtype
     return -direction * (best.abs() + 1) / (hidden @ direction).median().clamp_min(1e-3)
