@@ -20,7 +20,8 @@ from distill import calibrate as cal
 from distill.draft import freeze_shared
 from distill.heldouts import as_served
 from distill.job import HeldOuts, Inputs, Split
-from distill.progress import AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress, TimeBudgetCallback
+from distill.progress import (AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress,
+                              TimeBudgetCallback, put_back, trained_weights)
 from distill.settings import OUR_TRAINER_KEYS
 from distill.trainer import DistillConfig, DistillTrainer, restore_forward
 from pipeline.heads import restore_full_head, use_subset_head
@@ -87,7 +88,7 @@ def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progres
     the rate is 0 (no training) and the draft keeps its initial weights. Larger rates train a draft that tolerates them
     faster, and the stop rule catches a rate that gains early and loses later. The probe's steps count as training."""
     configured, probe = float(job.settings.trainer["learning_rate"]), job.settings.trainer["lr_probe"]
-    initial, patched = _snapshot(job.draft), vars(job.draft).get("forward")
+    initial, patched = trained_weights(job.draft), vars(job.draft).get("forward")
     scores, chosen = {0.0: judge(job.draft) if job.is_main else 0.0}, 0.0
     for factor in sorted((float(f) for f in probe["factors"]), reverse=True):
         rate = configured * factor
@@ -99,11 +100,12 @@ def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progres
         progress.seconds0 += time.time() - started  # held-out passes watch training: the budget counts the steps only
         restore_forward(job.draft, patched)  # accelerate's autocast wrapper: the next trainer adds its own
         progress.tokens0 += _run_tokens(job, trainer, RunProgress(None, job.state.num_processes))
+        _free(trainer)  # its optimizer state (the draft's trained weights twice over) before the next one's
         scores[rate] = judge(job.draft) if job.is_main else 0.0
         if _broadcast_choice(int(scores[rate] > scores[0.0]), job):
             chosen = rate
             break
-        job.draft.load_state_dict(initial)
+        put_back(job.draft, initial)
     log(f"learning-rate probe (held-out acceptance on the calibration part after {probe['steps']} steps from the "
         "initial weights): " + ", ".join(f"{_rate_name(r)} {a:.3f}" for r, a in scores.items())
         + (f" -> training on at {chosen:.1e}" if chosen else " -> no rate beats the initial weights: no training"))
@@ -121,10 +123,6 @@ def _broadcast_choice(index: int, job: Inputs) -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.broadcast(choice, src=0)
     return int(choice)
-
-
-def _snapshot(model) -> dict:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def _trainer(job: Inputs, split: Split, arguments: DistillConfig, callbacks: list) -> DistillTrainer:
@@ -211,9 +209,15 @@ def _release(job: Inputs, trainer, stop: BestWeightsCallback | None, progress: R
     progress.trainer = None
     if stop is not None:
         stop.weights = None
+    _free(trainer)
+
+
+def _free(trainer) -> None:
+    """Drops a finished trainer's optimizer state, scheduler and the model's gradients, and collects the cycles
+    that hold them (refcounting alone leaves them until Python's cyclic collector happens to run)."""
     trainer.accelerator.free_memory()
     trainer.optimizer = trainer.lr_scheduler = None
-    job.draft.zero_grad(set_to_none=True)
+    trainer.model.zero_grad(set_to_none=True)
     gc.collect()
 
 

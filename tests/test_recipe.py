@@ -80,10 +80,12 @@ class Judge:
 
 
 def step_to(model, value: float) -> None:
-    """A training step that leaves every weight at `value` (so each step's weights are recognisable)."""
+    """A training step that leaves every trained weight at `value` (so each step's weights are recognisable); frozen
+    ones stay, as in training."""
     with torch.no_grad():
         for param in model.parameters():
-            param.fill_(value)
+            if param.requires_grad:
+                param.fill_(value)
 
 
 def run_steps(callback, model, steps: range, max_steps: int = 100, output_dir: str = "", saves=()):
@@ -142,3 +144,22 @@ def test_the_stop_rule_keeps_its_best_weights_across_a_resume(tmp_path):
     assert run_steps(resumed, model, range(21, 31)) == 30
     resumed.on_train_end(types.SimpleNamespace(), types.SimpleNamespace(global_step=30), None, model=model)
     assert torch.all(model.weight == 10.0) and resumed.state["baseline"] == 0.45
+
+
+def test_the_best_weights_copy_only_what_training_moves_and_put_back_restores_the_best_step():
+    """A draft whose head is frozen (freeze_shared: a pretrained draft's embeddings and head): the stop rule's copy
+    holds the trained weights alone, not the frozen ones (on the real pair 1.1 GB a copy), and putting it back gives
+    the best step's trained weights with the frozen ones untouched. A copy naming a weight the model lacks is an
+    error, not a silent skip (the wrong variant: load_state_dict(strict=False) alone would ignore it)."""
+    from distill.progress import put_back
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].requires_grad_(False)
+    frozen = model[1].weight.detach().clone()
+    callback = make_callback(Judge(0.5, 0.4, 0.3), 2)
+    assert run_steps(callback, model, range(1, 31)) == 30
+    assert set(callback.weights) == {"0.weight", "0.bias"}
+    callback.on_train_end(types.SimpleNamespace(), types.SimpleNamespace(global_step=30), None, model=model)
+    assert torch.all(model[0].weight == 10.0) and torch.equal(model[1].weight, frozen)
+    with pytest.raises(KeyError, match="2.weight"):
+        put_back(model, {"2.weight": torch.zeros(2, 2)})
