@@ -45,6 +45,10 @@ FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the 
 # adding a knob does not orphan every checkpoint trained before it.
 ADDED_LATER = {("objective", "adaspec_reference"): None, ("trainer", "lr_probe"): None,
                ("trainer", "stop_patience"): None}
+# manifest keys that measure the collect run (its clock, disk and budget), not the rows it made: a rerun that only
+# re-merges finished shards rewrites them (wall_s), and must not orphan the checkpoint of the distill run it resumes
+COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "budget", "disk_bytes",
+                        "disk_bytes_per_million_tokens")
 RECORD = "training.json"  # in ${paths.trained}: what calibrate needs beside the weights (RECORD_VERSION's keys)
 RECORD_VERSION = 1
 
@@ -119,7 +123,7 @@ def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int
                                           int(objective["max_completion_length"]))
     blob = json.dumps({"target": target_ident.get("source_sha256") or target_ident.get("path"),
                        "draft": OmegaConf.to_container(cfg.model.draft, resolve=True), "distill": settings,
-                       "collect": manifest, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)
+                       "collect": {k: v for k, v in manifest.items() if k not in COLLECT_RUN_MEASURES}, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -139,6 +139,25 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
         assert fingerprint(cfg, *args) != before
 
 
+def test_a_rerun_collect_that_only_re_merges_its_shards_keeps_the_checkpoint_name():
+    """`python -m pipeline` after a crash in distill reruns collect, which re-merges the finished shards and rewrites
+    the manifest's measures of its own run (wall_s, ...): the distill checkpoint must keep its name, or the rerun
+    trains from scratch (a real-pair run lost 80 steps that way). What the rows are still names it."""
+    from omegaconf import OmegaConf
+
+    from distill.stage import fingerprint
+    from tests.conftest import REPO
+
+    cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
+                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+    manifest = {"fingerprint": "c", "rows": 10, "domains": {"chat": {"tokens": 500}}, "wall_s": 450.1,
+                "generate_s": 440.0, "label_cost": {"target": {"cpu_s": 855.1}}, "disk_bytes": 1000}
+    re_merged = {**manifest, "wall_s": 12.4}
+    name = fingerprint(cfg, {"path": "t"}, manifest, 10, 1.0)
+    assert fingerprint(cfg, {"path": "t"}, re_merged, 10, 1.0) == name
+    assert fingerprint(cfg, {"path": "t"}, {**manifest, "domains": {"chat": {"tokens": 501}}}, 10, 1.0) != name
+
+
 def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_length_names_the_checkpoint():
     from omegaconf import OmegaConf
 
