@@ -10,11 +10,10 @@ the calibrate stage (distill/calibrate_stage.py) turns its weights into serving 
     selected = select_weights(...)                   keep_best on the calibration part
     save_trained(...)                                ${paths.trained}: draft/, draft_init/, training.json
 
-Only training changes the draft's weights, in place; the initial draft is a separate copy.
+Only training changes the draft's weights, in place; the initial draft waits on disk (save_initial).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import shutil
@@ -77,7 +76,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
     laps.lap("load")
     heldouts = build_heldouts(inputs, split.heldout_idx) if inputs.is_main else None
     before = measure_before(inputs, heldouts, split.vocab)
-    initial = copy.deepcopy(inputs.draft).cpu() if inputs.is_main else None
+    initial = save_initial(inputs, split) if inputs.is_main else None
     laps.lap("heldout")
     split = attach_teacher_labels(inputs, split, log)
     laps.lap("labels")
@@ -216,13 +215,26 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "recipe": training.recipe}
 
 
+def initial_dir(inputs: Inputs, split: Split) -> Path:
+    """Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those first)."""
+    return Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
+
+
+def save_initial(inputs: Inputs, split: Split) -> Path:
+    """The initial draft on disk before training: the output's draft_init/, and what keep_best ships when training
+    gains nothing. A copy in memory through training cost 2.5 GB on the real pair (the 0.5B draft in fp32), where
+    the run was killed for memory at 24 GiB. Saved again on a resume: build_draft makes the same weights."""
+    path = initial_dir(inputs, split)
+    save_draft(inputs.draft, inputs.draft_tokenizer, path, None, None, inputs.target.generation_config)
+    return path
+
+
 def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: TrainingResult, selected: dict,
-                 initial) -> None:
+                 initial: Path) -> None:
     """${paths.trained}, replaced in one rename: draft/ (the selected weights, in the training dtype), draft_init/
     (the initial ones) and training.json (the record calibrate reads: the held-out rows, the FR-Spec subset, the
     selection, the training record and the learning curve)."""
     paths = inputs.cfg.paths
-    shipped = initial if selected["selected"] == "init" else inputs.draft
     record = {"version": RECORD_VERSION, "fingerprint": split.fingerprint, "rows": len(inputs.collected),
               "heldout_idx": list(split.heldout_idx), "heldout": heldouts.sizes, "vocab_subset": split.vocab_list,
               "draft": {**inputs.draft_info, "parameters": sum(p.numel() for p in inputs.draft.parameters())},
@@ -230,11 +242,15 @@ def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: Tra
               "training": {**training_record(inputs, split, training), "keep_best": selected["verdict"]},
               "learning_curve": training.curve}
     with atomic_dir(paths.trained) as tmp:
-        save_draft(shipped, inputs.draft_tokenizer, tmp / "draft", None, None, inputs.target.generation_config)
-        save_draft(initial, inputs.draft_tokenizer, tmp / "draft_init", None, None, inputs.target.generation_config)
+        if selected["selected"] == "init":
+            shutil.copytree(initial, tmp / "draft")
+        else:
+            save_draft(inputs.draft, inputs.draft_tokenizer, tmp / "draft", None, None, inputs.target.generation_config)
+        shutil.copytree(initial, tmp / "draft_init")
         write_json(tmp / RECORD, record)
     if not inputs.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / split.fingerprint, ignore_errors=True)
+        shutil.rmtree(initial, ignore_errors=True)
 
 
 def read_record(trained: str | Path) -> dict:

@@ -437,6 +437,21 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
     assert "the initial draft" in (tmp_path / "draft" / "README.md").read_text()
     verdict = spec["training"]["keep_best"]
     assert verdict["difference"] < 0 and verdict["rule"] == "interval" and verdict["selected"] == "init"
+    # what ships is the initial draft as saved before training (on disk, not a copy held in memory through it): the
+    # same weights as draft_init/, and the staged copy is gone with the checkpoints
+    from safetensors.torch import load_file
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.draft_init import build_draft
+
+    shipped, initial = (load_file(tmp_path / "trained" / d / "model.safetensors") for d in ("draft", "draft_init"))
+    assert shipped.keys() == initial.keys() and all(torch.equal(shipped[k], initial[k]) for k in shipped)
+    target = AutoModelForCausalLM.from_pretrained(setup["target"])
+    built = build_draft({"init": "derive", "derive": {"layers": [0]}}, target,
+                        AutoTokenizer.from_pretrained(setup["target"]), {})[0].state_dict()
+    assert all(torch.equal(built[k], initial[k]) for k in initial)  # draft_init/ is the draft as built, untrained
+    assert not list((tmp_path / "distill_ckpt").glob("*.draft_init"))
 
 
 def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, distilled, tmp_path, capsys):
