@@ -120,9 +120,10 @@ def fingerprint(cfg: DictConfig, target_ident: dict, manifest: dict, n_rows: int
     if float(objective.get("lmbda") or 0) > 0 or objective.get("seq_kd"):
         objective["max_new_tokens"] = min(int(generation_length(cfg.distill.objective, manifest) or 1 << 30),
                                           int(objective["max_completion_length"]))
+    collect = {key: value for key, value in manifest.items() if key not in COLLECT_RUN_MEASURES}
     blob = json.dumps({"target": target_ident.get("source_sha256") or target_ident.get("path"),
                        "draft": OmegaConf.to_container(cfg.model.draft, resolve=True), "distill": settings,
-                       "collect": {k: v for k, v in manifest.items() if k not in COLLECT_RUN_MEASURES}, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)
+                       "collect": collect, "rows": n_rows, "seed": cfg.seed}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
