@@ -18,13 +18,14 @@ import torch
 
 from distill import calibrate as cal
 from distill.draft import freeze_shared
-from distill.heldouts import as_served
+from distill.heldouts import served_acceptance
 from distill.job import HeldOuts, Inputs, Split
 from distill.progress import (AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress,
                               TimeBudgetCallback, put_back, trained_weights)
 from distill.settings import OUR_TRAINER_KEYS
 from distill.trainer import DistillConfig, DistillTrainer, restore_forward
 from pipeline.heads import restore_full_head, use_subset_head
+from pipeline.machine import release_freed_memory
 
 
 @dataclass
@@ -219,6 +220,7 @@ def _free(trainer) -> None:
     trainer.optimizer = trainer.lr_scheduler = None
     trainer.model.zero_grad(set_to_none=True)
     gc.collect()
+    release_freed_memory()  # the freed optimizer state's pages, before keep_best and the export load more
 
 
 def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
@@ -227,12 +229,12 @@ def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
     gamma, temperature, dtype = int(job.settings.heldout.gamma), [job.sampling.temperature], job.serving_dtype
 
     def evaluate(model):
-        alpha = cal.acceptance(as_served(model, dtype), heldouts.reporting, temperature, split.vocab)[0]
+        alpha = served_acceptance(model, dtype, heldouts.reporting, temperature, split.vocab)[0]
         return cal.heldout_metrics(cal.summarize(alpha, heldouts.reporting, gamma), gamma)
 
     def judge(model):
         was_training = model.training
-        alpha = cal.acceptance(as_served(model.eval(), dtype), heldouts.calibration, temperature, split.vocab)[0]
+        alpha = served_acceptance(model.eval(), dtype, heldouts.calibration, temperature, split.vocab)[0]
         model.train(was_training)
         return cal.summarize(alpha, heldouts.calibration, gamma)[cal.OVERALL]["acceptance"]
 

@@ -12,3 +12,14 @@ def cpu_name() -> str:
     except OSError:
         name = ""
     return name or platform.processor() or platform.machine()
+
+
+def release_freed_memory() -> bool:
+    """Returns the C heap's freed pages to the OS (glibc's malloc_trim; False where there is none): glibc keeps freed
+    chunks in its arenas once freeing a large block has raised its mmap threshold. Once, where a phase ends: after
+    every training step it cost the real pair 20% of its training time for 0.6 GB less peak (docs/results.md)."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.machine import release_freed_memory
 from tests.conftest import read_spec, run_distill_stage as run_stage
 
 EQUAL_DRAFT = "model.draft.derive.layers=[0,1,2,3]"  # every layer of the 4-layer tiny target, its head too
@@ -163,3 +165,30 @@ def test_the_best_weights_copy_only_what_training_moves_and_put_back_restores_th
     assert torch.all(model[0].weight == 10.0) and torch.equal(model[1].weight, frozen)
     with pytest.raises(KeyError, match="2.weight"):
         put_back(model, {"2.weight": torch.zeros(2, 2)})
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists() or not release_freed_memory(),
+                    reason="needs /proc and glibc's malloc_trim")
+def test_the_heap_pages_training_freed_go_back_to_the_os():
+    """Tensors of varying sizes, freed, stay in the process's RSS (glibc keeps them in its arenas once a freed large
+    block has raised its mmap threshold: ≈ 3.7 GB of the real pair's training); release_freed_memory, which the stage
+    runs when training ends (before keep_best and the export), hands them back. The wrong variant — no trim — keeps
+    them: the first assertion is that variant, measured."""
+    torch.empty(30 * 2**20 // 4)  # freeing a 30 MB block raises glibc's mmap threshold, as training's first steps do
+    rng = torch.Generator().manual_seed(0)
+    before = _rss_mb()
+    held = []
+    for size in torch.randint(100_000, 1_000_000, (400,), generator=rng).tolist():
+        held.append((torch.ones(size), torch.ones(1000)))  # the small one stays, pinning the heap under the large
+    small = [keep for _, keep in held]
+    del held
+    kept = _rss_mb() - before
+    assert kept > 500, f"freed activations were returned without a trim ({kept:.0f} MB kept): nothing to test"
+    release_freed_memory()
+    assert _rss_mb() - before < kept / 4, f"{_rss_mb() - before:.0f} MB still held after the trim of {kept:.0f} MB"
+    del small
