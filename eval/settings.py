@@ -18,7 +18,7 @@ from pipeline.sampling import Sampling
 ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
 DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.drafting's names (conf/eval/default.yaml)
-RESERVED = ("init", "fixed", "confidence", "heuristic", "unguarded", "fixed_tau")  # speculative_<these> name other methods: no extra draft's name
+RESERVED = ("init", "fixed", "confidence", "heuristic", "unguarded")  # speculative_<these> name other methods: no extra draft's name
 
 
 # The numeric settings' rules: key (stall.<knob>: inside eval.stall) -> (integer?, least, exclusive?, nullable?, e.g.)

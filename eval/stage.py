@@ -131,13 +131,6 @@ def fixed_gamma(draft: Draft, domain: str, settings: EvalSettings) -> int:
     return (spec.for_domain("gamma", domain) if spec is not None else None) or DraftLength().max
 
 
-def fixed_tau(plan: DraftPlan) -> DraftPlan:
-    """The plan with its guard but adaptive τ off: what adaptive τ is compared against on the same requests."""
-    if plan.guard is None:
-        return plan
-    return replace(plan, guard=replace(plan.guard, settings=replace(plan.guard.settings, adaptive_tau=False)))
-
-
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
     """{method: {domain: DraftPlan}} for every draft, the unguarded baseline and each compared policy."""
     settings, sampling = evaluation.settings, evaluation.sampling
@@ -151,8 +144,6 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
              for name, draft in evaluation.drafts.items()}
     if settings.guard["compare"]:  # the evaluated draft as planned, never switched down: the guard's own baseline
         plans["speculative_unguarded"] = {d: replace(plan, guard=None) for d, plan in plans["speculative"].items()}
-    if settings.guard["compare"] and settings.guard["adaptive_tau"]:  # adaptive τ's baseline: the same guard, τ held
-        plans["speculative_fixed_tau"] = {d: fixed_tau(plan) for d, plan in plans["speculative"].items()}
     for policy in settings.compare_draft_lengths:  # the evaluated draft once per policy, side by side
         plans[f"speculative_{policy}"] = {d: draft_plan(evaluation.drafts["speculative"], d, settings, sampling,
                                                         policy) for d in every}

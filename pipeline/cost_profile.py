@@ -101,13 +101,13 @@ def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
 
 
 @torch.no_grad()
-def measure_cost_profile(target, draft, vocab: torch.Tensor | None = None, tokens_fed=(1, 2, 4, 8, 16, 32),
-                         contexts=(64, 512), draft_context: int = 64, repeats: int = 5, warmup: int = 1,
-                         seed: int = 0, host_sampling: Sampling | None = None) -> dict:
+def measure_cost_profile(target, draft, vocab: torch.Tensor | None, tokens_fed, contexts, *, repeats: int, warmup: int,
+                         draft_context: int = 64, seed: int = 0, host_sampling: Sampling | None = None) -> dict:
     """Time the target's forward of each count in `tokens_fed` at each context length and the draft's 1-token step
     through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
     `host_sampling` the decoder's host work per pass too (pipeline/pass_overhead.py); the 1-token step again before and
-    after everything (`canary`: a ratio far from 1 means other load). The timing plan is conf's calibration.cost."""
+    after everything (`canary`: a ratio far from 1 means other load). The timing plan is conf's calibration.cost (its
+    only declaration: no defaults here)."""
     tokens_fed, contexts = sorted({int(k) for k in tokens_fed}), sorted({int(n) for n in contexts})
     if 1 not in tokens_fed or not contexts or min(contexts + [draft_context]) < 1 or repeats < 1:
         raise PipelineError("a cost profile needs 1 in tokens_fed, context lengths ≥ 1 and repeats ≥ 1: got "

@@ -490,22 +490,3 @@ def test_compare_drafts_judges_every_draft_on_the_same_heldout_rows(setup, disti
     assert abs(argmax["acceptance"][str(run / "draft")] - overall["acceptance"][str(run / "draft")]) > 1e-3
     with pytest.raises(PipelineError, match="tool.temperature='hot'"):
         main(overrides(setup, tmp_path, drafts, "tool.temperature=hot"))
-
-
-def test_acceptance_gap_puts_the_plan_beside_the_decoder_on_the_reporting_rows(setup, distilled, tmp_path):
-    """`pipeline.tools acceptance-gap`: per γ and domain, both predictions and the decoder's acceptance (a rate with
-    its CI around it) on every reporting row; a γ of 0 is one line before anything loads."""
-    from pipeline.tools.__main__ import run as tools
-
-    run = distilled[2]
-    extra = (f"paths.draft={run / 'draft'}", "tool.gammas=[1]", "tool.repeats=1", f"tool.json={tmp_path / 'gap.json'}")
-    result = tools(["acceptance-gap", *overrides(setup, tmp_path, *extra)])
-    overall = result["by_gamma"]["1"]["overall"]
-    assert overall["requests"] == result["rows"] > 0
-    for key in ("every_start", "visited_starts", "decoder"):
-        assert 0 <= overall[key] <= 1, overall
-    lo, hi = overall["decoder_ci95"]
-    assert lo <= overall["decoder"] <= hi
-    assert json.loads((tmp_path / "gap.json").read_text())["by_gamma"]["1"]["overall"] == overall
-    with pytest.raises(PipelineError, match="tool.gammas"):
-        tools(["acceptance-gap", *overrides(setup, tmp_path, f"paths.draft={run / 'draft'}", "tool.gammas=[0]")])

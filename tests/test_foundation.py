@@ -54,7 +54,6 @@ COMPARISONS = {  # preset -> what its eval run adds beside the evaluated draft (
     "compare-hf": lambda s: s.baselines == ("hf_generate", "hf_assisted", "hf_assisted_fixed",
                                             "hf_assisted_calibrated") and s.temperature == 0,
     "compare-guard": lambda s: s.guard["enabled"] and s.guard["compare"],
-    "compare-tau": lambda s: s.guard["compare"] and s.guard["adaptive_tau"] and s.temperature > 0,
     "compare-drafts": lambda s: s.extra_drafts == {"pretrained": "pretrained"},
     "compare-drafting": lambda s: s.compare_draft_lengths == ("fixed", "confidence", "heuristic")
     and len(s.gammas) > 1 and len(s.trees) > 1,

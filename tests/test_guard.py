@@ -228,8 +228,7 @@ def test_eval_guards_each_domain_from_the_draft_calibration():
 
 @pytest.mark.parametrize("override,message", [
     ("eval.guard.window=0", "eval.guard.window"), ("eval.guard.enabled=maybe", "eval.guard.enabled"),
-    ("+eval.guard.windw=4", "unknown keys"), ("~eval.guard.margin", "lacks"),
-    ("eval.guard.adaptive_tau=maybe", "eval.guard.adaptive_tau"), ("eval.guard.tau_step=0.5", "eval.guard.tau_step")])
+    ("+eval.guard.windw=4", "unknown keys"), ("~eval.guard.margin", "lacks"), ("eval.guard.probe_every=0", "eval.guard.probe_every")])
 def test_a_bad_eval_guard_is_one_line(override, message):
     with pytest.raises(PipelineError, match=message) as error:
         eval_settings(override)

@@ -9,21 +9,19 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from pipeline.decoding.adaptive_tau import AdaptiveTau
 from pipeline.decoding.draft_length import Policy
 from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
 from pipeline.sampling import sample, verify_draft
 
 
 def draft_block(pair: Pair, seq, draft_cache, budget: int, policy: Policy, profile: Profile):
-    """Up to `budget` draft tokens [γ] (the policy may stop earlier), when sampling the distributions
-    q [γ, V_draft] they were drawn from, and the draft's logits at the first draft position (None without drafts)."""
-    drafts, qs, first = [], [], None
+    """Up to `budget` draft tokens [γ] (the policy may stop earlier) and, when sampling, the distributions
+    q [γ, V_draft] they were drawn from."""
+    drafts, qs = [], []
     tokens = seq[:, draft_cache.get_seq_length():]  # committed tokens the draft has not seen yet
     for _ in range(budget):
         with profile.part("draft"):
             logits = forward(pair.draft, tokens, draft_cache, pair.draft_head)
-            first = logits[0] if first is None else first
         with profile.part("sampling"):
             if pair.greedy:
                 index = logits.argmax(-1)
@@ -35,7 +33,7 @@ def draft_block(pair: Pair, seq, draft_cache, budget: int, policy: Policy, profi
             stop = policy.needs_confidence and not policy.keep_going(confidence(pair, logits, qs, index))
         if stop:
             break
-    return (torch.cat(drafts) if drafts else seq.new_empty(0)), qs, first
+    return (torch.cat(drafts) if drafts else seq.new_empty(0)), qs
 
 
 def confidence(pair: Pair, logits: torch.Tensor, qs: list, index: torch.Tensor) -> torch.Tensor:
@@ -61,16 +59,13 @@ def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: lis
 
 
 def chain_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, DynamicCache], budget: int,
-               policy: Policy, stats: DecodeStats, profile: Profile, tau: AdaptiveTau | None = None
-               ) -> tuple[torch.Tensor, list[int]]:
+               policy: Policy, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
     """Drafts up to `budget` tokens, verifies them in one target pass, rolls both caches back to the committed
     prefix. seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
-    With `tau` (adaptive τ) the pass drafts with `tau.pair` and feeds it its scores of the first draft.
     """
     target_cache, draft_cache = caches
     committed = seq.shape[1]
-    pair = tau.pair if tau else pair
-    drafts, qs, first = draft_block(pair, seq, draft_cache, budget, policy, profile)
+    drafts, qs = draft_block(pair, seq, draft_cache, budget, policy, profile)
     gamma = drafts.shape[0]
     with profile.part("target"):
         # Committed tokens the target has not seen (the newest one; the whole prompt at first) + the drafts.
@@ -78,14 +73,11 @@ def chain_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynami
         logits = forward(pair.target, tokens, target_cache, pair.target_head, gamma + 1)
     with profile.part("sampling"):
         n_accepted, next_token = verify_block(pair, logits, drafts, qs)
-        scores = tau.scores(pair, logits[0], first) if tau and gamma else drafts[:0]
         # The one host sync of the step: we need n to crop the caches and the ids to check EOS.
-        result = torch.cat([n_accepted.view(1), drafts, next_token.view(1), scores]).tolist()
+        result = torch.cat([n_accepted.view(1), drafts, next_token.view(1)]).tolist()
     with profile.part("cache"):
         n = result[0]
         new_tokens = result[1:1 + n] + result[1 + gamma:2 + gamma]
-        if tau and gamma:
-            tau.update(result[2 + gamma:])
         seq = torch.cat([seq, drafts[:n].view(1, -1), next_token.view(1, 1)], 1)
         crop(target_cache, committed + n)  # drop rejected drafts; keep all committed tokens but the newest
         crop(draft_cache, min(draft_cache.get_seq_length(), committed + n))  # drop rejected drafts

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.decoding.adaptive_tau import adaptive_tau
 from pipeline.decoding.chain import chain_step
 from pipeline.decoding.draft_length import Policy
 from pipeline.decoding.guard import guarded
@@ -39,7 +38,6 @@ def speculative_stream(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(
         plans: dict[int, TreePlan] = {}  # one per depth the max_new_tokens cut asks for
 
         policy = guarded(Policy(drafting.depth), guard, run.stats, drafting.depths)
-        tau = adaptive_tau(guard, run.pair, run.stats)
 
         def step(seq, room):
             depth = min(policy.budget(), room) if room else 0
@@ -49,16 +47,15 @@ def speculative_stream(target, draft, input_ids, *, plan: DraftPlan = DraftPlan(
             else:
                 if depth not in plans:
                     plans[depth] = TreePlan(drafting.truncated(depth), seq.device)
-                seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile, tau)
+                seq, new_tokens = tree_step(run.pair, seq, run.caches, plans[depth], run.stats, run.profile)
             policy.update(depth, run.stats.accepted[-1])
             return seq, new_tokens
     else:
         policy = guarded(drafting.make(), guard, run.stats)
-        tau = adaptive_tau(guard, run.pair, run.stats)
 
         def step(seq, room):
             budget = min(policy.budget(), room) if room else 0
-            return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile, tau)
+            return chain_step(run.pair, seq, run.caches, budget, policy, run.stats, run.profile)
 
     return TokenStream(run.chunks(step, max_new_tokens, eos_token_id), stats)
 

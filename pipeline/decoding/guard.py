@@ -29,9 +29,6 @@ class GuardSettings:
     longest: int = 8  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
     measure_every: int = 32  # one plain pass in this many times the plain step the passes' costs are checked
                              #   against; 0 = the calibrated costs only
-    adaptive_tau: bool = False  # move the draft temperature per pass (pipeline/decoding/adaptive_tau.py)
-    tau_step: float = 1.25  # ratio of neighbouring candidate temperatures on adaptive τ's grid
-    tau_steps: int = 2  # candidates on each side of the planned τ: τ·step^k, k = −tau_steps … tau_steps
 
     def __post_init__(self):
         checks = (("window", self.window, _number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
@@ -42,11 +39,7 @@ class GuardSettings:
                   ("margin", self.margin, _number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
                   ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
                   ("measure_every", self.measure_every, _integer(self.measure_every) and self.measure_every >= 0,
-                   "an integer >= 0, e.g. 32 (0 = calibrated costs only)"),
-                  ("adaptive_tau", self.adaptive_tau, isinstance(self.adaptive_tau, bool), "true or false"),
-                  ("tau_step", self.tau_step, _number(self.tau_step) and self.tau_step > 1, "a number > 1, e.g. 1.25"),
-                  ("tau_steps", self.tau_steps, _integer(self.tau_steps) and self.tau_steps >= 1,
-                   "an integer >= 1, e.g. 2"))
+                   "an integer >= 0, e.g. 32 (0 = calibrated costs only)"))
         for key, value, ok, fix in checks:
             if not ok:
                 raise PipelineError(f"guard.{key}={value!r} is invalid: use {fix}")
@@ -107,13 +100,8 @@ class GuardStats:
     lengthened: int = 0  # passes it drafted more than the policy wanted
     timing: int = 0  # plain passes that timed the plain step (GuardSettings.measure_every)
     cost_factor: float = 1.0  # the last measured/calibrated cost of a speculative pass (PassTimes.factor)
-    tau_up: int = 0  # adaptive τ: moves to a higher draft temperature
-    tau_down: int = 0  # moves to a lower one
-    tau_passes: int = 0  # passes that drafted under adaptive τ
-    tau_sum: float = 0.0  # their draft temperatures summed (to_dict: their mean)
-    draft_temperature: float | None = None  # adaptive τ's last draft temperature (None: adaptive τ off)
 
-    LAST = ("cost_factor", "draft_temperature")  # the latest value, not a count: `add` keeps the other's
+    LAST = ("cost_factor",)  # the latest value, not a count: `add` keeps the other's
 
     def add(self, other: "GuardStats") -> "GuardStats":
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -121,8 +109,7 @@ class GuardStats:
         return GuardStats(**summed, **{name: getattr(other, name) for name in self.LAST})
 
     def to_dict(self) -> dict:
-        mean = {"mean_draft_temperature": self.tau_sum / self.tau_passes} if self.tau_passes else {}
-        return asdict(self) | mean
+        return asdict(self)
 
 
 def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:

@@ -14,7 +14,6 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decoding import tree_sampling
-from pipeline.decoding.adaptive_tau import AdaptiveTau
 from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, scatter_to_vocab
@@ -222,16 +221,14 @@ def _propose(pair: Pair, logits: torch.Tensor, width: int):
 
 def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePlan, profile: Profile):
     """Every node's token, one draft forward per depth: tokens [N+1] (slot 0 = root), valid [N+1], the
-    distributions q [N+1, K] each slot's children were drawn from (None for a greedy draft) and the draft's
-    logits at the root [K] (None for an empty tree)."""
+    distributions q [N+1, K] each slot's children were drawn from (None for a greedy draft)."""
     committed = seq.shape[1]
     tokens, valid = seq.new_zeros(plan.n + 1), torch.ones(plan.n + 1, dtype=torch.bool, device=seq.device)
     qs = None
     if plan.n == 0:
-        return tokens, valid, qs, None
+        return tokens, valid, qs
     with profile.part("draft"):
         logits = forward(pair.draft, seq[:, cache.get_seq_length():], cache, pair.draft_head)
-        root = logits[0]
     for depth in range(plan.depth):
         with profile.part("sampling"):
             children, rows, ranks = plan.assign[depth]
@@ -246,7 +243,7 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
                 mask = tree_mask(committed, 0, plan.visible[depth + 1], pair.draft.dtype)
                 positions = torch.full_like(nodes, committed + depth)  # root at committed − 1, depth d at +d
                 logits = tree_forward(pair.draft, tokens[nodes], cache, pair.draft_head, mask, positions, len(nodes))
-    return tokens, valid, qs, root
+    return tokens, valid, qs
 
 
 def _verify_forward(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePlan, tokens: torch.Tensor):
@@ -285,25 +282,19 @@ def _walk(result: list[int], n: int) -> tuple[list[int], int]:
 
 
 def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, DynamicCache], plan: TreePlan,
-              stats: TreeStats, profile: Profile, tau: AdaptiveTau | None = None) -> tuple[torch.Tensor, list[int]]:
+              stats: TreeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
     """Drafts the tree, verifies it in one target pass, keeps the accepted path in both caches.
-    seq [1, C] holds every committed token. Returns the extended seq and the new ids. With `tau` (adaptive τ)
-    the pass drafts with `tau.pair` and feeds it its scores of the root's children."""
+    seq [1, C] holds every committed token. Returns the extended seq and the new ids."""
     target_cache, draft_cache = caches
     committed = seq.shape[1]
-    pair = tau.pair if tau else pair
-    tokens, valid, qs, root = _draft_tree(pair, seq, draft_cache, plan, profile)
+    tokens, valid, qs = _draft_tree(pair, seq, draft_cache, plan, profile)
     with profile.part("target"):
         logits = _verify_forward(pair, seq, target_cache, plan, tokens)
     with profile.part("sampling"):
         accepted, fallback = _verify_tree(pair, plan, logits, tokens, valid, qs)
-        scored = tau is not None and plan.n > 0
-        scores = tau.scores(pair, logits[0], root, plan.widths[0], pair.generator) if scored else tokens[:0]
-        result = torch.cat([accepted, fallback, tokens, scores]).tolist()  # the one host sync of the step
+        result = torch.cat([accepted, fallback, tokens]).tolist()  # the one host sync of the step
     with profile.part("cache"):
         path, next_token = _walk(result, plan.n)
-        if scored:
-            tau.update(result[3 * plan.n + 3:])
         new_tokens = [result[2 * plan.n + 2 + slot] for slot in path] + [next_token]
         seq = torch.cat([seq, torch.tensor(new_tokens, device=seq.device).view(1, -1)], 1)
         keep_path(target_cache, committed, [committed + slot - 1 for slot in path])

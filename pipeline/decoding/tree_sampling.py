@@ -97,24 +97,3 @@ def greedy_verify_siblings(best: torch.Tensor, tokens: torch.Tensor, valid: torc
     rank = match.long().argmax(-1)
     return torch.where(match.any(-1), rank, torch.full_like(rank, -1)), best
 
-
-def sibling_acceptance(p: torch.Tensor, q: torch.Tensor, width: int, generator: torch.Generator | None = None
-                       ) -> torch.Tensor:
-    """The chance that a node with `width` children drawn from each candidate draft distribution q [C, V] accepts
-    one of them against the target's p [V]: 1 − Π_i (1 − min(1, p_i(x_i) / q_i(x_i))) over one set of draws without
-    replacement, the rule of `verify_siblings` with its acceptance coins averaged out (an unbiased estimate [C]).
-    Every row draws with the same exponential noise, so rows that differ a little draw alike (common random numbers).
-    """
-    noise = torch.empty(q.shape[-1], device=q.device).exponential_(1, generator=generator)
-    keys, index = (q.float() / noise).topk(min(width, q.shape[-1]), dim=-1)
-    p, q = p.float().expand_as(q), q.float()
-    rows = torch.arange(q.shape[0], device=q.device)
-    rejected = torch.ones(q.shape[0], device=q.device)
-    for rank in range(index.shape[-1]):
-        x = index[:, rank]
-        q_x = q[rows, x]
-        ratio = (p[rows, x] / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp_max(1.0)
-        chance = torch.where(keys[:, rank] > 0, ratio, torch.zeros_like(q_x))  # a draw past q's support: none
-        rejected = rejected * (1.0 - chance)
-        p, q = rejection_update(p, q, x)
-    return 1.0 - rejected

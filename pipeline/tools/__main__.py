@@ -18,7 +18,6 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "arms": "pipeline.tools.arms",
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
-    "acceptance-gap": "pipeline.tools.acceptance_gap",
     "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
     "gpu-check": "pipeline.tools.gpu_check",

@@ -15,14 +15,23 @@ from pathlib import Path
 import torch
 
 from distill import calibrate as cal
+from distill.heldouts import build_heldouts, load_target_inputs, split_collected
+from distill.job import HeldOuts, Inputs
 from distill.stage import RECORD, read_record
-from pipeline.tools.offline import collect_heldouts
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec
 
 
 TEMPERATURES = ("serving", "calibrated", "argmax")
+
+
+def collect_heldouts(cfg) -> tuple[Inputs, HeldOuts]:
+    """The stages' inputs (no draft: each draft is loaded on its own) and the calibration and reporting parts of
+    paths.collect's held-out prompts (the same prompts, split and target distribution the stages use)."""
+    inputs = load_target_inputs(cfg, tracker=None)
+    _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
+    return inputs, build_heldouts(inputs, held_idx)
 
 
 def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temperature: str) -> torch.Tensor:
