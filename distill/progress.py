@@ -12,6 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from pipeline.atomic import write_json
+from pipeline.machine import release_freed_memory, resident_bytes
 
 PROGRESS_FILE = "progress.json"
 BEST_WEIGHTS = "best_weights.pt"  # in a checkpoint whose best weights are not its own
@@ -115,6 +116,24 @@ def _curve_metrics(metrics: dict) -> dict:
     prefix = "heldout/acceptance/"
     by_domain = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
     return {"acceptance": by_domain.pop("overall", None), "by_domain": by_domain}
+
+
+class HeapTrimCallback(TrainerCallback):
+    """Trims the C heap after a step once the resident set has grown `slack` bytes past its size after the last trim.
+    Freed activations of varying lengths fragment glibc's arenas: with 4 accumulated batches a step the real pair's
+    free heap grew ≈ 1 GB a step until 24 GiB ran out, while trimming after every step costs a run that does not grow
+    20% of its time (the trimmed pages fault back in)."""
+
+    def __init__(self, slack: int = 2 * 2**30):
+        self.slack, self.floor = slack, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = resident_bytes()
+        if now is None:
+            return
+        if self.floor is None or now > self.floor + self.slack:
+            release_freed_memory()
+            self.floor = resident_bytes()
 
 
 class TimeBudgetCallback(TrainerCallback):

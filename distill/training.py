@@ -20,8 +20,8 @@ from distill import calibrate as cal
 from distill.draft import freeze_shared
 from distill.heldouts import served_acceptance
 from distill.job import HeldOuts, Inputs, Split
-from distill.progress import (AcceptanceCallback, BestWeightsCallback, ProgressCallback, RunProgress,
-                              TimeBudgetCallback, put_back, trained_weights)
+from distill.progress import (AcceptanceCallback, BestWeightsCallback, HeapTrimCallback, ProgressCallback,
+                              RunProgress, TimeBudgetCallback, put_back, trained_weights)
 from distill.settings import OUR_TRAINER_KEYS
 from distill.trainer import DistillConfig, DistillTrainer, restore_forward
 from pipeline.heads import restore_full_head, use_subset_head
@@ -175,7 +175,8 @@ def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> Tr
                            or int(Path(last).name.split("-")[-1]) >= arguments.max_steps))
     watchers = [acceptance_cb] + ([stop] if stop else [])  # the curve sees the last weights before the best are put back
     trainer = _trainer(job, split, arguments,
-                       [ProgressCallback(progress, job.is_main), *watchers, TimeBudgetCallback(minutes, progress)])
+                       [ProgressCallback(progress, job.is_main), *watchers, TimeBudgetCallback(minutes, progress),
+                        HeapTrimCallback()])
     progress.trainer = trainer
     log(f"training {trainable / 1e6:.1f}M parameters: loss={objective.loss}, teacher={objective.teacher}, "
         f"lmbda={objective.lmbda}, learning rate {rate:.1e}, "

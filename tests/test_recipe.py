@@ -192,3 +192,22 @@ def test_the_heap_pages_training_freed_go_back_to_the_os():
     release_freed_memory()
     assert _rss_mb() - before < kept / 4, f"{_rss_mb() - before:.0f} MB still held after the trim of {kept:.0f} MB"
     del small
+
+
+def test_the_heap_is_trimmed_only_after_the_resident_set_outgrew_its_last_trim(monkeypatch):
+    """HeapTrimCallback trims after the first step and then only once RSS exceeds its size after the last trim by the
+    slack: a run whose heap does not grow pays no trim a step (20% of the real pair's training time), one whose freed
+    heap grows (4 accumulated batches a step: ≈ 1 GB a step) is trimmed before it runs out. The wrong variants —
+    trimming every step, or never after the first — give other trim steps."""
+    import distill.progress as progress
+
+    rss = iter([10, 10, 11, 11, 13, 10, 11, 12.5, 9])  # GB at each step's end, and after each trim
+    trims = []
+    monkeypatch.setattr(progress, "resident_bytes", lambda: next(rss) * 2**30)
+    monkeypatch.setattr(progress, "release_freed_memory", lambda: trims.append(step))
+    callback = progress.HeapTrimCallback(slack=2 * 2**30)
+    for step in range(1, 7):
+        callback.on_step_end(None, None, None)
+    # step 1 trims (floor 10); steps 2, 3 at 11 stay; step 4 at 13 > 12 trims (floor 10); step 5 at 11 stays;
+    # step 6 at 12.5 > 12 trims (floor 9)
+    assert trims == [1, 4, 6]
