@@ -15,7 +15,7 @@ the trainer masks and averages), in fp32. **p is the target distribution, q the 
          λ per call (LK losses, Samarin et al. 2026, arXiv 2602.23881; the paper's text could not be retrieved, so
          the definitions are those of vLLM speculators' `nla` / `lk_hybrid` and NVIDIA Model-Optimizer's
          `masked_lk_lambda_loss`, which cite it)
-`adaspec_mask` is AdaSPEC's token filter (Hu et al. 2025, arXiv 2510.19779). The loss temperature divides both
+The loss temperature divides both
 models' logits before the softmax (no T² factor, as TRL).
 
 Two teacher forms. **Dense** (online target forward): teacher logits over the draft's classes; under an FR-Spec
@@ -44,12 +44,8 @@ TAILS = ("bucket", "renormalize")
 LK_ETA = 3.0
 
 
-def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online",
-               adaspec_keep: float | None = None) -> None:
+def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online") -> None:
     """One-line errors for a loss configuration that cannot work."""
-    if adaspec_keep is not None and not 0.0 < float(adaspec_keep) <= 1.0:
-        raise PipelineError(f"distill.objective.adaspec_keep={adaspec_keep} is not a share in (0, 1]: "
-                            "use e.g. 0.4, or null to train on every token")
     if name not in LOSSES:
         raise PipelineError(f"unknown distillation loss {name!r}: use distill.objective.loss=one of {', '.join(LOSSES)}")
     if name == "jsd" and not 0.0 < float(beta) < 1.0:
@@ -267,21 +263,3 @@ def _gkd_trainer():
         from trl.experimental.gkd import GKDTrainer
     return GKDTrainer
 
-
-# ---------------------------------------------------------------- AdaSPEC token selection
-def adaspec_mask(draft_loss: torch.Tensor, reference_loss: torch.Tensor, keep: float) -> torch.Tensor:
-    """Which of N positions AdaSPEC trains on: the round(keep · N) (at least 1) with the largest
-    draft_loss − reference_loss, as a bool mask [N].
-
-    AdaSPEC (Hu et al. 2025, arXiv 2510.19779; the `AdaSPECTrainer.compute_loss` of github.com/yuezhouhu/adaspec)
-    computes per token the draft's and the reference model's KL(p ‖ ·) to the target, Δ = L_draft − L_ref, and
-    keeps the tokens with Δ ≥ quantile(Δ, 1 − k): the top k share by Δ, i.e. where the reference shows the draft
-    still has most to gain; tokens the reference fits no better than the draft (hard to fit) are dropped. Here
-    the losses are the configured objective's and the share is exact (ties broken by `topk`).
-    """
-    n = draft_loss.numel()
-    mask = torch.zeros(n, dtype=torch.bool, device=draft_loss.device)
-    if n:
-        kept = max(1, round(float(keep) * n))
-        mask[(draft_loss - reference_loss).detach().topk(kept).indices] = True
-    return mask

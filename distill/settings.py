@@ -66,8 +66,6 @@ class ObjectiveSettings:
     lmbda: float                       # on-policy share of batches (GKD's λ)
     temperature: float                 # sampling temperature of on-policy and seq-KD generation
     seq_kd: bool                       # off-policy batches are the target's own continuations
-    adaspec_keep: float | None         # AdaSPEC's share of tokens trained on; null = every token
-    adaspec_reference: str | None      # AdaSPEC's reference draft; null = the initial draft
     freeze_shared: bool                # freeze the embeddings and the (tied) head
     max_prompt_length: int             # prompt tokens kept (the last ones)
     max_completion_length: int         # completion tokens trained on (the first ones)
@@ -253,7 +251,7 @@ class DistillSettings:
 
     def _check_objective(self) -> None:
         objective = self.objective
-        check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher, objective.adaspec_keep)
+        check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher)
         if objective.teacher not in TEACHERS:
             raise PipelineError(f"unknown distill.objective.teacher={objective.teacher!r}: use online or topk")
         if not 0.0 <= float(objective.lmbda) <= 1.0:

@@ -42,8 +42,7 @@ from pipeline.timing import Laps
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
 # adding a knob does not orphan every checkpoint trained before it.
-ADDED_LATER = {("objective", "adaspec_reference"): None, ("trainer", "lr_probe"): None,
-               ("trainer", "stop_patience"): None}
+ADDED_LATER = {("trainer", "lr_probe"): None, ("trainer", "stop_patience"): None}
 # manifest keys that measure the collect run (its clock, disk and budget), not the rows it made: a rerun that only
 # re-merges finished shards rewrites them (wall_s), and must not orphan the checkpoint of the distill run it resumes
 COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "budget", "disk_bytes",
@@ -209,7 +208,7 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
     """speculative.json `training`: the objective and what the run trained on."""
     objective = inputs.settings.objective
     return {"loss": objective.loss, "teacher": objective.teacher, "lmbda": float(objective.lmbda),
-            "seq_kd": bool(objective.seq_kd), "adaspec_keep": objective.adaspec_keep,
+            "seq_kd": bool(objective.seq_kd),
             "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
             "rows": len(split.train), "data_tokens": sum(map(len, split.train["completion_ids"])),
             "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint,

@@ -11,7 +11,6 @@ cannot serve:
   with every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset
   distribution as token ids;
 - the aligned batch layout for off-policy batches (distill/batch.py), beside TRL's causal layout for generated ones;
-- AdaSPEC token selection against a frozen reference (by default the draft as the trainer was built);
 - the held-out acceptance callback and the time budget.
 The λ draw is TRL's `random.random()`, seeded by Trainer on every process and checkpointed with it, so every process
 makes the same draws, across a resume too.
@@ -22,16 +21,14 @@ import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 from torch import nn
 
 
 from distill.batch import Truncation, layout
-from distill.losses import adaspec_mask, check_loss, distillation_loss, sparse_teacher
-from pipeline.errors import PipelineError
-from pipeline.heads import SubsetHead, column_map, head_logits, head_rows, use_subset_head
+from distill.losses import check_loss, distillation_loss, sparse_teacher
+from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
 
 with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
     warnings.simplefilter("ignore")
@@ -97,8 +94,6 @@ class DistillConfig(GKDConfig):
     lmbda: float = _knob("GKDConfig.lmbda: share of batches the draft continues itself (on-policy)")
     temperature: float = _knob("GKDConfig.temperature: sampling temperature of on-policy and seq-KD generation")
     seq_kd: bool = _knob("GKDConfig.seq_kd: off-policy batches are continuations the target generates")
-    adaspec_keep: float = _knob("AdaSPEC: share of completion tokens trained on per batch; None = all")
-    adaspec_reference: str = _knob("AdaSPEC's reference: a distilled draft of the same shape; None = the initial draft")
     freeze_shared: bool = _knob("freeze the embeddings and the head")
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
     max_completion_length: int = _knob("completion tokens trained on")
@@ -119,8 +114,8 @@ class DistillConfig(GKDConfig):
 
 
 OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
-             "adaspec_keep", "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
-OPTIONAL = ("adaspec_keep", "max_new_tokens")  # None is a setting (every token; as long as the completions)
+             "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
+OPTIONAL = ("max_new_tokens",)  # None is a setting (as long as the completions)
 
 
 # ---------------------------------------------------------------- loss positions of either layout
@@ -184,55 +179,28 @@ def restore_forward(module, forward) -> None:
 
 
 # ---------------------------------------------------------------- trainer
-def load_reference(path: str | None, model, vocab: torch.Tensor | None):
-    """AdaSPEC's reference. The paper's is a copy of the draft distilled first on the same data (its stage 1):
-    where it fits a token and the draft does not yet, the token is learnable. Without one (None), a frozen copy of
-    the initial draft stands in: the filter then keeps the tokens the draft has improved on least."""
-    if path is None:
-        return copy.deepcopy(model)
-    from transformers import AutoModelForCausalLM
-
-    if not (Path(path) / "config.json").exists():
-        raise PipelineError(f"distill.objective.adaspec_reference={path} is not a model directory: give a draft "
-                            "exported by an earlier distill run (e.g. its paths.draft)")
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ours, theirs = model.config, reference.config
-    shape = ("num_hidden_layers", "hidden_size", "vocab_size")
-    if any(getattr(ours, key) != getattr(theirs, key) for key in shape):
-        raise PipelineError(f"distill.objective.adaspec_reference={path} has another shape than the draft ("
-                            + ", ".join(f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in shape) + ")")
-    use_subset_head(reference, vocab)  # its logits over the draft's FR-Spec columns, as the draft's are
-    return reference
-
-
 class DistillTrainer(GKDTrainer):
     """GKDTrainer whose loss is one of distill/losses.py between the target (teacher) and the draft.
 
     `teacher_model`: the target (always; it runs only when the loss needs it). `vocab`: FR-Spec subset of target
     ids (the draft's head is already a `SubsetHead` over it), or None. `stop_ids`: generation stops after these.
-    `reference_model`: AdaSPEC's reference (adaspec_keep set); None = a frozen copy of `model` as passed.
     The loss is a per-micro-batch token mean; Trainer divides it by the accumulation steps.
     """
     loss_is_scaled_for_ga = False
 
     def __init__(self, model, args: DistillConfig, train_dataset, teacher_model, vocab=None,
-                 stop_ids: list[int] | None = None, processing_class=None, callbacks=None, reference_model=None):
+                 stop_ids: list[int] | None = None, processing_class=None, callbacks=None):
         """GKDTrainer's arguments (model, args, data, teacher, tokenizer, callbacks) plus what ours adds: the FR-Spec
-        `vocab`, the `stop_ids` of on-policy continuations and AdaSPEC's `reference_model`."""
-        check_loss(args.loss, args.beta, args.topk_tail, args.teacher, args.adaspec_keep)
+        `vocab` and the `stop_ids` of on-policy continuations."""
+        check_loss(args.loss, args.beta, args.topk_tail, args.teacher)
         collator = DistillCollator(processing_class.pad_token_id,
                                    Truncation(args.max_prompt_length, args.max_completion_length))
-        if args.adaspec_keep is not None and reference_model is None:
-            reference_model = load_reference(args.adaspec_reference, model, vocab)
         patched = [(m, vars(m).get("forward")) for m in (model, teacher_model)]
         super().__init__(model=model, teacher_model=teacher_model, args=args, data_collator=collator,
                          train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks)
         for module, forward in patched:  # our compute_loss uses neither patch; the stage gets its models back as given
             restore_forward(module, forward)
         self.teacher_model.eval().requires_grad_(False)
-        self.reference = reference_model
-        if reference_model is not None:
-            self.reference = reference_model.to(args.device).eval().requires_grad_(False)
         self.vocab_size = model.config.vocab_size
         self.vocab = None if vocab is None else vocab.to(args.device)
         self.column_of = column_map(self.vocab, self.vocab_size)
@@ -299,10 +267,6 @@ class DistillTrainer(GKDTrainer):
         where = positions(inputs)
         teacher = self.teacher_signal(inputs, where)
         per_token, out = self._per_token(model, where, teacher)
-        if self.args.adaspec_keep is not None:
-            with torch.no_grad():
-                reference, _ = self._per_token(self.reference, where, teacher)
-            per_token = per_token[adaspec_mask(per_token, reference, self.args.adaspec_keep)]
         self.train_tokens += int(where.mask.sum())
         loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
         return (loss, out) if return_outputs else loss

@@ -35,8 +35,6 @@ def empty_export(path: Path) -> Path:
 # (subcommand, Hydra overrides (formatted with {tmp}, {model}, {out}), a phrase the one line must hold)
 CASES = [
     ("nope", [], "is not one of"),
-    ("arms", ["tool.nope=1"], "bad configuration"),
-    ("arms", ["tool.drafts=[oops"], "bad configuration"),
     ("cost-profile", [], "give one of tool.target"),
     ("cost-profile", ["tool.target_config={tmp}/nowhere", "tool.draft_config={tmp}/nowhere", "tool.out={out}"],
      "nowhere"),
@@ -45,16 +43,7 @@ CASES = [
     ("learning-curve", ["tool.out={out}"], "tool.drafts"),
     ("learning-curve", ["tool.drafts=[{tmp}/nowhere]", "tool.out={out}"], "no speculative.json"),
     ("learning-curve", ["tool.drafts=[{tmp}/export]", "tool.out={out}", "--bogus"], "bad configuration"),
-    ("arms", ["tool.drafts=[{tmp}/nowhere]"], "tool.out"),
-    ("arms", ["tool.drafts=[{tmp}/export]", "tool.out={out}"], "no speculative.json"),
     ("sources", ["tool.faq_dir={tmp}"], "holds no *.rst.txt"),
-    ("collect-throughput", ["tool.prompts=0"], "tool.prompts=0"),
-    ("collect-throughput", ["tool.prompts_file={tmp}/none.jsonl"], "is not a file"),
-    ("collect-throughput", ["collect.batch_size=[oops"], "bad configuration"),
-    ("collect-throughput", ["no_such_key=1"], "bad configuration"),
-    ("collect-throughput", ["collect.batch_size=0"], "batch_size"),
-    ("collect-throughput", ["tool.server=true", "tool.server_parallel=0"], "tool.server_parallel=0"),
-    ("collect-throughput", ["collect.batch_size=1"], "batching is compared with batch 1"),
 ]
 
 
@@ -72,7 +61,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, subcommand
     assert not out.parent.exists()
 
 
-@pytest.mark.parametrize("subcommand", ["learning-curve", "arms"])
+@pytest.mark.parametrize("subcommand", ["learning-curve"])
 def test_an_out_path_that_is_a_file_is_refused(tmp_path, subcommand):
     out = tmp_path / "report.md"
     out.write_text("mine")

@@ -21,10 +21,6 @@ def main(argv: list) -> int:  # the learning curve's old argument shape, kept so
     return tool("learning-curve", argv[:-2], argv[-1])
 
 
-def arms_main(argv: list) -> int:
-    return tool("arms", argv[:-2], argv[-1])
-
-
 def test_nested_subsets_keep_every_domain_and_grow_by_inclusion():
     prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(20) for _ in range(2)]  # 2 rows per prompt
     domains = [p.split("-")[0] for p in prompt_ids]
@@ -98,44 +94,6 @@ def test_a_directory_without_an_export_is_one_clear_error(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no speculative.json" in err
-
-
-def _arm(path, temperature: float, training: dict, after: dict):
-    spec = SpeculativeSpec(target={"path": "t"}, sampling=Sampling(temperature), draft={"init": "derive"},
-                           acceptance={"before": {"chat": 0.1, "code": 0.05, "overall": 0.08}, "after_training": after},
-                           predicted_speedup={"overall": 1.1},
-                           training={"data_tokens": 5000, "steps": 10, "minutes": 1.0} | training)
-    path.mkdir(parents=True)
-    spec.write(path)
-    return str(path)
-
-
-def test_arms_table_groups_by_temperature_and_sorts_by_acceptance(tmp_path, capsys):
-    dirs = [_arm(tmp_path / "t07" / "fkl", 0.7, {"loss": "fkl", "lmbda": 0.0},
-                 {"chat": 0.3, "code": 0.2, "overall": 0.25}),
-            _arm(tmp_path / "t07" / "onpolicy", 0.7, {"loss": "jsd", "lmbda": 0.5, "adaspec_keep": None},
-                 {"chat": 0.4, "code": 0.3, "overall": 0.35}),
-            _arm(tmp_path / "greedy" / "ada", 0.0, {"loss": "fkl", "adaspec_keep": 0.5, "teacher": "online"},
-                 {"chat": 0.5, "code": 0.12, "overall": 0.3})]
-    assert arms_main([*dirs, "--out", str(tmp_path / "out")]) == 0
-    rows = json.loads((tmp_path / "out" / "arms.json").read_text())
-    by_arm = {r["arm"]: r for r in rows}
-    assert by_arm["onpolicy"]["objective"] == "on-policy λ=0.5 jsd"
-    assert by_arm["ada"]["objective"] == "AdaSPEC 50% fkl (online teacher)"
-    assert by_arm["ada"]["min_domain_gain"] == pytest.approx(0.07)  # code: 0.12 - 0.05
-    assert by_arm["fkl"]["gain"]["overall"] == pytest.approx(0.17)
-    md = (tmp_path / "out" / "arms.md").read_text()
-    t0, t07 = md.index("temperature 0\n"), md.index("temperature 0.7\n")
-    assert t0 < md.index("| ada |") < t07 < md.index("| onpolicy |") < md.index("| fkl |")
-
-
-def test_arms_of_different_data_are_refused(tmp_path, capsys):
-    a = _arm(tmp_path / "a", 0.7, {"loss": "fkl"}, {"chat": 0.3, "overall": 0.3})
-    b = _arm(tmp_path / "b", 0.7, {"loss": "fkl", "data_tokens": 9000}, {"chat": 0.3, "overall": 0.3})
-    assert arms_main([a, b, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "different data" in err
-    assert not (tmp_path / "out").exists()
 
 
 def test_tokens_needed_solves_the_log_line_through_the_last_runs():

@@ -20,9 +20,9 @@ def test_every_subcommand_has_one_settings_file_and_composes():
         cfg = compose(subcommand, [])
         assert cfg.tool and cfg.tracking.enabled is False, subcommand
     with pytest.raises(PipelineError, match="bad configuration"):
-        compose("arms", ["tool.undeclared=1"])  # a key no settings file declares is refused, by Hydra
-    with pytest.raises(PipelineError, match="tool.undeclared is not a setting of arms: .* declares drafts, out"):
-        compose("arms", ["+tool.undeclared=1"])  # and with a `+`, by the tool
+        compose("learning-curve", ["tool.undeclared=1"])  # a key no settings file declares is refused, by Hydra
+    with pytest.raises(PipelineError, match="tool.undeclared is not a setting of learning-curve: .* declares "):
+        compose("learning-curve", ["+tool.undeclared=1"])  # and with a `+`, by the tool
 
 
 def test_help_lists_every_subcommand_with_what_it_does(capsys):
@@ -34,7 +34,7 @@ def test_help_lists_every_subcommand_with_what_it_does(capsys):
 
 
 def test_an_unknown_subcommand_is_one_line_naming_the_known_ones():
-    with pytest.raises(PipelineError, match="is not one of learning-curve, arms") as e:
+    with pytest.raises(PipelineError, match="is not one of learning-curve, cost-profile") as e:
         run(["bench"])
     assert "\n" not in str(e.value)
 
@@ -68,19 +68,6 @@ def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(mon
     measure(_fake_methods(calls), [{"ids": k, "domain": "d", "seed": k} for k in range(3)], n=1,
             clock=iter(range(100)).__next__)
     assert [name for name, *_ in calls[3:]] != ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-
-
-def _prompts(path, n: int = 4):
-    rows = [{"id": f"p{i}", "domain": ("chat", "code")[i % 2], "turns": [f"w{i} w{i + 1} w{i + 2}"]} for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def test_collect_throughput_compares_batch_one_with_the_collect_batch(setup, tmp_path):
-    result = run(["collect-throughput", *distill_overrides(setup, tmp_path), "collect.batch_size=2", "collect.topk=0",
-                  f"tool.prompts_file={_prompts(tmp_path / 'p.jsonl')}", "tool.prompts=4", "tool.max_new_tokens=4"])
-    assert set(result) >= {"batch 1", "batch 2", "ratio", "ratio_ci95"} and result["chunks"] == 2
-    assert result["batch 1"]["tokens"] == result["batch 2"]["tokens"] == 16  # the same prompts, 4 tokens each
 
 
 def test_sources_regenerates_the_faq_prompts(tmp_path):

@@ -1,6 +1,6 @@
 """DistillTrainer on TRL's GKDTrainer: TRL's on-policy and seq-KD branches run (with a vocabulary-subset draft the
-generated ids stay in the subset), the cached teacher never runs the target per step, AdaSPEC trains with both
-teachers, and the LK / AdaSPEC math against hand-computed values. Tiny random models; CPU; a few steps each."""
+generated ids stay in the subset), the cached teacher never runs the target per step, and the LK math against
+hand-computed values. Tiny random models; CPU; a few steps each."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from distill.losses import adaspec_mask, distillation_loss
+from distill.losses import distillation_loss
 from tests.conftest import REPO, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
 
 with warnings.catch_warnings():
@@ -40,16 +40,6 @@ def test_lk_lambda_blends_kl_and_tv_by_the_detached_mean_acceptance():
     assert both[0].item() == pytest.approx(0.2940504, abs=1e-6) and both[1].item() == pytest.approx(0.0, abs=1e-6)
     both.sum().backward()  # λ is detached: the gradient is λ ∇KL + (1 − λ) ∇TV
     assert torch.isfinite(q.grad).all()
-
-
-def test_adaspec_keeps_the_configured_share_with_the_largest_draft_minus_reference_loss():
-    draft = torch.tensor([0.9, 0.2, 0.5, 0.4, 1.0, 0.3, 0.6, 0.7, 0.1, 0.8])
-    reference = torch.tensor([0.1, 0.3, 0.5, 0.0, 0.9, 0.0, 0.0, 0.6, 0.0, 0.8])
-    # Δ = (.8, −.1, 0, .4, .1, .3, .6, .1, .1, 0): the three largest are positions 0 (.8), 6 (.6), 3 (.4)
-    assert adaspec_mask(draft, reference, 0.3).nonzero().flatten().tolist() == [0, 3, 6]
-    assert adaspec_mask(draft, reference, 0.5).sum() == 5  # + position 5 (.3) and one of the .1 ties
-    assert adaspec_mask(draft, reference, 1.0).all()
-    assert adaspec_mask(draft[:3], reference[:3], 0.1).sum() == 1  # at least one token
 
 
 def test_dense_jsd_is_trls_generalized_jsd_loss(monkeypatch):
@@ -144,43 +134,14 @@ def test_seq_kd_batches_are_generated_by_the_target(tmp_path, spy_generation):
 
 
 @pytest.mark.parametrize("teacher", ["topk", "online"])
-def test_target_runs_only_when_the_loss_needs_it_and_adaspec_trains_with_both_teachers(tmp_path, teacher, monkeypatch):
+def test_target_runs_only_when_the_loss_needs_it(tmp_path, teacher):
     target, draft, rows = rows_and_models()
-    trainer = build(tmp_path, target, draft, rows, teacher=teacher, loss="lk_lambda", adaspec_keep=0.5)
+    trainer = build(tmp_path, target, draft, rows, teacher=teacher, loss="lk_lambda")
     forwards = []
     target.model.register_forward_hook(lambda *_: forwards.append(1))
-    kept = []
-    import distill.trainer as module
-
-    monkeypatch.setattr(module, "adaspec_mask", lambda d, r, k: kept.append((d.numel(), k)) or adaspec_mask(d, r, k))
     trainer.train()
     assert len(forwards) == (2 if teacher == "online" else 0)
-    assert len(kept) == 2 and all(k == 0.5 for _, k in kept)
     assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
-
-
-def test_adaspec_reference_is_a_distilled_draft_from_disk_seen_through_the_draft_subset(tmp_path):
-    from distill.trainer import load_reference
-    from pipeline.errors import PipelineError
-
-    target, draft, rows = rows_and_models()
-    reference_dir = tmp_path / "reference"
-    tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=7, tie=True).save_pretrained(reference_dir)
-    trainer = build(tmp_path / "run", target, draft, rows, vocab=SUBSET, adaspec_keep=0.5,
-                    adaspec_reference=str(reference_dir))
-    reference = trainer.reference
-    assert reference is not draft and not any(p.requires_grad for p in reference.parameters())
-    ids = torch.tensor([[2, 4, 7]])
-    assert reference(ids).logits.shape[-1] == len(SUBSET)  # the draft's FR-Spec columns
-    saved = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=7, tie=True)
-    assert torch.allclose(reference(ids).logits, saved(ids).logits[..., SUBSET])  # its own weights, not the draft's
-    trainer.train()
-    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
-    tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=2, seed=7, tie=True).save_pretrained(tmp_path / "deeper")
-    with pytest.raises(PipelineError, match="another shape"):
-        load_reference(str(tmp_path / "deeper"), draft, SUBSET)
-    with pytest.raises(PipelineError, match="not a model directory"):
-        load_reference(str(tmp_path / "nowhere"), draft, SUBSET)
 
 
 def test_teacher_labels_in_length_sorted_batches_come_back_in_row_order():

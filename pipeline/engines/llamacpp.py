@@ -195,7 +195,7 @@ def free_port() -> int:
 class Server:
     """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
     arguments are the server's own: models, draft flags, threads, context, log file, start timeout and parallel
-    slots (-np; one unless a caller batches requests, e.g. `python -m pipeline.tools collect-throughput`)."""
+    slots (-np; one unless a caller batches requests, as collect.backend=server does)."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
@@ -206,7 +206,7 @@ class Server:
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
         command = [str(binary(root, "llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-c", str(context), "-np", str(int(parallel)), "-t", str(threads or os.cpu_count() or 1),
-                   "--no-webui"]  # parallel > 1: that many slots decoded as one batch (collect throughput)
+                   "--no-webui"]  # parallel > 1: that many slots decoded as one batch
         if draft is not None:
             command += draft_flags(draft, settings)
         self.command, self.start_timeout, self.process = command, start_timeout, None

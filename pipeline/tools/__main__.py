@@ -15,10 +15,8 @@ from pipeline.params import CONF, compose_config
 
 SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tools/<subcommand>.yaml
     "learning-curve": "pipeline.tools.learning_curve",
-    "arms": "pipeline.tools.arms",
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
-    "collect-throughput": "pipeline.tools.collect_throughput",
     "sources": "pipeline.tools.sources",
     "gpu-check": "pipeline.tools.gpu_check",
 }

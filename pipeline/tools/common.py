@@ -1,4 +1,4 @@
-"""The harness of the subcommands that time (collect-throughput, gpu-check): eval's rotating order and clock
+"""The harness of the subcommand that times (gpu-check): eval's rotating order and clock
 (eval/harness.py `rotated` and `timed` on pipeline/timing.py's clock), so a tool's figures are measured the way eval
 measures its."""
 from __future__ import annotations
