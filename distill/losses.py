@@ -15,8 +15,7 @@ the trainer masks and averages), in fp32. **p is the target distribution, q the 
          λ per call (LK losses, Samarin et al. 2026, arXiv 2602.23881; the paper's text could not be retrieved, so
          the definitions are those of vLLM speculators' `nla` / `lk_hybrid` and NVIDIA Model-Optimizer's
          `masked_lk_lambda_loss`, which cite it)
-The loss temperature divides both
-models' logits before the softmax (no T² factor, as TRL).
+The loss temperature divides both models' logits before the softmax (no T² factor, as TRL).
 
 Two teacher forms. **Dense** (online target forward): teacher logits over the draft's classes; under an FR-Spec
 subset the target is sliced to the same rows, i.e. renormalised over the subset (mass outside it is unreachable for
