@@ -63,3 +63,21 @@ def test_a_decoder_returning_one_wrong_token_fails_the_exactness_check(setup, tm
     assert not result["passed"] and not check["passed"] and check["identical"] == 0
     if dtype == "bfloat16":  # rounding cannot explain it: the wrong token stays wrong in fp32
         assert check["fp32_persisting"] == [0, 1, 2, 3]
+
+
+def test_a_run_killed_midway_leaves_the_phases_it_finished(setup, tmp_path, monkeypatch):
+    """A device's time limit can end the run (a first H200 run ran past 200 s): each finished phase is on disk with
+    its time, and the result says it did not pass or fail."""
+    from pipeline.tools import gpu_check
+    from pipeline.tools.__main__ import main
+
+    def killed(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "speed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(gpu_check_args(setup, tmp_path))
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["passed"] is None and "speed" not in result
+    assert set(result["phase_seconds"]) == {"collect", "distill", "exactness decoder", "exactness hf_assisted"}
+    assert result["collect"]["rows"] == 4 and result["exactness"]["decoder"]["passed"]

@@ -221,22 +221,38 @@ def run(cfg) -> dict:
     args, started = options(cfg), time.time()
     turns = first_turns(args.prompts, args.n_prompts)
     m = load(cfg, args)
-    prompts = [encode_chat(m.tokenizer, [{"role": "user", "content": t["text"]}]).to(m.device) for t in turns]
-    rows, collected = collect(cfg, m, [{"id": f"p{k}", "domain": t["domain"], "turns": [t["text"]]}
-                                       for k, t in enumerate(turns)], args.collect_tokens)
-    with tempfile.TemporaryDirectory() as tmp:
-        export, distilled = distill(cfg, m, rows, args.distill_steps, Path(tmp))
-        m.draft = load_model(export, m.device, m.dtype)  # the export as a user loads it, in the serving dtype
-    m.export_config = copy.deepcopy(m.draft.generation_config)
-    n = args.max_new_tokens
-    checks = {"decoder": exactness(ours_plain, ours_speculative, m, prompts, n),
-              "hf_assisted": exactness(hf_plain, hf_assisted, m, prompts, n)}
     name = torch.cuda.get_device_name(m.device) if m.device.type == "cuda" else cpu_name()
     result = {"device": str(m.device), "device_name": name, "torch": torch.__version__,
               "transformers": transformers.__version__, "python": platform.python_version(),
               "dtype": str(m.dtype).removeprefix("torch."), "target": str(m.path), "random_weights": args.random_weights,
-              "settings": dict(vars(args)), "collect": collected, "distill": distilled, "exactness": checks,
-              "speed": speed(m, prompts, n, args.repeats)}
+              "settings": dict(vars(args)), "phase_seconds": {}, "passed": None}
+
+    def done(phase: str, began: float) -> None:
+        """The phase's time, and the result so far written at once: a run a time limit kills leaves what it measured."""
+        result["phase_seconds"][phase] = round(time.time() - began, 2)
+        write_json(args.out, result)
+        print(f"gpu-check: {phase} done in {result['phase_seconds'][phase]:.1f} s", flush=True)
+
+    prompts = [encode_chat(m.tokenizer, [{"role": "user", "content": t["text"]}]).to(m.device) for t in turns]
+    began = time.time()
+    rows, result["collect"] = collect(cfg, m, [{"id": f"p{k}", "domain": t["domain"], "turns": [t["text"]]}
+                                               for k, t in enumerate(turns)], args.collect_tokens)
+    done("collect", began)
+    began = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        export, result["distill"] = distill(cfg, m, rows, args.distill_steps, Path(tmp))
+        m.draft = load_model(export, m.device, m.dtype)  # the export as a user loads it, in the serving dtype
+    m.export_config = copy.deepcopy(m.draft.generation_config)
+    done("distill", began)
+    n, checks = args.max_new_tokens, result.setdefault("exactness", {})
+    for phase, (reference, candidate) in {"decoder": (ours_plain, ours_speculative),
+                                          "hf_assisted": (hf_plain, hf_assisted)}.items():
+        began = time.time()
+        checks[phase] = exactness(reference, candidate, m, prompts, n)
+        done(f"exactness {phase}", began)
+    began = time.time()
+    result["speed"] = speed(m, prompts, n, args.repeats)
+    done("speed", began)
     result |= {"seconds": time.time() - started, "passed": all(check["passed"] for check in checks.values())}
     write_json(args.out, result)
     print(table(result) + f"\nwrote {args.out}")
