@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from eval.harness import rotated
 from pipeline import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
+from pipeline.deadline import would_overrun
 from pipeline.engines import llamacpp
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, model_gguf, resolve_model
@@ -87,13 +89,19 @@ def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
              "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
 
 
-def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str) -> list[dict]:
+def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str,
+                   max_minutes: float | None = None) -> list[dict]:
     """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
-    rotating order (eval/harness.py), a seed per request shared by the methods."""
+    rotating order (eval/harness.py), a seed per request shared by the methods, while the next request fits in
+    eval.max_minutes (as eval's own loop: the first request of each domain always runs; requests are interleaved by
+    domain, so a cut takes from every domain alike)."""
     from tqdm.auto import tqdm
 
-    records = []
+    records, started, domains = [], time.time(), len({r["domain"] for r in requests})
     for k, request in enumerate(tqdm(requests, desc=f"eval ({engine})", unit="req", dynamic_ncols=True)):
+        if would_overrun(started, k, max_minutes, first_round=domains):
+            log(f"the next request would pass eval.max_minutes={max_minutes}: stopping after {k} of {len(requests)}")
+            break
         request_seed = derive_seed(seed, f"eval-{engine}", request["prompt_id"])
         for method in rotated(methods, k):
             tokens, seconds, stats = call(method, request, request_seed)
@@ -113,7 +121,7 @@ def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed
         timings, passes = out["timings"], out.get("passes") or []
         return out["tokens"], (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3, \
             EngineStats([a for a, _ in passes], [d for _, d in passes])
-    return engine_records(requests, list(plan), call, seed, "llamacpp")
+    return engine_records(requests, list(plan), call, seed, "llamacpp", settings.max_minutes)
 
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,
@@ -250,7 +258,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
         records = run_requests(requests, plan, servers, settings, int(cfg.seed), stop)
         greedy = settings.sampling.greedy
         metrics = {"engine": "llamacpp", "version": str(engine.version), "temperature": settings.temperature,
-                   "methods": list(plan), "target_gguf": target.name,
+                   "methods": list(plan), "target_gguf": target.name, "requests": requests_done(records, requests, plan),
                    "drafts": {name: p.name for name, p in drafts.items()},
                    "plan": {m: {d: {"draft": e[0], "flags": e[1].flags()} for d, e in by.items()} for m, by in plan.items()},
                    "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy,
@@ -260,6 +268,11 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
         write_engine_outputs(tmp, metrics, records)
     finish(metrics, tracker)
     return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+
+
+def requests_done(records: list[dict], requests: list[dict], methods) -> dict:
+    """How many of the planned requests ran (eval.max_minutes may stop the loop early)."""
+    return {"done": len(records) // max(1, len(methods)), "planned": len(requests)}
 
 
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
@@ -290,7 +303,10 @@ CONTROL_BAND = 0.05  # plain server against plain server: a reading further than
 
 def report(metrics: dict) -> str:
     name = ENGINE_NAMES[metrics["engine"]]
-    lines = [f"# {name} {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "",
+    ran = metrics.get("requests") or {}
+    cut = ([f"eval.max_minutes stopped the run after {ran['done']} of {ran['planned']} requests.", ""]
+           if ran and ran["done"] < ran["planned"] else [])
+    lines = [f"# {name} {metrics['version']}: plain vs drafts (T = {metrics['temperature']})", "", *cut,
              "| domain | method | tok/s | speedup [95% CI] | acceptance [95% CI] |", "|---|---|---|---|---|"]
     plan = metrics.get("plan") or {}
     for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:

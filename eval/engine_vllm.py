@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eval.engine_llamacpp import EngineStats, engine_records, finish, method_metrics, requests_of, write_engine_outputs
+from eval.engine_llamacpp import (EngineStats, engine_records, finish, method_metrics, requests_done, requests_of,
+                                  write_engine_outputs)
 from pipeline.atomic import atomic_dir
 from pipeline.chat import stop_token_ids
 from pipeline.decoding import DraftLength
@@ -125,10 +126,11 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
         generate(llm, requests[0]["ids"], settings, int(cfg.seed), stop)
     methods = list(plan)
     records = engine_records(requests, methods, lambda method, request, request_seed: generate(
-        engines[plan[method][request["domain"]]], request["ids"], settings, request_seed, stop), int(cfg.seed), "vllm")
+        engines[plan[method][request["domain"]]], request["ids"], settings, request_seed, stop), int(cfg.seed), "vllm",
+        settings.max_minutes)
     greedy = settings.sampling.greedy
     metrics = {"engine": "vllm", "version": __import__("vllm").__version__, "temperature": settings.temperature,
-               "methods": methods, "plan": plan, "source": source,
+               "methods": methods, "plan": plan, "source": source, "requests": requests_done(records, requests, methods),
                "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy) for d in prompts},
                "overall": method_metrics(records, greedy)}
     with atomic_dir(out_dir) as tmp:

@@ -356,3 +356,29 @@ def test_a_cached_build_with_other_flags_is_rebuilt_and_x86_builds_leave_out_the
     assert llamacpp.is_built(root) == (platform.machine().lower() not in ("x86_64", "amd64"))
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert any("-mno-amx-int8" in flag for flag in llamacpp.CMAKE_FLAGS)
+
+
+def test_eval_max_minutes_stops_an_engines_loop_after_a_round_of_domains(monkeypatch):
+    """eval.max_minutes bounds the engines' request loop as it bounds ours: each call here takes 30 s of a fake clock,
+    2 methods a request, 2 minutes allowed: the first round (one request a domain) runs, the next would end past the
+    budget; without a budget every request runs."""
+    import time as clock
+
+    from eval import engine_llamacpp as E
+
+    now = [1000.0]
+    monkeypatch.setattr(clock, "time", lambda: now[0])
+
+    def call(method, request, seed):
+        now[0] += 30.0
+        return [1, 2], 30.0, E.EngineStats([1], [1])
+
+    requests = [{"domain": d, "prompt_id": f"{d}{i}", "ids": [1]} for i in range(3) for d in ("chat", "code")]
+    cut = E.engine_records(requests, ["autoregressive", "speculative"], call, 0, "llamacpp", max_minutes=2)
+    assert E.requests_done(cut, requests, ["autoregressive", "speculative"]) == {"done": 2, "planned": 6}
+    assert {r["domain"] for r in cut} == {"chat", "code"}
+    whole = E.engine_records(requests, ["autoregressive", "speculative"], call, 0, "llamacpp")
+    assert len(whole) == 12
+    report = E.report({"engine": "llamacpp", "version": "x", "temperature": 0.7, "domains": {}, "overall": {},
+                       "requests": {"done": 2, "planned": 6}})
+    assert "stopped the run after 2 of 6 requests" in report
