@@ -1,11 +1,6 @@
-"""The pass costs of batched decoding at several batch sizes B: what decides where speculation stops paying
-(docs/architecture.md, "Where batched speculation stops paying").
-
-At each B the profile times the target's forward of 1 and of k tokens per row and the draft's 1-token step after a
-cached context, through the batched decoder's own forward (pipeline/decoding/batch.py `RaggedCache`), and the
-batched loop's host work per pass (`host_times`: the difference of a SHORT and a LONG call, less the forwards the
-LONG one ran beyond, per extra pass, in that B's 1-token steps, clamped at 0; the difference cancels what every call
-pays once). `batch_cost` turns it into the cost summary the one cost model prices.
+"""The pass costs of batched decoding at several batch sizes B, timed through the batched decoder itself: what
+decides where speculation stops paying (docs/architecture.md, "Where batched speculation stops paying", says how
+the host work is measured). `batch_cost` turns it into the cost summary the one cost model prices.
 
 Schema (VERSION 1): `version`; `machine`; `context`; `repeats`; `target` {B: {k: ms}}; `draft` {B: ms}; `host` {B:
 {plain: steps, chain: {γ: steps}}} and `host_settings` {sampling, new_tokens [SHORT, LONG], rounds}; a profile
@@ -34,10 +29,8 @@ HOST_ROUNDS = 3  # timed rounds of host calls after one warm-up, as pipeline/pas
 
 @torch.inference_mode()
 def forward_times(model, batch: int, tokens_fed, clock, repeats: int = 9, vocab=None, context: int = CONTEXT) -> dict:
-    """{k: median ms of one forward of k new tokens per row after `context` cached ones} at this batch size. The
-    context is read once and each timed forward cropped away again; every round times each k once, in rotating
-    order, so load that comes and goes during the profile moves every k alike rather than a few of them."""
-
+    """{k: median ms of one forward of k new tokens per row after `context` cached ones} at this batch size. Every
+    round times each k once, in rotating order, so load that comes and goes moves every k alike."""
     fed = sorted(set(int(k) for k in tokens_fed))
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, context + max(fed)), device=device)
@@ -56,11 +49,6 @@ def forward_times(model, batch: int, tokens_fed, clock, repeats: int = 9, vocab=
     return {k: 1000 * float(np.median(t)) for k, t in times.items()}
 
 
-def forward_ms(model, batch: int, tokens: int, clock, repeats: int = 9, vocab=None, context: int = CONTEXT) -> float:
-    """Median ms of one forward of `tokens` new tokens per row (forward_times of one k)."""
-    return forward_times(model, batch, [tokens], clock, repeats, vocab, context)[int(tokens)]
-
-
 def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=None, repeats: int = 9,
                           context: int = CONTEXT, sampling: Sampling = GREEDY, host_rounds: int = HOST_ROUNDS) -> dict:
     """The profile (module docstring) of these models on their device; tokens_fed: the k timed (1 and the host
@@ -72,7 +60,7 @@ def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=N
     for size in sorted(int(b) for b in batch_sizes):
         times = forward_times(target, size, fed, clock, repeats, None, context)
         profile["target"][str(size)] = {str(k): round(ms, 4) for k, ms in times.items()}
-        profile["draft"][str(size)] = round(forward_ms(draft, size, 1, clock, repeats, vocab, context), 4)
+        profile["draft"][str(size)] = round(forward_times(draft, size, [1], clock, repeats, vocab, context)[1], 4)
         seconds = host_times(target, draft, size, clock, vocab, sampling, context, host_rounds)
         profile["host"][str(size)] = host_block(seconds, batch_cost(profile, size))
     return profile

@@ -1,7 +1,6 @@
 """The paired bootstrap every stage's intervals use: eval's over requests, distill's keep_best over held-out rows."""
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import numpy as np
@@ -10,8 +9,6 @@ from scipy.stats import bootstrap
 CI_LEVEL = 0.95
 N_RESAMPLES = 9999
 BOOTSTRAP_SEED = 0  # fixed: the same samples always give the same interval
-# scipy ≥ 1.15 takes a Generator as `rng`; older releases (the floor is 1.11) only as `random_state`.
-_RNG_ARG = "rng" if "rng" in inspect.signature(bootstrap).parameters else "random_state"
 
 
 def bootstrap_ci(samples: tuple, statistic) -> list[float] | None:
@@ -27,8 +24,7 @@ def bootstrap_ci(samples: tuple, statistic) -> list[float] | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the degenerate-BCa warning: handled by the percentile fallback
             res = bootstrap(samples, statistic, paired=True, vectorized=True, n_resamples=N_RESAMPLES,
-                            confidence_level=CI_LEVEL, method=method,
-                            **{_RNG_ARG: np.random.default_rng(BOOTSTRAP_SEED)})
+                            confidence_level=CI_LEVEL, method=method, rng=np.random.default_rng(BOOTSTRAP_SEED))
         lo, hi = (float(v) for v in res.confidence_interval)
         if np.isfinite(lo) and np.isfinite(hi) and lo <= point <= hi:
             break

@@ -1,15 +1,9 @@
-"""What a decoding pass costs beyond its forwards: the decoder's own host work per pass (probabilities, sampling,
-acceptance, cache rollback, the loop and its policy), timed through the decoder itself, which a forwards-only
-model leaves out of every prediction.
+"""What a decoding pass costs beyond its forwards: the decoder's own host work per pass, timed through the decoder
+itself (cost_profile.json's `host`, docs/architecture.md "Cost profile"), which a forwards-only model leaves out.
 
-Measured as the decoder runs: plain decoding, chains of two lengths and token trees of two sizes, each decoding
-the same random prompt for a few dozen tokens, interleaved over rounds; per pass the host seconds are the call's
-time less its forwards (`DecodeStats`: total − prefill − draft and target forwards), divided by the plain run's
-median 1-token target step. The cost model (pipeline/decoding/cost.py `host_cost`) interpolates linearly in the
-number of drafted tokens (chains) or verified nodes (trees) between the points measured here.
-
-Schema (profile["host"]): `sampling`, `new_tokens`, `repeats`, `step_ms`; `plain` (steps per plain pass);
-`chain` {drafted: steps}, `tree` {nodes: steps}.
+Plain decoding, chains of two lengths and token trees of two sizes decode the same random prompt, interleaved over
+rounds; per pass the host seconds are the call's time less its forwards (`DecodeStats`), in the plain run's median
+1-token target steps. pipeline/decoding/cost.py `host_cost` interpolates between the points measured here.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""speculation_profile.json: per drafted position, how often a draft's tokens are accepted, with sample sizes, 95%
-intervals and the conditions they were measured under, written beside speculative.json (calibrate, from the
-held-out simulator) and as metrics.json `measured` (eval, from its own decodes). One builder for both; the fields
-(docs/architecture.md's table) follow NVIDIA Model-Optimizer's proposal (schema_version "1.0": PR #2247,
-examples/specdec_bench/specdec_bench/speculation_profile.py at commit edf879d3daf7879acdeb2dab9f54a591837da7b0).
-
-The intervals are percentile bootstrap intervals over units — held-out rows (calibrate) or requests (eval) — not
-Wilson intervals: the held-out figures are expected acceptances, not Bernoulli counts, and the windows of one row
-(the passes of one request) are correlated, so a per-position binomial interval would be too narrow.
+"""speculation_profile.json: per drafted position, how often a draft's tokens are accepted, with 95% intervals
+and the conditions they were measured under; calibrate writes it beside speculative.json (held-out simulator) and
+eval as metrics.json `measured` (its own decodes). Fields, their source (NVIDIA Model-Optimizer's proposal) and why
+the intervals are bootstrap intervals over units, not Wilson intervals: docs/architecture.md, "Speculation profile".
 """
 from __future__ import annotations
 
@@ -121,11 +116,9 @@ def _rounded(values) -> list[float]:
 def build(sections: dict[str, dict], overall: str, conditions: dict, *, target: dict | None, draft: dict | None,
           reported: dict | None = None) -> dict:
     """The profile: `sections[overall]`'s fields at the top (what a consumer of one vector reads), every other
-    section under `per_category`, the measurement conditions, and its `validation` (Model-Optimizer's two checks):
-    whether each section's marginals fall with k (averages over windows of different lengths need not: short rows
-    drop out of later positions) and, where the report gives a mean accepted length (`reported` = {"gamma": γ,
-    domain: mean}), whether the rates reproduce it within their interval. Both are recorded, not raised: a profile
-    that fails one still describes what was measured."""
+    section under `per_category`, the measurement conditions, and Model-Optimizer's two `validation` checks
+    (`mean_consistency` where `reported` = {"gamma": γ, domain: mean}), recorded, not raised: a profile that fails
+    one still describes what was measured."""
     top = sections[overall]
     profile = {"schema_version": SCHEMA_VERSION, "measured": True, "method": "draft_model",
                "draft_checkpoint": draft, "target_model": target, **top,

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.tools.__main__ import SUBCOMMANDS, compose, run
-from pipeline.tools.common import measure
+from pipeline.tools.gpu_check import measure
 from tests.conftest import REPO, distill_overrides
 
 
@@ -61,9 +61,9 @@ def test_the_harness_warms_up_then_rotates_who_runs_first_with_one_seed_per_requ
 
 
 def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(monkeypatch):
-    import pipeline.tools.common as common
+    import pipeline.tools.gpu_check as gpu_check
 
-    monkeypatch.setattr(common, "rotated", lambda names, k: names)  # the copy this harness replaced
+    monkeypatch.setattr(gpu_check, "rotated", lambda names, k: names)  # the copy this harness replaced
     calls = []
     measure(_fake_methods(calls), [{"ids": k, "domain": "d", "seed": k} for k in range(3)], n=1,
             clock=iter(range(100)).__next__)

@@ -16,7 +16,6 @@ import torch
 
 from distill import calibrate as cal
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
-from distill.job import HeldOuts, Inputs
 from distill.stage import RECORD, read_record
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
@@ -24,14 +23,6 @@ from pipeline.spec import SpeculativeSpec
 
 
 TEMPERATURES = ("serving", "calibrated", "argmax")
-
-
-def collect_heldouts(cfg) -> tuple[Inputs, HeldOuts]:
-    """The stages' inputs (no draft: each draft is loaded on its own) and the calibration and reporting parts of
-    paths.collect's held-out prompts (the same prompts, split and target distribution the stages use)."""
-    inputs = load_target_inputs(cfg, tracker=None)
-    _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
-    return inputs, build_heldouts(inputs, held_idx)
 
 
 def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temperature: str) -> torch.Tensor:
@@ -116,8 +107,10 @@ def run(cfg) -> dict:
         raise PipelineError(f"tool.part={part!r}: use reporting or calibration")
     if options.temperature not in TEMPERATURES:
         raise PipelineError(f"tool.temperature={options.temperature!r}: use one of {', '.join(TEMPERATURES)}")
-    inputs, heldouts = collect_heldouts(cfg)
-    heldout = getattr(heldouts, part)
+    # The stages' held-out prompts, split and target distribution; no draft: each is loaded on its own.
+    inputs = load_target_inputs(cfg, tracker=None)
+    _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
+    heldout = getattr(build_heldouts(inputs, held_idx), part)
     dtype = next(inputs.target.parameters()).dtype
     alphas = {path: draft_acceptance(path, heldout, dtype, str(options.temperature)) for path in drafts}
     table = compare(alphas, heldout)

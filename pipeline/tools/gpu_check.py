@@ -1,6 +1,6 @@
 """What a GPU changes, checked on one device through the product's own code: collect (data/collect_hf.py), a few
 distill steps (distill/trainer.py) and the export (distill/export.py), our decoder's greedy exactness and speed
-(pipeline/decoding, timed by the tools' harness), and HF assisted generation with the export.
+(pipeline/decoding, timed as eval times), and HF assisted generation with the export.
 
     python -m pipeline.tools gpu-check [tool.device=cuda] [tool.target=<dir> tool.random_weights=true] [tool.out=...]
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from eval.fidelity import divergence
+from eval.harness import rotated, timed
 from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
 from pipeline.chat import encode_chat, stop_token_ids
@@ -33,7 +34,6 @@ from pipeline.machine import cpu_name
 from pipeline.models import load_model, load_tokenizer, resolve_device
 from pipeline.timing import synced_clock
 from pipeline.prompts import load_prompts
-from pipeline.tools.common import measure
 
 
 # ---------------------------------------------------------------- the decoders, fn(models, ids, n) -> (tokens, stats)
@@ -56,6 +56,21 @@ def hf_assisted(m, ids, n):  # the export's own generation_config, as `generate(
 
 
 # ---------------------------------------------------------------- the checks
+def measure(methods: dict, requests: list[dict], n: int, clock, warmup_tokens: int = 8) -> dict[str, list[dict]]:
+    """{method: a record per request}, timed the way eval times (eval/harness.py): each method fn(ids, domain, n,
+    seed) -> (tokens, stats) decodes every request in eval's rotating order after an untimed warm-up on the first;
+    a request's seed is the same for every method."""
+    first = requests[0]
+    for fn in methods.values():
+        fn(first["ids"], first["domain"], warmup_tokens, first["seed"])
+    records: dict[str, list[dict]] = {name: [] for name in methods}
+    for k, request in enumerate(requests):
+        for name in rotated(list(methods), k):
+            tokens, stats, seconds = timed(methods[name], request["ids"], request["domain"], n, request["seed"], clock)
+            records[name].append({"tokens": tokens, "stats": stats, "time_s": seconds, "domain": request["domain"]})
+    return records
+
+
 def exactness(reference, candidate, m, prompts: list, n: int) -> dict:
     """Greedy outputs of two decoders on every prompt; each difference located (target's top-2 gap there) and, below
     fp32, both rerun in fp32 copies of the models."""

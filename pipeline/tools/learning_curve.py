@@ -209,11 +209,6 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
     return "\n".join(lines) + "\n"
 
 
-def check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise PipelineError(f"tool.out={out} is a file, not a directory: pass a directory to write the report into")
-
-
 def write_files(out: Path, writers: dict) -> None:
     """{file name: fn(path) that writes it}: all written into a staging directory beside `out`, then each renamed
     into `out`, so a failure leaves nothing half-written there."""
@@ -234,8 +229,10 @@ def drafts_and_out(tool) -> tuple[list[str], Path]:
         raise PipelineError("tool.drafts is empty: name draft export directories, 'tool.drafts=[<dir>,<dir>]'")
     if not tool.out:
         raise PipelineError("tool.out is not set: name the directory to write the report into, tool.out=<dir>")
-    check_out(Path(tool.out))
-    return drafts, Path(tool.out)
+    out = Path(tool.out)
+    if out.exists() and not out.is_dir():
+        raise PipelineError(f"tool.out={out} is a file, not a directory: pass a directory to write the report into")
+    return drafts, out
 
 
 def run(cfg) -> dict:
