@@ -28,24 +28,12 @@ STAGES = {
     "calibrate": ("distill.calibrate_stage", "distill.settings"),
     "eval": ("eval.stage", "eval.settings"),
 }
-ORDER = list(STAGES)
-
-
-def _module(name: str, role: int):
-    """The stage's run (role 0) or settings (role 1) module; a stage listed before its code exists is one line."""
-    path = STAGES[name][role]
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as e:
-        if e.name in (path, path.rsplit(".", 1)[0]):
-            raise PipelineError(f"stage {name!r} is not implemented yet") from None
-        raise
 
 
 def stages_of(stage: str) -> list[str]:
     """The stages `stage=<stage>` runs (params: every stage, whose settings the file will hold)."""
     if stage in ("all", "params"):
-        return ORDER
+        return list(STAGES)
     if stage not in STAGES:
         raise PipelineError(f"unknown stage {stage!r}: use stage={'|'.join(STAGES)}|all|params")
     return [stage]
@@ -58,11 +46,11 @@ def check_settings(cfg: DictConfig) -> None:
     if cfg.stage == "all":
         DeadlineSettings.from_cfg(cfg)
     for name in stages_of(cfg.stage):
-        _module(name, 1).check_settings(cfg)
+        importlib.import_module(STAGES[name][1]).check_settings(cfg)
 
 
 def run_stage(name: str, cfg: DictConfig, nested: bool = False) -> dict:
-    module = _module(name, 0)
+    module = importlib.import_module(STAGES[name][0])
     t0 = time.time()
     with start_run(cfg, name, nested=nested) as tracker:
         result = module.run(cfg, tracker) or {}
@@ -122,7 +110,7 @@ def run_all(cfg: DictConfig) -> dict:
     clock = RunDeadline(settings) if settings.minutes is not None else None
     results, unit_s = {}, None
     with start_run(cfg, "all") as tracker:
-        for name in ORDER:
+        for name in STAGES:
             stage_cfg = cfg
             if clock is not None and name in BUDGET_KEYS:
                 unit_s = unit_s or verify_pass_seconds(cfg)  # timed once: off a CPU it loads the target

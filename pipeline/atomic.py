@@ -16,10 +16,8 @@ os.umask(_UMASK)
 
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `final` in one rename.
-
-    On any exception the temporary directory is removed and `final` is left untouched.
-    """
+    """Yield a temporary sibling directory; on success it replaces `final` in one rename, on an exception it is
+    removed and `final` is left untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))

@@ -94,11 +94,8 @@ def would_overrun(started: float, done: int, budget_minutes: float | None, first
 
 def verify_pass_seconds(cfg: DictConfig) -> float:
     """The unit the fixed work is priced in: the target's 5-token verify pass on the run's device and dtype (the
-    dtype probe's figure on a CPU, timed once per machine and cached; a timed forward elsewhere). The fixed work is
-    mostly multi-token forwards (held-out passes, the cost profile's verify sweeps, the fidelity check), whose time
-    tracked this pass across days on one machine where the 1-token step's did not; across thread counts it tracks
-    eval's but over-prices calibrate's, whose batched passes scale less (docs/results.md, "The default run with the
-    fixed work priced in verify passes")."""
+    dtype probe's cached figure on a CPU). The fixed work is mostly multi-token forwards, whose time tracks this
+    pass, not the 1-token step (docs/results.md, "The default run with the fixed work priced in verify passes")."""
     from pipeline.dtype import VERIFY_FED, cpu_timings, time_forward
     from pipeline.models import load_model, resolve_device, resolve_model
 

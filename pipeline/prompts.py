@@ -26,10 +26,8 @@ def _from_spec_bench(obj: dict) -> dict:
 
 
 def validate_prompt(obj, where: str) -> dict:
-    """Check one prompt object and return it in our schema; `where` names it in the error.
-
-    Raises PipelineError("<where>: <problem>; <fix>") on a missing or wrong-typed field.
-    """
+    """One prompt object in our schema, or PipelineError("<where>: <problem>; <fix>") for a missing or
+    wrong-typed field."""
     if not isinstance(obj, dict):
         raise PipelineError(f"{where}: expected a JSON object, got {type(obj).__name__}; "
                             'write one object per line like {"id": ..., "domain": ..., "turns": [...]}')
@@ -105,10 +103,8 @@ def normalized_text(prompt: dict) -> str:
 
 
 def load_split(prompts_dir: str | Path, split: str, domains: Iterable[str] | None = None) -> list[dict]:
-    """Prompts of one split written by the prepare stage, optionally only some domains.
-
-    Later stages call this; it fails with one line when prepare has not run or a domain is unknown.
-    """
+    """Prompts of one split written by the prepare stage, optionally only some domains; one line when prepare
+    has not run or a domain is unknown."""
     if split not in SPLITS:
         raise PipelineError(f"unknown split {split!r}; use one of {list(SPLITS)}")
     path = Path(prompts_dir) / f"{split}.jsonl"

@@ -1,8 +1,6 @@
 """Which collected prompts train the draft, which calibrate it and which report on it, and which train prompts collect
-answers with the draft (collect.onpolicy): distill's rule, in the core so that collect applies the same one.
-
-All turns and samples of a prompt stay on one side, and the split depends only on the prompt ids and the seed
-(not on row order), so a resumed or re-collected run splits the same way.
+answers with the draft (collect.onpolicy): distill's rule, in the core so that collect applies the same one. Every
+split depends only on the prompt ids and the seed, so a resumed or re-collected run splits the same way.
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, 
     is still a share of all the domain's prompts, so the held-out prompts are those of a collect without them."""
     drafted = {p for p, origin in zip(prompt_ids, origins or ()) if origin != "target"}
     held = set()
-    for pids in _prompts_by_domain(prompt_ids, domains).values():
-        order = sorted(pids, key=lambda p: _hash(seed, p))
+    for order in _ordered_by_domain(prompt_ids, domains, seed):
         n = 0 if len(order) < 2 else max(1, round(fraction * len(order)))
         n = min(n, int(max_heldout)) if max_heldout else n
         held.update([p for p in order if p not in drafted][:n])
@@ -33,8 +30,7 @@ def nested_subset(prompt_ids: list[str], domains: list[str], fraction: float, se
     prompts in a fixed hash order (at least one), so a smaller fraction's prompts are always among a larger
     one's and every point keeps the domain mix."""
     kept = set()
-    for pids in _prompts_by_domain(prompt_ids, domains).values():
-        order = sorted(pids, key=lambda p: _hash(f"{seed}/train", p))
+    for order in _ordered_by_domain(prompt_ids, domains, f"{seed}/train"):
         kept.update(order[:max(1, round(fraction * len(order)))])
     return [i for i, p in enumerate(prompt_ids) if p in kept]
 
@@ -46,8 +42,8 @@ def onpolicy_prompts(prompt_ids: list[str], domains: list[str], share: float, fr
     among a larger one's."""
     train, _ = split_by_prompt(prompt_ids, domains, fraction, max_heldout, seed)
     chosen = set()
-    for pids in _prompts_by_domain([prompt_ids[i] for i in train], [domains[i] for i in train]).values():
-        chosen.update(sorted(pids, key=lambda p: _hash(f"{seed}/onpolicy", p))[:round(share * len(pids))])
+    for order in _ordered_by_domain([prompt_ids[i] for i in train], [domains[i] for i in train], f"{seed}/onpolicy"):
+        chosen.update(order[:round(share * len(order))])
     return chosen
 
 
@@ -55,8 +51,7 @@ def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed:
     """Held-out row indices -> (calibration, reporting, disjoint). Per domain a `share` of the prompts (by
     another hash) calibrates and the rest reports; a domain with one held-out prompt uses it for both."""
     calibration, reporting, disjoint = set(), set(), True
-    for pids in _prompts_by_domain(prompt_ids, domains).values():
-        order = sorted(pids, key=lambda p: _hash(f"{seed}/calibration", p))
+    for order in _ordered_by_domain(prompt_ids, domains, f"{seed}/calibration"):
         if len(order) < 2:
             disjoint = False
             calibration.update(order)
@@ -69,12 +64,10 @@ def split_heldout(prompt_ids: list[str], domains: list[str], share: float, seed:
             [i for i, p in enumerate(prompt_ids) if p in reporting], disjoint)
 
 
-def _prompts_by_domain(prompt_ids, domains) -> dict[str, set[str]]:
+def _ordered_by_domain(prompt_ids, domains, salt) -> list[list[str]]:
+    """Each domain's distinct prompt ids, ordered by sha256(salt/prompt_id)."""
     by_domain: dict[str, set[str]] = {}
     for pid, domain in zip(prompt_ids, domains):
         by_domain.setdefault(domain, set()).add(pid)
-    return by_domain
-
-
-def _hash(seed, prompt_id: str) -> str:
-    return hashlib.sha256(f"{seed}/{prompt_id}".encode()).hexdigest()
+    return [sorted(pids, key=lambda p: hashlib.sha256(f"{salt}/{p}".encode()).hexdigest())
+            for pids in by_domain.values()]
