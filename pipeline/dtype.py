@@ -66,8 +66,3 @@ def cpu_timings(model_path: str | Path, cache_dir: str | Path | None = None) -> 
         shown = ", ".join(f"{d} {t['step_ms']:.0f} / {t['verify5_ms']:.0f} ms" for d, t in timings.items())
         print(f"[runtime] dtype=auto: {choice} on this CPU (1-token / 5-token forward: {shown}; cached in {cache})")
     return known[key]
-
-
-def measured_cpu_dtype(model_path: str | Path, cache_dir: str | Path | None = None) -> str:
-    """The CPU dtype whose decoding step + 5-token verify pass is cheaper for this model here (cached)."""
-    return cpu_timings(model_path, cache_dir)["dtype"]

