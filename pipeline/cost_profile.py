@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from scipy.optimize import isotonic_regression
 
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
@@ -174,26 +175,14 @@ def shapes_of(model, head_rows: int | None = None) -> dict:
     return out
 
 
-def _ratios(profile: dict, context: int | None, kind: str = "target") -> tuple[list[int], list[float]]:
-    """Measured token counts and their verify ratios (kind "target": chain verifies, "tree_target": tree
-    verifies), clamped to ≥ 1 and made non-decreasing by an isotonic fit (pool adjacent violators): feeding more
-    tokens is never cheaper, so a dip is noise."""
-    table = profile[kind][str(context or min(profile["settings"]["contexts"]))]
+def verify_ratio(profile: dict, gamma: int, kind: str = "target") -> float:
+    """r_γ = the target's (γ+1)-token forward / its 1-token forward at the shortest context, interpolated linearly
+    between measured token counts and extended along the last segment beyond them; kind "tree_target": the same
+    forward run as a tree verify. The measured ratios are clamped to ≥ 1 and made non-decreasing by an isotonic
+    fit: feeding more tokens is never cheaper, so a dip is noise."""
+    table = profile[kind][str(min(profile["settings"]["contexts"]))]
     ks = sorted(int(k) for k in table)
-    blocks: list[list[float]] = []  # [mean, count]
-    for y in (max(1.0, table[str(k)]["ratio"]) for k in ks):
-        blocks.append([y, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m0, n0) = blocks.pop(), blocks.pop()
-            blocks.append([(m0 * n0 + m1 * n1) / (n0 + n1), n0 + n1])
-    return ks, [m for m, n in blocks for _ in range(int(n))]
-
-
-def verify_ratio(profile: dict, gamma: int, context: int | None = None, kind: str = "target") -> float:
-    """r_γ = the target's (γ+1)-token forward / its 1-token forward at `context` (default the shortest),
-    interpolated linearly between measured token counts and extended along the last segment beyond them;
-    kind "tree_target": the same forward run as a tree verify."""
-    ks, rs = _ratios(profile, context, kind)
+    rs = isotonic_regression([max(1.0, table[str(k)]["ratio"]) for k in ks]).x.tolist()
     x = gamma + 1
     if len(ks) == 1 or x <= 1:
         return 1.0
