@@ -43,7 +43,6 @@ class _NullRun:
     """Stands in for MLflow when tracking is disabled, so stage code never branches on it."""
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None: ...
-    def log_params(self, params: dict) -> None: ...
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
     def log_artifacts(self, path: str, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
@@ -57,9 +56,6 @@ class _MlflowRun(_NullRun):
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v == v}
         if clean:
             self.mlflow.log_metrics(clean, step=step)
-
-    def log_params(self, params: dict) -> None:
-        self.mlflow.log_params(params)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if os.path.exists(path):
@@ -86,8 +82,8 @@ def start_run(cfg: DictConfig, name: str, nested: bool = False) -> Iterator[_Nul
     mlflow.set_tracking_uri(tracking_uri(cfg))
     mlflow.set_experiment(cfg.tracking.experiment)
     with mlflow.start_run(run_name=name, nested=nested):
+        mlflow.log_params(flatten(OmegaConf.to_container(cfg, resolve=True)))
         run = _MlflowRun(mlflow)
-        run.log_params(flatten(OmegaConf.to_container(cfg, resolve=True)))
         run.set_tags({"stage": name, "git_commit": git_commit(), "model_preset": cfg.model.name,
                       "target": cfg.model.target.name, "draft": cfg.model.draft.name})
         yield run
