@@ -164,7 +164,6 @@ def _from_hub(repo_id: str, name: str) -> Path:
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load a causal LM from a resolved directory, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     try:

@@ -4,12 +4,11 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from data.sources import python_faq_from_rst
-from pipeline.atomic import atomic_file
 from pipeline.errors import PipelineError
+from pipeline.prompts import write_prompts
 
 
 def run(cfg) -> list[dict]:
@@ -18,7 +17,6 @@ def run(cfg) -> list[dict]:
         raise PipelineError(f"tool.faq_dir={faq_dir} holds no *.rst.txt: pass the Python docs' _sources/faq directory "
                             "(data/SOURCES.md says how to get it)")
     prompts = python_faq_from_rst(Path(faq_dir))
-    with atomic_file(cfg.tool.out) as f:
-        f.writelines(json.dumps(prompt, ensure_ascii=False) + "\n" for prompt in prompts)
+    write_prompts(cfg.tool.out, prompts)
     print(f"wrote {len(prompts)} prompts to {cfg.tool.out}")
     return prompts
