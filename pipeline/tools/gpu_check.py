@@ -27,11 +27,11 @@ from eval.harness import rotated, timed
 from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
 from pipeline.chat import encode_chat, stop_token_ids
+from pipeline.cost_profile import machine, random_model
 from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
 from pipeline.engines.hf import hf_generate
 from pipeline.errors import PipelineError
-from pipeline.machine import cpu_name
-from pipeline.models import load_model, load_tokenizer, resolve_device
+from pipeline.models import load_model, load_tokenizer, resolve_device, resolve_model
 from pipeline.timing import synced_clock
 from pipeline.prompts import load_prompts
 
@@ -171,8 +171,6 @@ def first_turns(path: str | Path, n: int) -> list[dict]:
 
 def target_dir(cfg) -> Path:
     """tool.target, else the model preset's (converted) target."""
-    from pipeline.models import resolve_model
-
     if cfg.tool.target is None:
         return resolve_model(cfg.model.target, "target", cfg.paths)
     if not (Path(cfg.tool.target) / "config.json").is_file():
@@ -190,8 +188,6 @@ def options(cfg) -> SimpleNamespace:
 
 def load(cfg, args) -> SimpleNamespace:
     """The target on tool.device in runtime.dtype (random weights of its config with tool.random_weights)."""
-    from pipeline.cost_profile import random_model
-
     path = target_dir(cfg)
     device, dtype = resolve_device({"device": args.device, "dtype": cfg.runtime.dtype},
                                    None if args.random_weights else path, cfg.paths.models)
@@ -231,15 +227,13 @@ def table(r: dict) -> str:
 
 
 def run(cfg) -> dict:
-    import transformers
-
     args, started = options(cfg), time.time()
     turns = first_turns(args.prompts, args.n_prompts)
     m = load(cfg, args)
-    name = torch.cuda.get_device_name(m.device) if m.device.type == "cuda" else cpu_name()
-    result = {"device": str(m.device), "device_name": name, "torch": torch.__version__,
-              "transformers": transformers.__version__, "python": platform.python_version(),
-              "dtype": str(m.dtype).removeprefix("torch."), "target": str(m.path), "random_weights": args.random_weights,
+    info = machine(m.device, m.dtype)
+    result = {"device": str(m.device), "device_name": info["device_name"], "torch": info["torch_version"],
+              "transformers": info["transformers_version"], "python": platform.python_version(),
+              "dtype": info["dtype"], "target": str(m.path), "random_weights": args.random_weights,
               "settings": dict(vars(args)), "phase_seconds": {}, "passed": None}
 
     def done(phase: str, began: float) -> None:
