@@ -12,6 +12,7 @@ import sys
 import time
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, verify_pass_seconds
@@ -127,8 +128,6 @@ def run_all(cfg: DictConfig) -> dict:
 
 
 def _task_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
     return list(HydraConfig.get().overrides.task)
 
 

@@ -16,7 +16,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from scipy.optimize import isotonic_regression
+import transformers
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from pipeline.atomic import write_json
 from pipeline.errors import PipelineError
@@ -43,8 +45,6 @@ class _Timed:
     """A model on a KV cache prefilled to a fixed length; each timed forward is cropped back to it."""
 
     def __init__(self, model, rows, context: torch.Tensor):
-        from transformers import DynamicCache
-
         self.model, self.rows, self.length = model, rows, context.shape[1]
         self.clock = synced_clock(context.device)
         self.cache = DynamicCache(config=model.config)
@@ -156,8 +156,6 @@ def canary_warning(profile: dict) -> str | None:
 
 def machine(device: torch.device, dtype: torch.dtype) -> dict:
     """What the times depend on besides the shapes."""
-    import transformers
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": device.type, "device_name": name, "dtype": str(dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
@@ -180,6 +178,8 @@ def verify_ratio(profile: dict, gamma: int, kind: str = "target") -> float:
     between measured token counts and extended along the last segment beyond them; kind "tree_target": the same
     forward run as a tree verify. The measured ratios are clamped to ≥ 1 and made non-decreasing by an isotonic
     fit: feeding more tokens is never cheaper, so a dip is noise."""
+    from scipy.optimize import isotonic_regression
+
     table = profile[kind][str(min(profile["settings"]["contexts"]))]
     ks = sorted(int(k) for k in table)
     rs = isotonic_regression([max(1.0, table[str(k)]["ratio"]) for k in ks]).x.tolist()
@@ -258,8 +258,6 @@ def _check_shapes(theirs: dict, ours: dict, role: str, where: str) -> None:
 def random_model(config_source: str | Path, dtype: torch.dtype | str = torch.float32, device="cpu", seed: int = 0):
     """A causal LM with random weights and the shapes of `config_source` (see `model_config`), in eval mode.
     Step times depend on shapes, dtype and hardware, not on weight values."""
-    from transformers import AutoModelForCausalLM
-
     config = model_config(config_source)
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     torch.manual_seed(seed)
@@ -275,8 +273,6 @@ def random_model(config_source: str | Path, dtype: torch.dtype | str = torch.flo
 def model_config(source: str | Path):
     """A transformers config from a config.json file, a directory holding one, or a model preset of this repo
     (a name in conf/model/ or a path to its yaml), optionally suffixed `:draft` for the preset's draft."""
-    from transformers import AutoConfig
-
     text = str(source)
     name, role = (text, "target") if os.path.exists(text) else (text.rsplit(":", 1) + ["target"])[:2]
     path = Path(name).expanduser()
@@ -300,8 +296,6 @@ def model_config(source: str | Path):
 def _preset_config(preset: Path, role: str):
     """The config of a preset's target or draft; a derived or fresh draft is the target's config resized as
     distill builds it (layers subset, narrowed width, or `fresh` sizes)."""
-    from omegaconf import OmegaConf
-
     spec = OmegaConf.merge(OmegaConf.load(REPO / "conf/model/_base.yaml"), OmegaConf.load(preset))
     if role not in ("target", "draft"):
         raise PipelineError(f"unknown role {role!r} in {preset.stem}:{role}: use {preset.stem} or {preset.stem}:draft")
@@ -331,8 +325,6 @@ def _preset_config(preset: Path, role: str):
 def _spec_config(spec, role: str, preset: str):
     """A preset role's config.json without downloading: its local directory, the hub cache, or the converted
     directory a stage writes under artifacts/models for a packaged GGUF."""
-    from transformers import AutoConfig
-
     path, package = spec.get("path"), spec.get("package")
     candidates = [Path(path).expanduser()] if path else []
     if package:

@@ -4,6 +4,7 @@ packaged and GGUF sources are converted once into a safetensors directory under 
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -217,8 +218,6 @@ def derive_draft(target, layers: list[int]):
     final norm and output head copied in (Llama/Qwen2-style models). The result is an ordinary
     `*ForCausalLM` of the same class, so it saves, reloads and plugs into HF `generate`.
     """
-    import copy
-
     n = target.config.num_hidden_layers
     if not layers:
         raise PipelineError("draft layer list is empty: set model.draft.derive.layers, e.g. [0, 1]")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from omegaconf import OmegaConf
+
 from pipeline.errors import PipelineError
 from pipeline.params import CONF, compose_config
 
@@ -24,8 +26,6 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
 
 def compose(subcommand: str, overrides: list[str]):
     """conf/config.yaml with the subcommand's settings under `tool` (MLflow off: a tool makes no run)."""
-    from omegaconf import OmegaConf
-
     cfg = compose_config(["tracking.enabled=false", f"+tools={subcommand}", *overrides])
     declared = set(OmegaConf.load(CONF / "tools" / f"{subcommand}.yaml"))
     undeclared = sorted(set(cfg.tool) - declared)

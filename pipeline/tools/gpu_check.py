@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from eval.fidelity import divergence
 from eval.harness import rotated, timed
@@ -128,7 +129,6 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     """model.draft built from the target, `steps` DistillTrainer steps on the rows (distill.objective and .trainer,
     as the stage passes them), exported as the stage writes a draft; returns the export's directory."""
     from datasets import Dataset
-    from omegaconf import OmegaConf
 
     from distill.export import save_draft
     from distill.settings import OUR_TRAINER_KEYS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -212,8 +213,6 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
 def write_files(out: Path, writers: dict) -> None:
     """{file name: fn(path) that writes it}: all written into a staging directory beside `out`, then each renamed
     into `out`, so a failure leaves nothing half-written there."""
-    import tempfile
-
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as staging:
         for name, write in writers.items():
