@@ -1,6 +1,3 @@
-"""User-facing errors: one line that names the problem and the fix, exit code 2, no traceback."""
-
-
 class PipelineError(Exception):
     """Bad input or environment, reported as one line "<what is wrong>: <how to fix it>", exit 2, no traceback
     (unless `hydra.verbose` is set)."""
