@@ -1,7 +1,6 @@
-"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), spent where this machine's speed allows:
-before each stage the time left, less the fixed work of the stages still to run (priced in target verify passes at
-the pass this machine measured), is split among the budgeted loops still to run (docs/architecture.md, "A deadline for
-the whole run"). A stage's own budget only ever gets lower, and the next stage plans again from the clock.
+"""A wall-clock budget for the whole run (`stage=all`, `deadline.minutes`), split among the budgeted loops still to
+run before each stage (docs/architecture.md, "A deadline for the whole run"). A stage's own budget only ever gets
+lower, and the next stage plans again from the clock.
 """
 from __future__ import annotations
 

@@ -55,10 +55,6 @@ def resolve_device(runtime: DictConfig | dict | None, model_path: str | Path | N
     return torch.device(device), DTYPES[dtype]
 
 
-def _looks_like_hub_id(s: str) -> bool:
-    return s.count("/") == 1 and not s.startswith((".", "/", "~")) and not os.path.exists(s)
-
-
 def _convert(load_dir: str, gguf_file: str | None, out: Path, dtype: torch.dtype, provenance: dict) -> None:
     """De-quantise a GGUF (or copy an HF dir) into a plain safetensors directory, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,7 +122,7 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
             if not (out / "config.json").exists():
                 _convert(str(Path(path).parent), Path(path).name, out, dtype, {"gguf": os.path.abspath(path)})
             return out
-        if _looks_like_hub_id(path):
+        if path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path):  # org/name
             return _from_hub(path, name)
         raise PipelineError(f"model path {path} does not exist: fix {name}.path (a local directory, "
                             "a .gguf file, or a hub id like org/name)")
