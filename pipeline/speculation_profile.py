@@ -53,16 +53,10 @@ def position_counts(stats) -> tuple[list[int], list[int]]:
     """One decode's (its pipeline.decoding DecodeStats) accepted and proposed counts per draft position k = 1..d:
     a verify pass that accepted n of d drafted tokens counts positions 1..d as proposed and 1..n as accepted
     (acceptance stops at the first rejection; a tree's positions are its depths)."""
-    proposed: list[int] = []
-    accepted: list[int] = []
-    for d, n in zip(getattr(stats, "depths", None) or stats.drafted, stats.accepted):
-        if d > len(proposed):
-            proposed += [0] * (d - len(proposed))
-            accepted += [0] * (d - len(accepted))
-        for k in range(d):
-            proposed[k] += 1
-            accepted[k] += k < n
-    return accepted, proposed
+    passes = list(zip(getattr(stats, "depths", None) or stats.drafted, stats.accepted))
+    width = max((d for d, _ in passes), default=0)
+    return ([sum(d > k and n > k for d, n in passes) for k in range(width)],
+            [sum(d > k for d, _ in passes) for k in range(width)])
 
 
 def position_table(stats_list) -> tuple[np.ndarray, np.ndarray]:

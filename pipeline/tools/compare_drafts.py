@@ -27,16 +27,12 @@ def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temper
     ${paths.trained}, uncalibrated), through its own FR-Spec head, the draft at the serving temperature, its own
     calibrated τ, or drafting its argmax (llama.cpp's and SGLang's rule: α = p_T(argmax q))."""
     calibrated = temperature == "calibrated"
-    record = Path(path).parent / RECORD
-    if (Path(path) / "speculative.json").is_file():
-        spec = SpeculativeSpec.read(path)
-        subset = spec.vocab_subset
-    elif record.is_file() and not calibrated:
-        spec, subset = None, read_record(Path(path).parent)["vocab_subset"]
-    else:
+    spec = SpeculativeSpec.read(path)
+    if spec is None and (calibrated or not (Path(path).parent / RECORD).is_file()):
         raise PipelineError(f"{path} is not a draft export (no speculative.json) nor, at the serving temperature, a "
                             "trained draft (no training.json beside it): pass paths.draft or paths.trained/draft")
-    draft = load_model(path, dtype=dtype).eval()
+    subset = spec.vocab_subset if spec is not None else read_record(Path(path).parent)["vocab_subset"]
+    draft = load_model(path, dtype=dtype)
     vocab = torch.tensor(subset) if subset else None
     if calibrated:
         taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
