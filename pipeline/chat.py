@@ -7,18 +7,11 @@ import torch
 def stop_token_ids(tokenizer, model=None) -> list[int]:
     """Every id that ends a chat turn: the tokenizer's EOS, the generation config's EOS ids, and
     the template's end-of-turn marker when present (SmolLM2 and Qwen use `<|im_end|>`)."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
-        tid = tokenizer.get_vocab().get(marker)
-        if tid is not None:
-            ids.add(int(tid))
-    return sorted(ids)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    vocab = tokenizer.get_vocab()
+    ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]),
+           *(vocab.get(marker) for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>"))]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 def messages_for(prompt: dict, answers: list[str], turn: int) -> list[dict]:

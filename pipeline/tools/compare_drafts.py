@@ -49,13 +49,10 @@ def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
     for domain, mask in cal.domain_index(heldout).items():
         sums = {name: cal.row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
         counts = sums[names[0]][1]
-        entry = {"rows": len(counts), "positions": int(counts.sum()),
-                 "acceptance": {name: float(s.sum() / counts.sum()) for name, (s, _) in sums.items()},
-                 "difference": {}}
-        for name in names[1:]:
-            delta, ci = cal.paired_difference(sums[names[0]][0], sums[name][0], counts)
-            entry["difference"][name] = [delta, ci]
-        table[domain] = entry
+        table[domain] = {"rows": len(counts), "positions": int(counts.sum()),
+                         "acceptance": {name: float(s.sum() / counts.sum()) for name, (s, _) in sums.items()},
+                         "difference": {name: list(cal.paired_difference(sums[names[0]][0], sums[name][0], counts))
+                                        for name in names[1:]}}
     return table
 
 
