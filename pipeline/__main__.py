@@ -31,22 +31,15 @@ STAGES = {
 }
 
 
-def stages_of(stage: str) -> list[str]:
-    """The stages `stage=<stage>` runs (params: every stage, whose settings the file will hold)."""
-    if stage in ("all", "params"):
-        return list(STAGES)
-    if stage not in STAGES:
-        raise PipelineError(f"unknown stage {stage!r}: use stage={'|'.join(STAGES)}|all|params")
-    return [stage]
-
-
 def check_settings(cfg: DictConfig) -> None:
-    """The settings of every stage `cfg.stage` runs, checked before the first one starts: a bad value for a later
-    stage fails in one line before the earlier ones spend minutes. What needs files or models is checked where
-    those load."""
+    """The settings of every stage `cfg.stage` runs (params: every stage, whose settings the file will hold),
+    checked before the first one starts: a bad value for a later stage fails in one line before the earlier ones
+    spend minutes. What needs files or models is checked where those load."""
+    if cfg.stage not in (*STAGES, "all", "params"):
+        raise PipelineError(f"unknown stage {cfg.stage!r}: use stage={'|'.join(STAGES)}|all|params")
     if cfg.stage == "all":
         DeadlineSettings.from_cfg(cfg)
-    for name in stages_of(cfg.stage):
+    for name in STAGES if cfg.stage in ("all", "params") else [cfg.stage]:
         importlib.import_module(STAGES[name][1]).check_settings(cfg)
 
 
