@@ -95,12 +95,8 @@ def _intervals(draws) -> list[list[float] | None]:
     if len(draws) == 0:
         return [None] * draws.shape[-1]
     tail = 100 * (1 - CI_LEVEL) / 2
-    out = []
-    for column in np.asarray(draws).T:
-        column = column[np.isfinite(column)]
-        out.append([round(float(np.percentile(column, tail)), 6), round(float(np.percentile(column, 100 - tail)), 6)]
-                   if len(column) else None)
-    return out
+    finite = (column[np.isfinite(column)] for column in np.asarray(draws).T)
+    return [[round(float(v), 6) for v in np.percentile(c, (tail, 100 - tail))] if len(c) else None for c in finite]
 
 
 def _rounded(values) -> list[float]:

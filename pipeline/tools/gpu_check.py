@@ -169,15 +169,6 @@ def first_turns(path: str | Path, n: int) -> list[dict]:
     return [{"domain": row.get("domain", "default"), "text": row["turns"][0]} for row in rows[::step]][:n]
 
 
-def target_dir(cfg) -> Path:
-    """tool.target, else the model preset's (converted) target."""
-    if cfg.tool.target is None:
-        return resolve_model(cfg.model.target, "target", cfg.paths)
-    if not (Path(cfg.tool.target) / "config.json").is_file():
-        raise PipelineError(f"tool.target={cfg.tool.target} is not an HF model directory (no config.json)")
-    return Path(cfg.tool.target)
-
-
 def options(cfg) -> SimpleNamespace:
     args = SimpleNamespace(**cfg.tool)
     for key in ("n_prompts", "collect_tokens", "distill_steps", "max_new_tokens", "gamma", "repeats"):
@@ -187,8 +178,14 @@ def options(cfg) -> SimpleNamespace:
 
 
 def load(cfg, args) -> SimpleNamespace:
-    """The target on tool.device in runtime.dtype (random weights of its config with tool.random_weights)."""
-    path = target_dir(cfg)
+    """The target (tool.target, else the model preset's converted one) on tool.device in runtime.dtype (random
+    weights of its config with tool.random_weights)."""
+    if cfg.tool.target is None:
+        path = resolve_model(cfg.model.target, "target", cfg.paths)
+    elif not (Path(cfg.tool.target) / "config.json").is_file():
+        raise PipelineError(f"tool.target={cfg.tool.target} is not an HF model directory (no config.json)")
+    else:
+        path = Path(cfg.tool.target)
     device, dtype = resolve_device({"device": args.device, "dtype": cfg.runtime.dtype},
                                    None if args.random_weights else path, cfg.paths.models)
     target = random_model(path, dtype, device, cfg.seed) if args.random_weights else load_model(path, device, dtype)
