@@ -166,7 +166,7 @@ def shapes_of(model, head_rows: int | None = None) -> dict:
     """The sizes that decide a model's step time (a model or its config). `head_rows`: the output head's rows
     as served (an FR-Spec subset size), default the full vocabulary."""
     config = getattr(model, "config", model)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config()
     arch = type(model).__name__ if hasattr(model, "config") else (getattr(config, "architectures", None) or [None])[0]
     out = {"architecture": arch, **{k: getattr(text, k, None) for k in SHAPE_KEYS[1:]}}
     out["head_rows"] = int(head_rows) if head_rows else out["vocab_size"]

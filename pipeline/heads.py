@@ -89,7 +89,6 @@ def bake_subset(model, vocab: torch.Tensor | None, fill: torch.Tensor | None = N
     outside[vocab.to(weight.device)] = False
     weight[outside] = 0 if fill is None else fill.to(weight)
     model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
     head.weight = nn.Parameter(weight, requires_grad=head.weight.requires_grad)
     return model
