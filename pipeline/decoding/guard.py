@@ -1,11 +1,6 @@
 """The online guard: speculation that switches itself down or off when the running acceptance says it loses
-(docs/architecture.md, "The online guard").
-
-A draft-length policy wrapped around the calibrated one: before each pass it prices every draft length γ = 0 … L
-with the one cost model (expected tokens from decayed per-position acceptance counts seeded with the calibrated
-ones, cost from the plan's cost profile scaled by the measured factor κ, `PassTimes`) and drafts the best; γ = 0 is
-the target's own step, after which it probes again every `probe_every` passes. Lossless by construction: it decides
-only how many tokens are drafted, never how they are drawn or accepted.
+(docs/architecture.md, "The online guard"). Lossless by construction: it decides only how many tokens are
+drafted, never how they are drawn or accepted.
 """
 from __future__ import annotations
 
@@ -80,11 +75,6 @@ class Guard:
             raise PipelineError(f"guard prior {self.prior!r} is not a non-empty list of probabilities: pass the "
                                 "calibrated per_position_acceptance")
         object.__setattr__(self, "prior", prior)
-
-    def wrap(self, policy: Policy, tree_depths: tuple[int, ...] | None = None) -> "GuardedPolicy":
-        """`policy` guarded for one generate call; `tree_depths` (a token tree's node depths) prices budgets
-        as that tree truncated to a depth instead of as chains."""
-        return GuardedPolicy(policy, self, tree_depths)
 
     def to_dict(self) -> dict:
         return {"settings": asdict(self.settings), "prior": list(self.prior)}
@@ -233,9 +223,10 @@ class GuardedPolicy(Policy):
 
 
 def guarded(policy: Policy, guard: Guard | None, stats, tree_depths: tuple[int, ...] | None = None) -> Policy:
-    """`policy` under `guard` (itself when there is none), its decisions recorded in `stats.guard`."""
+    """`policy` under `guard` (itself when there is none) for one generate call, its decisions recorded in
+    `stats.guard`; `tree_depths` (a token tree's node depths) prices budgets as that tree truncated to a depth."""
     if guard is None:
         return policy
-    wrapped = guard.wrap(policy, tree_depths)
+    wrapped = GuardedPolicy(policy, guard, tree_depths)
     stats.guard = wrapped.stats
     return wrapped
