@@ -141,12 +141,9 @@ class BatchRun:
     def step(self, gamma: int) -> list[list[int]]:
         """One pass over every row: γ drafts (none at γ = 0), one target forward, verification, rollback. Returns
         per row [n accepted, drafts..., next token] (the one host sync)."""
-        drafts, qs = self.draft_block(gamma) if gamma else (None, None)
         tokens, fed = self.pending["target"]
-        if gamma:
-            tokens, fed = torch.cat([tokens, drafts], 1), torch.cat([fed, torch.ones_like(drafts, dtype=torch.bool)], 1)
-        else:
-            drafts = tokens.new_zeros(len(tokens), 0)
+        drafts, qs = self.draft_block(gamma) if gamma else (tokens.new_zeros(len(tokens), 0), None)
+        tokens, fed = torch.cat([tokens, drafts], 1), torch.cat([fed, torch.ones_like(drafts, dtype=torch.bool)], 1)
         logits = self.target.forward(tokens, fed, gamma + 1)
         if self.p.greedy and self.q.greedy:
             n, next_token = verify_rows(logits, None, drafts, self.generator, greedy=True)

@@ -30,18 +30,13 @@ def draft_block(pair: Pair, seq, draft_cache, budget: int, policy: Policy, profi
                 index = sample(qs[-1], pair.generator)
             tokens = (index if pair.draft_vocab is None else pair.draft_vocab[index]).view(1, 1)
             drafts.append(tokens[0])
-            stop = policy.needs_confidence and not policy.keep_going(confidence(pair, logits, qs, index))
+            # The draft's probability of its token: under q when sampling; greedy drafting has a one-hot q, so
+            # there the temperature-1 probability of its argmax (as HF assisted generation).
+            stop = policy.needs_confidence and not policy.keep_going(
+                logits.softmax(-1).amax() if pair.greedy else qs[-1][0, index[0]])
         if stop:
             break
     return (torch.cat(drafts) if drafts else seq.new_empty(0)), qs
-
-
-def confidence(pair: Pair, logits: torch.Tensor, qs: list, index: torch.Tensor) -> torch.Tensor:
-    """The draft's probability of the token it just proposed: under q when sampling; greedy drafting has a
-    one-hot q, so there it is the draft's temperature-1 probability of its argmax (as HF assisted generation)."""
-    if pair.greedy:
-        return logits.softmax(-1).amax()
-    return qs[-1][0, index[0]]
 
 
 def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +55,7 @@ def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: lis
 
 def chain_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, DynamicCache], budget: int,
                policy: Policy, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
-    """Drafts up to `budget` tokens, verifies them in one target pass, rolls both caches back to the committed
-    prefix. seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
-    """
+    """seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids."""
     target_cache, draft_cache = caches
     committed = seq.shape[1]
     drafts, qs = draft_block(pair, seq, draft_cache, budget, policy, profile)

@@ -26,18 +26,16 @@ class GuardSettings:
                              #   against; 0 = the calibrated costs only
 
     def __post_init__(self):
-        checks = (("window", self.window, _number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
-                  ("prior_passes", self.prior_passes, _number(self.prior_passes) and self.prior_passes > 0,
-                   "a positive number, e.g. 4"),
-                  ("probe_every", self.probe_every, _integer(self.probe_every) and self.probe_every >= 1,
-                   "an integer >= 1, e.g. 8"),
-                  ("margin", self.margin, _number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
-                  ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
-                  ("measure_every", self.measure_every, _integer(self.measure_every) and self.measure_every >= 0,
-                   "an integer >= 0, e.g. 32 (0 = calibrated costs only)"))
-        for key, value, ok, fix in checks:
+        checks = {"window": (_number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
+                  "prior_passes": (_number(self.prior_passes) and self.prior_passes > 0, "a positive number, e.g. 4"),
+                  "probe_every": (_integer(self.probe_every) and self.probe_every >= 1, "an integer >= 1, e.g. 8"),
+                  "margin": (_number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
+                  "longest": (_integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
+                  "measure_every": (_integer(self.measure_every) and self.measure_every >= 0,
+                                    "an integer >= 0, e.g. 32 (0 = calibrated costs only)")}
+        for key, (ok, fix) in checks.items():
             if not ok:
-                raise PipelineError(f"guard.{key}={value!r} is invalid: use {fix}")
+                raise PipelineError(f"guard.{key}={getattr(self, key)!r} is invalid: use {fix}")
 
     @classmethod
     def from_dict(cls, values: Mapping) -> "GuardSettings":
@@ -112,11 +110,9 @@ def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:
 
 
 class PassTimes:
-    """The calibrated prices checked against the clock: κ = (seconds per calibrated target step of the timed
-    speculative passes) / (seconds of the timed plain passes), decayed like the acceptance counts; 1 until both
-    kinds were timed. One factor for every draft length: the passes timed are those the guard runs, so κ is
-    right where the decisions are made. A pass is timed from `budget()` to `update()`, which follows the
-    pass's one host synchronisation, so the interval is the pass's on any device."""
+    """κ = (seconds per calibrated target step of the timed speculative passes) / (seconds of the timed plain
+    passes), decayed like the acceptance counts; 1 until both kinds were timed. A pass is timed from `budget()` to
+    `update()`, which follows the pass's one host synchronisation, so the interval is the pass's on any device."""
 
     def __init__(self, keep: float, clock=time.perf_counter):
         self.keep, self.clock = keep, clock
@@ -147,9 +143,7 @@ class PassTimes:
 
 class GuardedPolicy(Policy):
     """A draft-length policy under the guard: `budget()` may be 0 (a plain step), shorter or longer than the
-    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both. A policy that stops on the
-    draft's confidence drafts fewer tokens than a chain of its budget, so the chain prices overstate its cost:
-    the guard only switches it off (when no length pays) or leaves it alone."""
+    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both."""
 
     def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None,
                  clock=time.perf_counter):

@@ -82,16 +82,13 @@ class Profile:
     """Stopwatch spans of one generate call, grouped by loop part and resolved into DecodeStats at the end:
     `with profile.part("draft"): ...` brackets one draft forward."""
 
-    PARTS = ("draft", "target", "sampling", "cache")
-
     def __init__(self, device: torch.device | str):
         self.watch = Stopwatch(device)
-        self.spans: dict[str, list] = {part: [] for part in self.PARTS}
+        self.spans: dict[str, list] = {part: [] for part in ("draft", "target", "sampling", "cache")}
         self.start = self.watch.mark()  # the call's start, for chunk_times
         self.commits: list = []
 
     def commit(self) -> None:
-        """Marks the moment a chunk of tokens is committed."""
         self.commits.append(self.watch.mark())
 
     @contextmanager

@@ -36,11 +36,6 @@ class Tree:
     def depth(self) -> int:
         return self.depths[-1] if self.parents else 0
 
-    @property
-    def width(self) -> int:
-        """The most children of any slot (the root included)."""
-        return max(map(len, children_of(self)))
-
     def truncated(self, max_depth: int) -> "Tree":
         """The nodes up to max_depth (a prefix, by breadth-first order)."""
         return Tree(self.parents[:sum(d <= max_depth for d in self.depths)])
@@ -210,8 +205,6 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
     committed = seq.shape[1]
     tokens, valid = seq.new_zeros(plan.n + 1), torch.ones(plan.n + 1, dtype=torch.bool, device=seq.device)
     qs = None
-    if plan.n == 0:
-        return tokens, valid, qs
     with profile.part("draft"):
         logits = forward(pair.draft, seq[:, cache.get_seq_length():], cache, pair.draft_head)
     for depth in range(plan.depth):
@@ -226,20 +219,10 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
             with profile.part("draft"):
                 nodes = plan.frontier[depth + 1]
                 mask = tree_mask(committed, 0, plan.visible[depth + 1], pair.draft.dtype)
-                positions = torch.full_like(nodes, committed + depth).view(1, -1)  # root at committed − 1, depth d at +d
+                positions = torch.full_like(nodes, committed + depth).view(1, -1)  # root at committed − 1, d at +d
                 logits = forward(pair.draft, tokens[nodes].view(1, -1), cache, pair.draft_head, len(nodes), mask,
                                  positions)
     return tokens, valid, qs
-
-
-def _verify_forward(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePlan, tokens: torch.Tensor):
-    """One target forward of the committed tokens it has not seen and every tree node; logits [N+1, V] at
-    the root and at each node."""
-    cached, committed = cache.get_seq_length(), seq.shape[1]
-    ids = torch.cat([seq[0, cached:], tokens[1:]])
-    positions = torch.cat([torch.arange(cached, committed, device=seq.device), committed - 1 + plan.depths])
-    mask = tree_mask(cached, committed - cached, plan.ancestors, pair.target.dtype)
-    return forward(pair.target, ids.view(1, -1), cache, pair.target_head, plan.n + 1, mask, positions.view(1, -1))
 
 
 def _verify_tree(pair: Pair, plan: TreePlan, logits, tokens, valid, qs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,8 +257,12 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
     target_cache, draft_cache = caches
     committed = seq.shape[1]
     tokens, valid, qs = _draft_tree(pair, seq, draft_cache, plan, profile)
-    with profile.part("target"):
-        logits = _verify_forward(pair, seq, target_cache, plan, tokens)
+    with profile.part("target"):  # the committed tokens the target has not seen and every node: logits [N+1, V]
+        cached = target_cache.get_seq_length()
+        ids = torch.cat([seq[0, cached:], tokens[1:]]).view(1, -1)
+        positions = torch.cat([torch.arange(cached, committed, device=seq.device), committed - 1 + plan.depths])
+        mask = tree_mask(cached, committed - cached, plan.ancestors, pair.target.dtype)
+        logits = forward(pair.target, ids, target_cache, pair.target_head, plan.n + 1, mask, positions.view(1, -1))
     with profile.part("sampling"):
         accepted, fallback = _verify_tree(pair, plan, logits, tokens, valid, qs)
         result = torch.cat([accepted, fallback, tokens]).tolist()  # the one host sync of the step
@@ -284,9 +271,8 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
         new_tokens = [result[2 * plan.n + 2 + slot] for slot in path] + [next_token]
         seq = torch.cat([seq, torch.tensor(new_tokens, device=seq.device).view(1, -1)], 1)
         keep_path(target_cache, committed, [committed + slot - 1 for slot in path])
-        if plan.n:  # an empty tree ran no draft forward: the draft cache is as it was
-            fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
-            keep_path(draft_cache, committed, [committed + k for k in fed])
+        fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
+        keep_path(draft_cache, committed, [committed + k for k in fed])
     stats.accepted.append(len(path))
     stats.drafted.append(plan.n)
     stats.depths.append(plan.depth)
@@ -297,7 +283,7 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
 def check_tree(tree: Tree, pair: Pair) -> None:
     """One-line errors for a tree these models cannot run."""
     check_mask_attention("tree speculation", target=pair.target, draft=pair.draft)
-    rows = pair.draft_head[0].shape[0]
-    if tree.width > rows:
-        raise PipelineError(f"the tree gives a node {tree.width} children but the draft proposes from only {rows} "
+    rows, width = pair.draft_head[0].shape[0], max(map(len, children_of(tree)))
+    if width > rows:
+        raise PipelineError(f"the tree gives a node {width} children but the draft proposes from only {rows} "
                             "tokens (draft_vocab): use a narrower tree")

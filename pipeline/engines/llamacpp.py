@@ -39,10 +39,6 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
 
 
-def home(engines_dir: str | Path, version: str = VERSION) -> Path:
-    return Path(engines_dir) / f"llama.cpp-{version}"
-
-
 def binary(root: Path, name: str) -> Path:
     return root / "build" / "bin" / name
 
@@ -57,7 +53,7 @@ def is_built(root: Path) -> bool:
 def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
     """The llama.cpp tree (source in src/, binaries in build/bin/) of llama-cpp-python==`version`, built once
     and cached under `engines_dir`; a failed build leaves nothing that looks built."""
-    root = home(engines_dir, version)
+    root = Path(engines_dir) / f"llama.cpp-{version}"
     if is_built(root):
         return root
     missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
@@ -193,9 +189,8 @@ def free_port() -> int:
 
 
 class Server:
-    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
-    arguments are the server's own: models, draft flags, threads, context, log file, start timeout and parallel
-    slots (-np; one unless a caller batches requests, as collect.backend=server does)."""
+    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. `parallel`
+    slots (-np) are decoded as one batch: one unless a caller batches requests, as collect.backend=server does."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
@@ -206,7 +201,7 @@ class Server:
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
         command = [str(binary(root, "llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-c", str(context), "-np", str(int(parallel)), "-t", str(threads or os.cpu_count() or 1),
-                   "--no-webui"]  # parallel > 1: that many slots decoded as one batch
+                   "--no-webui"]
         if draft is not None:
             command += draft_flags(draft, settings)
         self.command, self.start_timeout, self.process = command, start_timeout, None
@@ -266,12 +261,9 @@ class Server:
             alive = self.process is not None and self.process.poll() is None
             raise PipelineError(f"llama-server {'did not answer' if alive else 'died'} mid-request ({e}; "
                                 f"{self._last_log_line()}): see {self.log_path}") from None
-        tokens = list(out.get("tokens") or [])
-        stops = set(stop_ids)
-        for i, token in enumerate(tokens):  # the server stops at EOG tokens itself; keep ours as the HF path does
-            if token in stops:
-                tokens = tokens[:i + 1]
-                break
+        tokens, stops = list(out.get("tokens") or []), set(stop_ids)
+        # the server stops at EOG tokens itself; cut at ours as the HF path does
+        tokens = tokens[:next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))]
         result = {"tokens": tokens, "timings": out.get("timings") or {}, "stop_type": out.get("stop_type")}
         if self.trace:
             result["passes"] = self.passes_logged(logged_from, result["timings"])
