@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from pipeline.decoding.draft_length import Policy
 from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
+from pipeline.heads import scatter_to_vocab
 from pipeline.sampling import sample, verify_draft
 
 
@@ -47,9 +48,8 @@ def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: lis
         n_accepted = (best[:-1] == drafts).long().cumprod(0).sum()
         return n_accepted, best.index_select(0, n_accepted.view(1))[0]
     p = pair.p.probs(logits)  # [γ+1, V]
-    q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
-    if pair.draft_vocab is not None and gamma:  # q is 0 outside the subset; the residual covers those exactly
-        q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, pair.draft_vocab, q)
+    # q is 0 outside a draft vocabulary subset: the residual covers those tokens exactly
+    q = scatter_to_vocab(torch.cat(qs), pair.draft_vocab, p.shape[-1]) if gamma else p.new_empty(0, p.shape[-1])
     return verify_draft(p, q, drafts, pair.generator)
 
 

@@ -100,44 +100,35 @@ def _source(root: Path, version: str, log) -> Path:
     return source
 
 
-def convert(root: Path, hf_dir: str | Path, out: str | Path, outtype: str = "f16") -> Path:
-    """llama.cpp's own convert_hf_to_gguf.py on an HF directory (written through a temporary name)."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py")}  # the converter's own gguf package
-    result = subprocess.run([sys.executable, str(root / "src" / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile",
-                             str(tmp), "--outtype", outtype], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama.cpp could not convert {hf_dir} to GGUF ({tail}): export a Llama/Qwen2-family draft")
-    tmp.rename(out)
-    return out
-
-
-def quantize(root: Path, source: str | Path, out: str | Path, kind: str) -> Path:
-    """llama-quantize `source` to `kind` (e.g. Q4_1, Q4_K_M, Q8_0), written through a temporary name."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    result = subprocess.run([str(binary(root, "llama-quantize")), str(source), str(tmp), kind],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama-quantize {kind} failed on {source} ({tail}): pick another quantisation type")
-    tmp.rename(out)
-    return out
-
-
 def hf_to_gguf(root: Path, hf_dir: str | Path, out: str | Path, quant: str | None) -> Path:
-    """An HF directory as GGUF at `out`: llama.cpp's converter (f16), then llama-quantize to `quant` (None: the
-    f16 file itself); the f16 intermediate is removed once quantised."""
+    """An HF directory as GGUF at `out`: llama.cpp's own convert_hf_to_gguf.py (f16), then llama-quantize to `quant`
+    (e.g. Q4_1, Q4_K_M, Q8_0; None: the f16 file itself); each written through a temporary name, the f16
+    intermediate removed once quantised."""
     out = Path(out)
+    f16 = out if quant is None else out.with_name(out.name + ".f16")
+    tmp = f16.with_name(f16.name + ".partial")
+    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py")}  # the converter's own gguf package
+    _run([sys.executable, str(root / "src" / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(tmp),
+          "--outtype", "f16"],
+         f"llama.cpp could not convert {hf_dir} to GGUF", "export a Llama/Qwen2-family draft", env)
+    tmp.rename(f16)
     if quant is None:
-        return convert(root, hf_dir, out, "f16")
-    f16 = convert(root, hf_dir, out.with_name(out.name + ".f16"), "f16")
+        return out
     try:
-        return quantize(root, f16, out, quant)
+        tmp = out.with_name(out.name + ".partial")
+        _run([str(binary(root, "llama-quantize")), str(f16), str(tmp), quant],
+             f"llama-quantize {quant} failed on {f16}", "pick another quantisation type")
+        return tmp.rename(out)
     finally:
         f16.unlink(missing_ok=True)
+
+
+def _run(command: list[str], what: str, fix: str, env: dict | None = None) -> str:
+    """A tool's stdout; on failure a one-line error: `what` (the tool's last line of stderr): `fix`."""
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise PipelineError(f"{what} ({(result.stderr.strip().splitlines() or ['no output'])[-1]}): {fix}")
+    return result.stdout
 
 
 def gguf_file_type(path: str | Path) -> str | None:
@@ -298,9 +289,5 @@ def bench(root: Path, model: str | Path, batch_sizes: tuple[int, ...], depth: in
     (prompt processing of n tokens at depth d: the shape of a verify pass; 1 token = a decoding step)."""
     command = [str(binary(root, "llama-bench")), "-m", str(model), "-p", ",".join(str(b) for b in batch_sizes),
                "-n", "0", "-d", str(depth), "-r", str(repeats), "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama-bench failed on {model} ({tail}): check the GGUF file")
-    rows = json.loads(result.stdout)
+    rows = json.loads(_run(command, f"llama-bench failed on {model}", "check the GGUF file"))
     return {int(row["n_prompt"]): float(row["avg_ns"]) / 1e6 for row in rows if row.get("n_prompt")}
