@@ -89,12 +89,11 @@ class GuardStats:
     timing: int = 0  # plain passes that timed the plain step (GuardSettings.measure_every)
     cost_factor: float = 1.0  # the last measured/calibrated cost of a speculative pass (PassTimes.factor)
 
-    LAST = ("cost_factor",)  # the latest value, not a count: `add` keeps the other's
-
     def add(self, other: "GuardStats") -> "GuardStats":
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
-                  for f in fields(self) if f.name not in self.LAST}
-        return GuardStats(**summed, **{name: getattr(other, name) for name in self.LAST})
+        """The counts summed; cost_factor, the latest value and not a count, is the other's."""
+        counts = [f.name for f in fields(self) if f.name != "cost_factor"]
+        summed = {name: getattr(self, name) + getattr(other, name) for name in counts}
+        return GuardStats(**summed, cost_factor=other.cost_factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
