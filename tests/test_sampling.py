@@ -5,7 +5,7 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline import sampling
-from pipeline.decoding.cost import iid_speedup
+from pipeline.decoding.cost import predicted_speedup
 from pipeline.sampling import (expected_acceptance, expected_accepted_length,
                            logits_to_probs, residual_distribution, sample, validate_sampling, verify_draft)
 from pipeline.errors import PipelineError
@@ -106,8 +106,9 @@ def test_expected_accepted_length_and_walltime_follow_leviathan_eq1():
     assert expected_accepted_length(0.0, 4) == 1.0 and expected_accepted_length(1.0, 4) == 5.0
     alphas = torch.tensor([0.0, 0.8, 1.0])
     torch.testing.assert_close(expected_accepted_length(alphas, 4), torch.tensor([1.0, 3.3616, 5.0]))
-    assert iid_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
-    assert iid_speedup(0.8, 4, 0.0) == pytest.approx(3.3616)
+    # Leviathan et al. 2023, Thm 3.8: i.i.d. acceptance α and free verification, (1 − α^(γ+1)) / ((1 − α)(γc + 1))
+    assert predicted_speedup(expected_accepted_length(0.8, 4) - 1, 4, 0.05, 1.0) == pytest.approx(3.3616 / 1.2)
+    assert predicted_speedup(expected_accepted_length(0.8, 4) - 1, 4, 0.0, 1.0) == pytest.approx(3.3616)
 
 
 def _random_dist(generator, size, sharpness=2.0):

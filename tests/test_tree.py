@@ -10,7 +10,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from pipeline.decoding import MAX_TREE_NODES, DraftPlan, TreeStats, autoregressive_generate, parse_tree, speculative_generate
 from pipeline.decoding import tree_sampling
 from pipeline.decoding.loop import Pair, Profile, forward
-from pipeline.decoding.tree import TreePlan, tree_forward, tree_mask, tree_step
+from pipeline.decoding.tree import TreePlan, tree_mask, tree_step
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling, residual_distribution
@@ -168,7 +168,8 @@ def test_tree_forward_equals_plain_forwards_of_each_path(target):
         forward(target, prompt[:2].view(1, -1), cache, head)  # the cache holds a prefix; one token is pending
         mask = tree_mask(2, 1, plan.ancestors, target.dtype)
         positions = torch.cat([torch.tensor([2]), 2 + plan.depths])
-        logits = tree_forward(target, torch.cat([prompt[2:], tokens]), cache, head, mask, positions, plan.n + 1)
+        logits = forward(target, torch.cat([prompt[2:], tokens]).view(1, -1), cache, head, plan.n + 1, mask,
+                         positions.view(1, -1))
         for node in range(-1, plan.n):
             path = [i for i in range(plan.n) if node >= 0 and plan.ancestors[node, i]]
             fresh = target(torch.cat([prompt, tokens[path]]).view(1, -1)).logits[0, -1]

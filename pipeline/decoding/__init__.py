@@ -1,15 +1,9 @@
-"""The decoder: lossless speculative decoding (chains and token trees) and plain decoding, as streams or outputs.
+"""The decoder: lossless speculative decoding (chains and token trees) and plain decoding, as streams or outputs
+(docs/architecture.md, "The decoder", lists the modules; stream.py and batch.py show their entry points).
 
-The public API, imported by the eval and distill stages and by users (docs/architecture.md, "The decoder", lists
-the modules):
-
-    from pipeline.decoding import DraftPlan, Sampling, speculative_generate
     out = speculative_generate(target, draft, input_ids, plan=DraftPlan(4), sampling=Sampling(0.7),
                                max_new_tokens=128)  # or plan=spec.plan(domain, sampling): a calibration
     out.tokens, out.stats.acceptance_rate, out.stats.mean_accepted_length
-    for chunk in speculative_stream(target, draft, input_ids, ...):  # the same tokens, as each pass commits them
-        ...
-    out = speculative_generate_batch(target, draft, [ids_a, ids_b], plan=DraftPlan(4))  # rows of any lengths
 """
 from pipeline.decoding.batch import BatchOutput, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding.cost import pass_speedup, predicted_speedup, verify_cost

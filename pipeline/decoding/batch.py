@@ -1,14 +1,9 @@
 """Batched decoding: B prompts of different lengths decoded together, speculatively (a chain of fixed γ) or
-plainly, each row sampling exactly the target's distribution, as at batch size 1 (docs/architecture.md, "Batches").
+plainly, each row sampling exactly the target's distribution, as at batch size 1 (docs/architecture.md, "Batches":
+the `RaggedCache`'s holes, masks and compaction). Caches keep the chain's convention (chain.py).
 
     out = speculative_generate_batch(target, draft, [ids_a, ids_b, ids_c], sampling=Sampling(0.7), plan=DraftPlan(4))
     out.tokens[1], out.stats[1].accepted
-
-Each model keeps one KV cache for the batch and which slots are valid per row (`RaggedCache`): prompts are
-left-padded, a rejected draft's slot becomes a hole, every forward gets a 4-D additive mask and per-row position
-ids, and after a pass with holes each row's valid slots are gathered to the right end. Caches keep the chain path's
-convention (chain.py): the target lacks only the newest committed token, the draft one or two. The batch drafts γ
-tokens per pass for every row (clamped to what the row with the most room left can still use).
 """
 from __future__ import annotations
 
@@ -21,7 +16,8 @@ from pipeline import sampling as sampling_math
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.decoding.generate import GREEDY, check_plan
 from pipeline.decoding.plan import DraftPlan
-from pipeline.decoding.loop import DecodeStats, check_pair, check_request, draft_head_rows, eos_set, model_device
+from pipeline.decoding.loop import (DecodeStats, additive_mask, check_mask_attention, check_pair, check_request,
+                                    draft_head_rows, eos_set, model_device)
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, scatter_to_vocab
 from pipeline.sampling import Sampling, sample
@@ -52,11 +48,7 @@ class RaggedCache:
         positions = (self.valid.sum(1, keepdim=True) + fed.cumsum(1) - 1).clamp_min(0)
         visible = torch.cat([self.valid, fed], 1)  # [B, slots + k]
         causal = torch.ones(k, slots + k, dtype=torch.bool, device=tokens.device).tril(slots)
-        allowed = causal.unsqueeze(0) & visible.unsqueeze(1)  # [B, k, slots + k]
-        dtype = self.model.dtype
-        # finfo.min, not -inf: a padding token that sees nothing gets a uniform (finite) row, never NaN
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill(~allowed,
-                                                                                           torch.finfo(dtype).min)
+        mask = additive_mask(causal.unsqueeze(0) & visible.unsqueeze(1), self.model.dtype)  # [B, k, slots + k]
         hidden = self.model.model(input_ids=tokens, attention_mask=mask.unsqueeze(1), position_ids=positions,
                                   cache=self.cache, use_cache=True).last_hidden_state
         self.valid = visible
@@ -117,14 +109,6 @@ def verify_rows(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, g
     return n, sample(sampling_math.residual_distribution(p[rows, n], q_ext[rows, n]), generator)
 
 
-def check_batch_models(*models) -> None:
-    for model in models:
-        attention = getattr(model.config, "_attn_implementation", None)
-        if attention not in ("eager", "sdpa"):
-            raise PipelineError(f"batched decoding needs attention that takes a 4-D mask (eager, sdpa), "
-                                f"{type(model).__name__} uses {attention}: load it with attn_implementation='sdpa'")
-
-
 class BatchRun:
     """One batched call: the rows still decoding, their caches and what each model has not yet been fed."""
 
@@ -157,12 +141,9 @@ class BatchRun:
     def step(self, gamma: int) -> list[list[int]]:
         """One pass over every row: γ drafts (none at γ = 0), one target forward, verification, rollback. Returns
         per row [n accepted, drafts..., next token] (the one host sync)."""
-        drafts, qs = self.draft_block(gamma) if gamma else (None, None)
         tokens, fed = self.pending["target"]
-        if gamma:
-            tokens, fed = torch.cat([tokens, drafts], 1), torch.cat([fed, torch.ones_like(drafts, dtype=torch.bool)], 1)
-        else:
-            drafts = tokens.new_zeros(len(tokens), 0)
+        drafts, qs = self.draft_block(gamma) if gamma else (tokens.new_zeros(len(tokens), 0), None)
+        tokens, fed = torch.cat([tokens, drafts], 1), torch.cat([fed, torch.ones_like(drafts, dtype=torch.bool)], 1)
         logits = self.target.forward(tokens, fed, gamma + 1)
         if self.p.greedy and self.q.greedy:
             n, next_token = verify_rows(logits, None, drafts, self.generator, greedy=True)
@@ -248,8 +229,8 @@ def speculative_generate_batch(target, draft, prompts, *, plan: DraftPlan = Draf
     if not isinstance(shape, DraftLength) or shape.policy != "fixed" or plan.guard is not None:
         raise PipelineError(f"batched decoding drafts a fixed γ per pass, not {plan.describe()}"
                             f"{' with a guard' if plan.guard else ''}: pass e.g. plan=DraftPlan(4)")
-    check_pair(target, draft, plan.draft_temperature, plan.draft_vocab)
-    check_batch_models(target, draft)
+    check_pair(target, draft, plan.draft_vocab)
+    check_mask_attention("batched decoding", target=target, draft=draft)
     tau = plan.draft_temperature
     q = sampling if tau is None else sampling.with_temperature(tau)
     run = BatchRun(target, draft, prompts, sampling, q, generator, plan.draft_vocab)
@@ -260,6 +241,6 @@ def autoregressive_generate_batch(target, prompts, *, sampling: Sampling = GREED
                                   eos_token_id=None, generator: torch.Generator | None = None) -> BatchOutput:
     """Plain decoding of a batch through the same loop, caches and masks (γ = 0, no draft)."""
     check_request(sampling, max_new_tokens)
-    check_batch_models(target)
+    check_mask_attention("batched decoding", target=target)
     return decode_batch(BatchRun(target, None, prompts, sampling, sampling, generator), 0, max_new_tokens,
                         eos_token_id)

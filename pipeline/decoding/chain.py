@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from pipeline.decoding.draft_length import Policy
 from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
+from pipeline.heads import scatter_to_vocab
 from pipeline.sampling import sample, verify_draft
 
 
@@ -30,18 +31,13 @@ def draft_block(pair: Pair, seq, draft_cache, budget: int, policy: Policy, profi
                 index = sample(qs[-1], pair.generator)
             tokens = (index if pair.draft_vocab is None else pair.draft_vocab[index]).view(1, 1)
             drafts.append(tokens[0])
-            stop = policy.needs_confidence and not policy.keep_going(confidence(pair, logits, qs, index))
+            # The draft's probability of its token: under q when sampling; greedy drafting has a one-hot q, so
+            # there the temperature-1 probability of its argmax (as HF assisted generation).
+            stop = policy.needs_confidence and not policy.keep_going(
+                logits.softmax(-1).amax() if pair.greedy else qs[-1][0, index[0]])
         if stop:
             break
     return (torch.cat(drafts) if drafts else seq.new_empty(0)), qs
-
-
-def confidence(pair: Pair, logits: torch.Tensor, qs: list, index: torch.Tensor) -> torch.Tensor:
-    """The draft's probability of the token it just proposed: under q when sampling; greedy drafting has a
-    one-hot q, so there it is the draft's temperature-1 probability of its argmax (as HF assisted generation)."""
-    if pair.greedy:
-        return logits.softmax(-1).amax()
-    return qs[-1][0, index[0]]
 
 
 def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,17 +48,14 @@ def verify_block(pair: Pair, logits: torch.Tensor, drafts: torch.Tensor, qs: lis
         n_accepted = (best[:-1] == drafts).long().cumprod(0).sum()
         return n_accepted, best.index_select(0, n_accepted.view(1))[0]
     p = pair.p.probs(logits)  # [γ+1, V]
-    q = torch.cat(qs) if gamma else p.new_empty(0, p.shape[-1])
-    if pair.draft_vocab is not None and gamma:  # q is 0 outside the subset; the residual covers those exactly
-        q = p.new_zeros(gamma, p.shape[-1]).index_copy_(1, pair.draft_vocab, q)
+    # q is 0 outside a draft vocabulary subset: the residual covers those tokens exactly
+    q = scatter_to_vocab(torch.cat(qs), pair.draft_vocab, p.shape[-1]) if gamma else p.new_empty(0, p.shape[-1])
     return verify_draft(p, q, drafts, pair.generator)
 
 
 def chain_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, DynamicCache], budget: int,
                policy: Policy, stats: DecodeStats, profile: Profile) -> tuple[torch.Tensor, list[int]]:
-    """Drafts up to `budget` tokens, verifies them in one target pass, rolls both caches back to the committed
-    prefix. seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids.
-    """
+    """seq [1, C] holds every committed token (prompt included). Returns the extended seq and the new ids."""
     target_cache, draft_cache = caches
     committed = seq.shape[1]
     drafts, qs = draft_block(pair, seq, draft_cache, budget, policy, profile)

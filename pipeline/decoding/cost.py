@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from pipeline.sampling import expected_accepted_length
-
 
 def verify_cost(verify_ratio: Mapping | None, drafted: float) -> float:
     """r(N): the target's forward over N drafted tokens (+ the newest committed one) relative to its 1-token
@@ -60,9 +58,3 @@ def pass_speedup(accepted: float, draft_forwards: float, drafted: float, cost: M
     plain, host = host_cost(cost.get("host"), drafted, tree)
     pass_cost = draft_forwards * float(cost["c"]) + verify_cost(ratios, drafted) + host
     return predicted_speedup(accepted, 0.0, 0.0, pass_cost / (1.0 + plain))
-
-
-def iid_speedup(alpha, gamma: int, c: float):
-    """The closed form for i.i.d. acceptance α and free verification, (1 − α^(γ+1)) / ((1 − α)(γc + 1))
-    (Leviathan et al. 2023, Thm 3.8); floats or tensors."""
-    return predicted_speedup(expected_accepted_length(alpha, gamma) - 1, gamma, c, 1.0)

@@ -55,11 +55,10 @@ class DraftLength:
 
     def hf_generation_config(self) -> dict:
         """The HF assisted-generation settings that do the same (read from the assistant's generation_config)."""
-        if self.policy == "heuristic":
-            return {"num_assistant_tokens": self.max, "num_assistant_tokens_schedule": "heuristic",
-                    "assistant_confidence_threshold": 0.0}
-        return {"num_assistant_tokens": self.max, "num_assistant_tokens_schedule": "constant",
-                "assistant_confidence_threshold": float(self.threshold or 0.0)}
+        heuristic = self.policy == "heuristic"
+        return {"num_assistant_tokens": self.max,
+                "num_assistant_tokens_schedule": "heuristic" if heuristic else "constant",
+                "assistant_confidence_threshold": 0.0 if heuristic else float(self.threshold or 0.0)}
 
 
 class Policy:

@@ -1,11 +1,6 @@
 """The online guard: speculation that switches itself down or off when the running acceptance says it loses
-(docs/architecture.md, "The online guard").
-
-A draft-length policy wrapped around the calibrated one: before each pass it prices every draft length γ = 0 … L
-with the one cost model (expected tokens from decayed per-position acceptance counts seeded with the calibrated
-ones, cost from the plan's cost profile scaled by the measured factor κ, `PassTimes`) and drafts the best; γ = 0 is
-the target's own step, after which it probes again every `probe_every` passes. Lossless by construction: it decides
-only how many tokens are drafted, never how they are drawn or accepted.
+(docs/architecture.md, "The online guard"). Lossless by construction: it decides only how many tokens are
+drafted, never how they are drawn or accepted.
 """
 from __future__ import annotations
 
@@ -31,18 +26,16 @@ class GuardSettings:
                              #   against; 0 = the calibrated costs only
 
     def __post_init__(self):
-        checks = (("window", self.window, _number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
-                  ("prior_passes", self.prior_passes, _number(self.prior_passes) and self.prior_passes > 0,
-                   "a positive number, e.g. 4"),
-                  ("probe_every", self.probe_every, _integer(self.probe_every) and self.probe_every >= 1,
-                   "an integer >= 1, e.g. 8"),
-                  ("margin", self.margin, _number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
-                  ("longest", self.longest, _integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
-                  ("measure_every", self.measure_every, _integer(self.measure_every) and self.measure_every >= 0,
-                   "an integer >= 0, e.g. 32 (0 = calibrated costs only)"))
-        for key, value, ok, fix in checks:
+        checks = {"window": (_number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
+                  "prior_passes": (_number(self.prior_passes) and self.prior_passes > 0, "a positive number, e.g. 4"),
+                  "probe_every": (_integer(self.probe_every) and self.probe_every >= 1, "an integer >= 1, e.g. 8"),
+                  "margin": (_number(self.margin) and 0 <= self.margin < 1, "in [0, 1), e.g. 0.0"),
+                  "longest": (_integer(self.longest) and self.longest >= 1, "an integer >= 1, e.g. 8"),
+                  "measure_every": (_integer(self.measure_every) and self.measure_every >= 0,
+                                    "an integer >= 0, e.g. 32 (0 = calibrated costs only)")}
+        for key, (ok, fix) in checks.items():
             if not ok:
-                raise PipelineError(f"guard.{key}={value!r} is invalid: use {fix}")
+                raise PipelineError(f"guard.{key}={getattr(self, key)!r} is invalid: use {fix}")
 
     @classmethod
     def from_dict(cls, values: Mapping) -> "GuardSettings":
@@ -81,11 +74,6 @@ class Guard:
                                 "calibrated per_position_acceptance")
         object.__setattr__(self, "prior", prior)
 
-    def wrap(self, policy: Policy, tree_depths: tuple[int, ...] | None = None) -> "GuardedPolicy":
-        """`policy` guarded for one generate call; `tree_depths` (a token tree's node depths) prices budgets
-        as that tree truncated to a depth instead of as chains."""
-        return GuardedPolicy(policy, self, tree_depths)
-
     def to_dict(self) -> dict:
         return {"settings": asdict(self.settings), "prior": list(self.prior)}
 
@@ -101,12 +89,11 @@ class GuardStats:
     timing: int = 0  # plain passes that timed the plain step (GuardSettings.measure_every)
     cost_factor: float = 1.0  # the last measured/calibrated cost of a speculative pass (PassTimes.factor)
 
-    LAST = ("cost_factor",)  # the latest value, not a count: `add` keeps the other's
-
     def add(self, other: "GuardStats") -> "GuardStats":
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
-                  for f in fields(self) if f.name not in self.LAST}
-        return GuardStats(**summed, **{name: getattr(other, name) for name in self.LAST})
+        """The counts summed; cost_factor, the latest value and not a count, is the other's."""
+        counts = [f.name for f in fields(self) if f.name != "cost_factor"]
+        summed = {name: getattr(self, name) + getattr(other, name) for name in counts}
+        return GuardStats(**summed, cost_factor=other.cost_factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,11 +109,9 @@ def conditional_rates(prior: tuple[float, ...], n: int) -> list[float]:
 
 
 class PassTimes:
-    """The calibrated prices checked against the clock: κ = (seconds per calibrated target step of the timed
-    speculative passes) / (seconds of the timed plain passes), decayed like the acceptance counts; 1 until both
-    kinds were timed. One factor for every draft length: the passes timed are those the guard runs, so κ is
-    right where the decisions are made. A pass is timed from `budget()` to `update()`, which follows the
-    pass's one host synchronisation, so the interval is the pass's on any device."""
+    """κ = (seconds per calibrated target step of the timed speculative passes) / (seconds of the timed plain
+    passes), decayed like the acceptance counts; 1 until both kinds were timed. A pass is timed from `budget()` to
+    `update()`, which follows the pass's one host synchronisation, so the interval is the pass's on any device."""
 
     def __init__(self, keep: float, clock=time.perf_counter):
         self.keep, self.clock = keep, clock
@@ -157,9 +142,7 @@ class PassTimes:
 
 class GuardedPolicy(Policy):
     """A draft-length policy under the guard: `budget()` may be 0 (a plain step), shorter or longer than the
-    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both. A policy that stops on the
-    draft's confidence drafts fewer tokens than a chain of its budget, so the chain prices overstate its cost:
-    the guard only switches it off (when no length pays) or leaves it alone."""
+    wrapped policy's; `keep_going` is the wrapped policy's; `update` feeds both."""
 
     def __init__(self, inner: Policy, guard: Guard, tree_depths: tuple[int, ...] | None = None,
                  clock=time.perf_counter):
@@ -233,9 +216,10 @@ class GuardedPolicy(Policy):
 
 
 def guarded(policy: Policy, guard: Guard | None, stats, tree_depths: tuple[int, ...] | None = None) -> Policy:
-    """`policy` under `guard` (itself when there is none), its decisions recorded in `stats.guard`."""
+    """`policy` under `guard` (itself when there is none) for one generate call, its decisions recorded in
+    `stats.guard`; `tree_depths` (a token tree's node depths) prices budgets as that tree truncated to a depth."""
     if guard is None:
         return policy
-    wrapped = guard.wrap(policy, tree_depths)
+    wrapped = GuardedPolicy(policy, guard, tree_depths)
     stats.guard = wrapped.stats
     return wrapped

@@ -1,12 +1,10 @@
 """The pieces every drafting shape shares: the decoded pair, one call's run (caches, clocks, the loop), the
 profile of the loop's parts, the statistics, the forward helper and the cache rollback.
 
-Batch size 1, HF `*ForCausalLM` models, `DynamicCache` KV caches for both models, each holding a prefix of the
-committed tokens; p = target distribution, q = draft distribution (pipeline/sampling.py has the math). The first
-target pass is a plain prefill (docs/architecture.md, "Streaming and the prefill pass"); each model's first forward
-is reported as prefill_time, not in the per-forward lists, so that c compares decoding steps only. The loop's parts
-and commits are marked with a `pipeline.timing.Stopwatch` and turned into seconds once, after the call, so profiling
-adds no host synchronisation; only `total_time` is bracketed with a synchronising clock.
+Batch size 1, HF `*ForCausalLM` models, a `DynamicCache` per model holding a prefix of the committed tokens;
+p = target distribution, q = draft distribution (pipeline/sampling.py). Each model's first forward reads the prompt
+and is reported as prefill_time, not in the per-forward lists, so that c compares decoding steps only. Spans are
+marked with a `pipeline.timing.Stopwatch` and resolved once, after the call: profiling adds no host sync.
 """
 from __future__ import annotations
 
@@ -20,6 +18,8 @@ from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
 from pipeline.sampling import Sampling, sample
 from pipeline.timing import Stopwatch, synced_clock
+
+MASK_ATTENTION = ("eager", "sdpa")  # the attention implementations that take a 4-D additive mask as given
 
 
 @dataclass
@@ -82,16 +82,13 @@ class Profile:
     """Stopwatch spans of one generate call, grouped by loop part and resolved into DecodeStats at the end:
     `with profile.part("draft"): ...` brackets one draft forward."""
 
-    PARTS = ("draft", "target", "sampling", "cache")
-
     def __init__(self, device: torch.device | str):
         self.watch = Stopwatch(device)
-        self.spans: dict[str, list] = {part: [] for part in self.PARTS}
+        self.spans: dict[str, list] = {part: [] for part in ("draft", "target", "sampling", "cache")}
         self.start = self.watch.mark()  # the call's start, for chunk_times
         self.commits: list = []
 
     def commit(self) -> None:
-        """Marks the moment a chunk of tokens is committed."""
         self.commits.append(self.watch.mark())
 
     @contextmanager
@@ -129,11 +126,28 @@ class Pair:
         return self.p.greedy and self.q.greedy
 
 
-def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1) -> torch.Tensor:
-    """Feeds tokens [1, k] through `model` appending to `cache`; fp32 logits of the last n_logits positions. The
-    head (a small model's biggest matmul; FR-Spec needs only some rows) runs only on the positions sampled from."""
-    hidden = model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
+def forward(model, tokens: torch.Tensor, cache: DynamicCache, head, n_logits: int = 1, mask: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Feeds tokens [1, k] through `model` appending to `cache` (a tree: under a 4-D additive mask at explicit
+    positions [1, k]); fp32 logits of the last n_logits positions. The head (a small model's biggest matmul;
+    FR-Spec needs only some rows) runs only on the positions sampled from."""
+    hidden = model.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True).last_hidden_state
     return head_logits(hidden[0, -n_logits:], head)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # finfo.min, not -inf: a padding token that sees nothing gets a uniform (finite) row, never NaN
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def check_mask_attention(what: str, **models) -> None:
+    """Trees and batches need attention that takes a 4-D additive mask as given."""
+    for role, model in models.items():
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in MASK_ATTENTION:
+            raise PipelineError(f"{what} needs attention that takes a 4-D mask ({', '.join(MASK_ATTENTION)}), the "
+                                f"{role} uses {attention}: load it with attn_implementation='sdpa'")
 
 
 def draft_head_rows(draft, vocab: torch.Tensor | None) -> tuple:
@@ -195,9 +209,7 @@ def uses_sliding_window(config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
-def check_pair(target, draft, draft_temperature, draft_vocab) -> None:
-    if draft_temperature is not None and draft_temperature < 0:
-        raise PipelineError(f"draft_temperature must be >= 0 or None, got {draft_temperature}: pass e.g. None")
+def check_pair(target, draft, draft_vocab) -> None:
     for role, model in (("target", target), ("draft", draft)):
         if uses_sliding_window(model.config):
             raise PipelineError(f"the {role} ({type(model).__name__}) uses sliding-window attention, whose KV cache "
@@ -233,19 +245,19 @@ class Run:
         """The pair and fresh caches for one call (each argument is one of speculative_generate's); draft None
         for plain decoding."""
         if draft is not None:
-            check_pair(target, draft, draft_temperature, draft_vocab)
+            check_pair(target, draft, draft_vocab)
         device = model_device(target)
         clock = synced_clock(device)
         started, profile = clock(), Profile(device)
         if draft is None:
             pair = Pair(target, None, head_rows(target), None, p, p, None, generator)
-            return cls(pair, prompt_tensor(input_ids, device), (DynamicCache(config=target.config),), stats,
-                       profile, clock, started)
-        if draft_vocab is not None:
-            draft_vocab = draft_vocab.to(device)
-        q = p if draft_temperature is None else p.with_temperature(draft_temperature)
-        pair = Pair(target, draft, head_rows(target), draft_head_rows(draft, draft_vocab), p, q, draft_vocab, generator)
-        caches = (DynamicCache(config=target.config), DynamicCache(config=draft.config))
+        else:
+            if draft_vocab is not None:
+                draft_vocab = draft_vocab.to(device)
+            q = p if draft_temperature is None else p.with_temperature(draft_temperature)
+            pair = Pair(target, draft, head_rows(target), draft_head_rows(draft, draft_vocab), p, q, draft_vocab,
+                        generator)
+        caches = tuple(DynamicCache(config=model.config) for model in (target, draft) if model is not None)
         return cls(pair, prompt_tensor(input_ids, device), caches, stats, profile, clock, started)
 
     @torch.inference_mode()  # a generator: torch enters the mode around each resumption

@@ -1,5 +1,5 @@
-"""A decode as a stream: the token ids each target pass commits, chunk by chunk, as soon as they are committed; the
-first chunk is the plain prefill's one token. speculative_generate and autoregressive_generate collect it.
+"""A decode as a stream: the token ids each target pass commits, as soon as they are committed (the first chunk is
+the plain prefill's one token); speculative_generate and autoregressive_generate collect it.
 
     for chunk in speculative_stream(target, draft, ids, plan=DraftPlan(4), max_new_tokens=128):
         print(tokenizer.decode(chunk), end="", flush=True)

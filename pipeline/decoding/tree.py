@@ -1,9 +1,7 @@
 """Token-tree speculative decoding (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024), lossless at every
-temperature (docs/architecture.md, "The decoder"). A tree is a static shape (branching factors per depth, or parent
-indices, −1 = the newest committed token); the draft expands it one depth per forward under a tree mask, the target
-verifies every node in one forward under a 4-D mask, siblings by recursive rejection sampling (tree_sampling.py).
-Both caches then keep exactly the accepted path, gathered along the sequence (tree slots are not in order, so a crop
-cannot do it); the draft feeds only nodes with children, so it lacks one or two tokens after a step, as on the chain.
+temperature (docs/architecture.md, "The decoder"). Both caches keep exactly the accepted path, gathered along the
+sequence (tree slots are not in order, so a crop cannot do it); the draft feeds only nodes with children, so it
+lacks one or two tokens after a step, as on the chain.
 """
 from __future__ import annotations
 
@@ -14,12 +12,11 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decoding import tree_sampling
-from pipeline.decoding.loop import DecodeStats, Pair, Profile, crop, forward
+from pipeline.decoding.loop import DecodeStats, Pair, Profile, additive_mask, check_mask_attention, crop, forward
 from pipeline.errors import PipelineError
-from pipeline.heads import head_logits, scatter_to_vocab
+from pipeline.heads import scatter_to_vocab
 
 MAX_TREE_NODES = 64  # the target verifies every node in one forward; past this a pass costs like a prefill
-MASK_ATTENTION = ("eager", "sdpa")  # the attention implementations that take a 4-D additive mask as given
 
 
 @dataclass(frozen=True)
@@ -38,11 +35,6 @@ class Tree:
     @property
     def depth(self) -> int:
         return self.depths[-1] if self.parents else 0
-
-    @property
-    def width(self) -> int:
-        """The most children of any slot (the root included)."""
-        return max(map(len, children_of(self)))
 
     def truncated(self, max_depth: int) -> "Tree":
         """The nodes up to max_depth (a prefix, by breadth-first order)."""
@@ -118,9 +110,7 @@ def parse_tree(tree) -> Tree:
     else:
         raise PipelineError(f"tree must be a tuple of branching factors or a list of parent indices, got "
                             f"{type(tree).__name__}: use e.g. (3, 2, 1) or [-1, -1, 0]")
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
+    depths = Tree(tuple(parents)).depths
     order = sorted(range(len(parents)), key=lambda i: (depths[i], i))  # stable: siblings keep draw order
     new = {old: i for i, old in enumerate(order)}
     return Tree(tuple(-1 if parents[old] < 0 else new[parents[old]] for old in order))
@@ -182,17 +172,7 @@ def tree_mask(n_cached: int, n_pending: int, visible: torch.Tensor, dtype: torch
     allowed[:n_pending, :width] = torch.ones(n_pending, width, dtype=torch.bool, device=visible.device).tril(n_cached)
     allowed[n_pending:, :width] = True
     allowed[n_pending:, width:] = visible
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=visible.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask.view(1, 1, *allowed.shape)
-
-
-def tree_forward(model, tokens: torch.Tensor, cache: DynamicCache, head, mask: torch.Tensor,
-                 positions: torch.Tensor, n_logits: int) -> torch.Tensor:
-    """Feeds tokens [k] under a 4-D mask at the given positions [k], appending to `cache`; fp32 logits of the
-    last n_logits positions (only those go through the head, as `loop.forward`)."""
-    hidden = model.model(input_ids=tokens.view(1, -1), attention_mask=mask, position_ids=positions.view(1, -1),
-                         cache=cache, use_cache=True).last_hidden_state
-    return head_logits(hidden[0, -n_logits:], head)
+    return additive_mask(allowed, dtype).view(1, 1, *allowed.shape)
 
 
 def keep_path(cache: DynamicCache, committed: int, positions: list[int]) -> None:
@@ -225,8 +205,6 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
     committed = seq.shape[1]
     tokens, valid = seq.new_zeros(plan.n + 1), torch.ones(plan.n + 1, dtype=torch.bool, device=seq.device)
     qs = None
-    if plan.n == 0:
-        return tokens, valid, qs
     with profile.part("draft"):
         logits = forward(pair.draft, seq[:, cache.get_seq_length():], cache, pair.draft_head)
     for depth in range(plan.depth):
@@ -241,19 +219,10 @@ def _draft_tree(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePl
             with profile.part("draft"):
                 nodes = plan.frontier[depth + 1]
                 mask = tree_mask(committed, 0, plan.visible[depth + 1], pair.draft.dtype)
-                positions = torch.full_like(nodes, committed + depth)  # root at committed − 1, depth d at +d
-                logits = tree_forward(pair.draft, tokens[nodes], cache, pair.draft_head, mask, positions, len(nodes))
+                positions = torch.full_like(nodes, committed + depth).view(1, -1)  # root at committed − 1, d at +d
+                logits = forward(pair.draft, tokens[nodes].view(1, -1), cache, pair.draft_head, len(nodes), mask,
+                                 positions)
     return tokens, valid, qs
-
-
-def _verify_forward(pair: Pair, seq: torch.Tensor, cache: DynamicCache, plan: TreePlan, tokens: torch.Tensor):
-    """One target forward of the committed tokens it has not seen and every tree node; logits [N+1, V] at
-    the root and at each node."""
-    cached, committed = cache.get_seq_length(), seq.shape[1]
-    ids = torch.cat([seq[0, cached:], tokens[1:]])
-    positions = torch.cat([torch.arange(cached, committed, device=seq.device), committed - 1 + plan.depths])
-    mask = tree_mask(cached, committed - cached, plan.ancestors, pair.target.dtype)
-    return tree_forward(pair.target, ids, cache, pair.target_head, mask, positions, plan.n + 1)
 
 
 def _verify_tree(pair: Pair, plan: TreePlan, logits, tokens, valid, qs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,8 +257,12 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
     target_cache, draft_cache = caches
     committed = seq.shape[1]
     tokens, valid, qs = _draft_tree(pair, seq, draft_cache, plan, profile)
-    with profile.part("target"):
-        logits = _verify_forward(pair, seq, target_cache, plan, tokens)
+    with profile.part("target"):  # the committed tokens the target has not seen and every node: logits [N+1, V]
+        cached = target_cache.get_seq_length()
+        ids = torch.cat([seq[0, cached:], tokens[1:]]).view(1, -1)
+        positions = torch.cat([torch.arange(cached, committed, device=seq.device), committed - 1 + plan.depths])
+        mask = tree_mask(cached, committed - cached, plan.ancestors, pair.target.dtype)
+        logits = forward(pair.target, ids, target_cache, pair.target_head, plan.n + 1, mask, positions.view(1, -1))
     with profile.part("sampling"):
         accepted, fallback = _verify_tree(pair, plan, logits, tokens, valid, qs)
         result = torch.cat([accepted, fallback, tokens]).tolist()  # the one host sync of the step
@@ -298,9 +271,8 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
         new_tokens = [result[2 * plan.n + 2 + slot] for slot in path] + [next_token]
         seq = torch.cat([seq, torch.tensor(new_tokens, device=seq.device).view(1, -1)], 1)
         keep_path(target_cache, committed, [committed + slot - 1 for slot in path])
-        if plan.n:  # an empty tree ran no draft forward: the draft cache is as it was
-            fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
-            keep_path(draft_cache, committed, [committed + k for k in fed])
+        fed = [plan.fed_position[slot - 1] for slot in path if slot - 1 in plan.fed_position]
+        keep_path(draft_cache, committed, [committed + k for k in fed])
     stats.accepted.append(len(path))
     stats.drafted.append(plan.n)
     stats.depths.append(plan.depth)
@@ -310,12 +282,8 @@ def tree_step(pair: Pair, seq: torch.Tensor, caches: tuple[DynamicCache, Dynamic
 
 def check_tree(tree: Tree, pair: Pair) -> None:
     """One-line errors for a tree these models cannot run."""
-    for role, model in (("target", pair.target), ("draft", pair.draft)):
-        attention = getattr(model.config, "_attn_implementation", None)
-        if attention not in MASK_ATTENTION:
-            raise PipelineError(f"tree speculation needs attention that takes a 4-D mask ({', '.join(MASK_ATTENTION)}),"
-                                f" the {role} uses {attention}: load it with attn_implementation='sdpa'")
-    rows = pair.draft_head[0].shape[0]
-    if tree.width > rows:
-        raise PipelineError(f"the tree gives a node {tree.width} children but the draft proposes from only {rows} "
+    check_mask_attention("tree speculation", target=pair.target, draft=pair.draft)
+    rows, width = pair.draft_head[0].shape[0], max(map(len, children_of(tree)))
+    if width > rows:
+        raise PipelineError(f"the tree gives a node {width} children but the draft proposes from only {rows} "
                             "tokens (draft_vocab): use a narrower tree")

@@ -27,7 +27,8 @@ def assistant_configs(draft, gamma: int, calibrated: dict | None = None) -> dict
 
     hf_defaults = GenerationConfig()
     configs = {name: copy.deepcopy(draft.generation_config) for name in ("defaults", "fixed", "calibrated")}
-    settings = {"defaults": {key: getattr(hf_defaults, key) for key in ASSISTED_KEYS},
+    assisted = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    settings = {"defaults": {key: getattr(hf_defaults, key) for key in assisted},
                 "fixed": {"num_assistant_tokens": int(gamma), "num_assistant_tokens_schedule": "constant",
                           "assistant_confidence_threshold": 0.0},
                 "calibrated": calibrated or {}}
@@ -35,9 +36,6 @@ def assistant_configs(draft, gamma: int, calibrated: dict | None = None) -> dict
         for key, value in values.items():
             setattr(configs[name], key, value)
     return configs
-
-
-ASSISTED_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 class PassCounter:
@@ -57,7 +55,6 @@ class PassCounter:
         self.calls.append((cache.get_seq_length() if cache is not None else 0, int(ids.shape[1])))
 
     def stats(self, prompt_len: int, n_generated: int) -> DecodeStats:
-        self.handle.remove()
         committed = [prompt_len] + [cache + 1 for cache, _ in self.calls[1:]] + [prompt_len + n_generated]
         stats = DecodeStats(target_passes=len(self.calls), n_generated=n_generated)
         for i, (cache, fed) in enumerate(self.calls):

@@ -39,10 +39,6 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
 
 
-def home(engines_dir: str | Path, version: str = VERSION) -> Path:
-    return Path(engines_dir) / f"llama.cpp-{version}"
-
-
 def binary(root: Path, name: str) -> Path:
     return root / "build" / "bin" / name
 
@@ -57,7 +53,7 @@ def is_built(root: Path) -> bool:
 def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
     """The llama.cpp tree (source in src/, binaries in build/bin/) of llama-cpp-python==`version`, built once
     and cached under `engines_dir`; a failed build leaves nothing that looks built."""
-    root = home(engines_dir, version)
+    root = Path(engines_dir) / f"llama.cpp-{version}"
     if is_built(root):
         return root
     missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
@@ -104,44 +100,35 @@ def _source(root: Path, version: str, log) -> Path:
     return source
 
 
-def convert(root: Path, hf_dir: str | Path, out: str | Path, outtype: str = "f16") -> Path:
-    """llama.cpp's own convert_hf_to_gguf.py on an HF directory (written through a temporary name)."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py")}  # the converter's own gguf package
-    result = subprocess.run([sys.executable, str(root / "src" / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile",
-                             str(tmp), "--outtype", outtype], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama.cpp could not convert {hf_dir} to GGUF ({tail}): export a Llama/Qwen2-family draft")
-    tmp.rename(out)
-    return out
-
-
-def quantize(root: Path, source: str | Path, out: str | Path, kind: str) -> Path:
-    """llama-quantize `source` to `kind` (e.g. Q4_1, Q4_K_M, Q8_0), written through a temporary name."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    result = subprocess.run([str(binary(root, "llama-quantize")), str(source), str(tmp), kind],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama-quantize {kind} failed on {source} ({tail}): pick another quantisation type")
-    tmp.rename(out)
-    return out
-
-
 def hf_to_gguf(root: Path, hf_dir: str | Path, out: str | Path, quant: str | None) -> Path:
-    """An HF directory as GGUF at `out`: llama.cpp's converter (f16), then llama-quantize to `quant` (None: the
-    f16 file itself); the f16 intermediate is removed once quantised."""
+    """An HF directory as GGUF at `out`: llama.cpp's own convert_hf_to_gguf.py (f16), then llama-quantize to `quant`
+    (e.g. Q4_1, Q4_K_M, Q8_0; None: the f16 file itself); each written through a temporary name, the f16
+    intermediate removed once quantised."""
     out = Path(out)
+    f16 = out if quant is None else out.with_name(out.name + ".f16")
+    tmp = f16.with_name(f16.name + ".partial")
+    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py")}  # the converter's own gguf package
+    _run([sys.executable, str(root / "src" / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(tmp),
+          "--outtype", "f16"],
+         f"llama.cpp could not convert {hf_dir} to GGUF", "export a Llama/Qwen2-family draft", env)
+    tmp.rename(f16)
     if quant is None:
-        return convert(root, hf_dir, out, "f16")
-    f16 = convert(root, hf_dir, out.with_name(out.name + ".f16"), "f16")
+        return out
     try:
-        return quantize(root, f16, out, quant)
+        tmp = out.with_name(out.name + ".partial")
+        _run([str(binary(root, "llama-quantize")), str(f16), str(tmp), quant],
+             f"llama-quantize {quant} failed on {f16}", "pick another quantisation type")
+        return tmp.rename(out)
     finally:
         f16.unlink(missing_ok=True)
+
+
+def _run(command: list[str], what: str, fix: str, env: dict | None = None) -> str:
+    """A tool's stdout; on failure a one-line error: `what` (the tool's last line of stderr): `fix`."""
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise PipelineError(f"{what} ({(result.stderr.strip().splitlines() or ['no output'])[-1]}): {fix}")
+    return result.stdout
 
 
 def gguf_file_type(path: str | Path) -> str | None:
@@ -193,9 +180,8 @@ def free_port() -> int:
 
 
 class Server:
-    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. Its
-    arguments are the server's own: models, draft flags, threads, context, log file, start timeout and parallel
-    slots (-np; one unless a caller batches requests, as collect.backend=server does)."""
+    """One llama-server process on 127.0.0.1 (a free port), optionally with a draft; a context manager. `parallel`
+    slots (-np) are decoded as one batch: one unless a caller batches requests, as collect.backend=server does."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
                  settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
@@ -206,7 +192,7 @@ class Server:
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))
         command = [str(binary(root, "llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-c", str(context), "-np", str(int(parallel)), "-t", str(threads or os.cpu_count() or 1),
-                   "--no-webui"]  # parallel > 1: that many slots decoded as one batch
+                   "--no-webui"]
         if draft is not None:
             command += draft_flags(draft, settings)
         self.command, self.start_timeout, self.process = command, start_timeout, None
@@ -266,12 +252,9 @@ class Server:
             alive = self.process is not None and self.process.poll() is None
             raise PipelineError(f"llama-server {'did not answer' if alive else 'died'} mid-request ({e}; "
                                 f"{self._last_log_line()}): see {self.log_path}") from None
-        tokens = list(out.get("tokens") or [])
-        stops = set(stop_ids)
-        for i, token in enumerate(tokens):  # the server stops at EOG tokens itself; keep ours as the HF path does
-            if token in stops:
-                tokens = tokens[:i + 1]
-                break
+        tokens, stops = list(out.get("tokens") or []), set(stop_ids)
+        # the server stops at EOG tokens itself; cut at ours as the HF path does
+        tokens = tokens[:next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))]
         result = {"tokens": tokens, "timings": out.get("timings") or {}, "stop_type": out.get("stop_type")}
         if self.trace:
             result["passes"] = self.passes_logged(logged_from, result["timings"])
@@ -306,9 +289,5 @@ def bench(root: Path, model: str | Path, batch_sizes: tuple[int, ...], depth: in
     (prompt processing of n tokens at depth d: the shape of a verify pass; 1 token = a decoding step)."""
     command = [str(binary(root, "llama-bench")), "-m", str(model), "-p", ",".join(str(b) for b in batch_sizes),
                "-n", "0", "-d", str(depth), "-r", str(repeats), "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"llama-bench failed on {model} ({tail}): check the GGUF file")
-    rows = json.loads(result.stdout)
+    rows = json.loads(_run(command, f"llama-bench failed on {model}", "check the GGUF file"))
     return {int(row["n_prompt"]): float(row["avg_ns"]) / 1e6 for row in rows if row.get("n_prompt")}
