@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend, onpolicy_record
+from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, skipped_counts
 from pipeline.atomic import atomic_dir, write_json
@@ -86,21 +86,6 @@ class CollectJob:
 
     def finished(self, shard: Shard) -> bool:
         return (self.shard_dir / shard.name / "meta.json").exists()
-
-    def next_shard_overruns(self, done: int) -> bool:
-        """The next shard would end past collect.max_minutes at this run's mean shard time; the first round (a
-        shard per domain, plan order interleaves them) always runs."""
-        first_round = max(1, len(self.prompts) // self.state.num_processes)
-        return would_overrun(self.started, done, self.settings.max_minutes, first_round)
-
-    @property
-    def stop_marker(self) -> Path:
-        """Written by a process whose budget stopped it, so the merge knows its missing shards are meant."""
-        return self.shard_dir / f"budget-stopped.{self.state.process_index}"
-
-    def my_unfinished_shards(self) -> list[Shard]:
-        return [shard for shard in self.plan if shard.position % self.state.num_processes == self.state.process_index
-                and not self.finished(shard)]
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -226,29 +211,31 @@ def _announce(job: CollectJob) -> None:
 def _generate_missing_shards(job: CollectJob, tracker) -> None:
     """This process's unfinished shards in plan order, under one progress bar, until collect.max_minutes (a
     stopped run resumes from the next shard); loads the target (or starts its server) only when there is work."""
-    mine = job.my_unfinished_shards()
+    from tqdm.auto import tqdm
+
+    state = job.state
+    mine = [shard for shard in job.plan if shard.position % state.num_processes == state.process_index
+            and not job.finished(shard)]
     if not mine:
         return
+    # Written by a process whose budget stopped it, so the merge knows its missing shards are meant.
+    stop_marker = job.shard_dir / f"budget-stopped.{state.process_index}"
+    first_round = max(1, len(job.prompts) // state.num_processes)  # a shard per domain (plan order interleaves them)
+    turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
     with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
         backend = _make_backend(job, stack)
         onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
                                     job.dtype) if job.settings.onpolicy.share else None
-        _generate_shards(job, tracker, mine, backend, onpolicy)
-
-
-def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend, onpolicy) -> None:
-    from tqdm.auto import tqdm
-
-    turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
-    with tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl", dynamic_ncols=True,
-              disable=not job.state.is_local_main_process) as bar:
+        bar = stack.enter_context(tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl",
+                                       dynamic_ncols=True, disable=not state.is_local_main_process))
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
             backend.show_rates = bar.set_postfix_str
-        job.stop_marker.unlink(missing_ok=True)
+        stop_marker.unlink(missing_ok=True)
         for done, shard in enumerate(mine):
-            if job.next_shard_overruns(done):
+            # the next shard would end past collect.max_minutes at this run's mean shard time; the first round runs
+            if would_overrun(job.started, done, job.settings.max_minutes, first_round):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
-                job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
+                stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
                       f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
@@ -370,7 +357,8 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
         "label_cost": label_cost(dataset, shard_metas),
-        **onpolicy_record(settings.onpolicy, identity),
+        **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
+                         "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),

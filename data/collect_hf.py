@@ -14,10 +14,6 @@ from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 class HFBackend:
     """Batched `generate` with left padding; halves the batch on CUDA out-of-memory and retries. labels=False: the
     tokens alone (no top-k, no hidden states), for a model whose distribution is not the label (collect.onpolicy)."""
@@ -54,8 +50,8 @@ class HFBackend:
                     progress(n)
             try:
                 return self._generate(contexts, seed, count)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not _is_oom(e):
+            except RuntimeError as e:  # torch.OutOfMemoryError is one
+                if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
                     raise
                 if progress and done[0]:
                     progress(-done[0])

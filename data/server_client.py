@@ -12,8 +12,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
 
@@ -53,7 +52,6 @@ class Client:
     timeout: float
     retries: int
     backoff: float
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
     def get(self, path: str) -> dict:
         return self._call(urllib.request.Request(self.url + path), path)
@@ -80,7 +78,7 @@ class Client:
                     http.client.HTTPException, ValueError) as e:  # ValueError: a reply cut off mid-JSON
                 last = str(getattr(e, "reason", None) or e) or type(e).__name__
             if attempt < self.retries:
-                self.sleep(wait)
+                time.sleep(wait)
         raise ServerDown(f"{self.url}{path} failed {self.retries + 1} tries (last: {last})")
 
 

@@ -105,10 +105,8 @@ def chat(ctx: SourceContext) -> DomainPrompts:
     eval_ = interleave(by_category, ctx.rng("chat", "eval"))
 
     rng = ctx.rng("chat", "train")
-    templates = [json.loads(line) for line in
-                 ctx.repo_file(c.templates).read_text(encoding="utf-8").splitlines() if line.strip()]
     fillings = {}
-    for i, t in enumerate(templates):
+    for i, t in enumerate(_read_jsonl(ctx.repo_file(c.templates))):
         names = sorted(t["slots"])
         fillings[f"{i:03d}"] = [(t, dict(zip(names, values)))
                                 for values in itertools.product(*(t["slots"][n] for n in names))]
