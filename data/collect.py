@@ -96,7 +96,6 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, tracker) -> dict:
-    """settings -> prompts -> target and fingerprint -> missing shards -> merge + manifest -> summary."""
     started = time.time()
     settings = CollectSettings.from_config(cfg.collect, cfg.seed)
     prompts = _load_prompts(cfg, settings)
@@ -141,7 +140,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         with state.main_process_first():  # runtime.dtype=auto times the target once; the other processes read that
             device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
-    identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
+    identity = _target_identity(target_path, tokenizer)
     if settings.onpolicy.share:
         identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
@@ -151,35 +150,31 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
 
 
 def _target_identity(path: Path, tokenizer) -> dict:
-    """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
+    """What makes the data this target's: architecture, weight / tokenizer / template hashes, and the stop ids (the
+    chat's with the checkpoint's generation_config EOS ids, read without loading the weights)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
     from pipeline.models import model_identity
     from pipeline.packaged import sha256_of
 
     weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
     tokenizer_file = path / "tokenizer.json"
+    generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
     return {"model": model_identity(path),
             "weights_sha256": {p.name: sha256_of(p) for p in weights},
             "tokenizer_sha256": sha256_of(tokenizer_file) if tokenizer_file.exists() else None,
             "chat_template_sha256": None if tokenizer.chat_template is None else
             hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-            "chat_template": tokenizer.chat_template}
-
-
-def _stop_ids(path: Path, tokenizer) -> list[int]:
-    """The chat's stop tokens with the checkpoint's generation_config EOS ids, without loading the weights."""
-    from types import SimpleNamespace
-
-    from transformers import GenerationConfig
-
-    generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
-    return stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))
+            "chat_template": tokenizer.chat_template,
+            "stop_token_ids": stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))}
 
 
 def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
     """Names the shard directory: any change to how rows are generated starts a fresh one (the prompts hash into each
     shard's own name)."""
-    target = {k: v for k, v in identity.items() if k != "model"}
-    target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
+    target = identity | {"model": {k: v for k, v in identity["model"].items() if k != "path"}}  # moving a dir is fine
     payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(), "dtype": dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

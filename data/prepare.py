@@ -20,11 +20,6 @@ BUILTIN_DOMAINS = ("chat", "code", "summarization", "math", "qa", "translation")
 SOURCES_MD = Path(__file__).resolve().parent / "SOURCES.md"
 
 
-def _caps(data, domain: str) -> dict[str, int]:
-    return {"train": int(data.max_train.get(domain, data.train_per_domain)),
-            "eval": int(data.max_eval.get(domain, data.eval_per_domain))}
-
-
 def _unknown_domain(domain: str) -> PipelineError:
     return PipelineError(f"unknown domain {domain!r} in data.domains: built-in domains are {list(BUILTIN_DOMAINS)}; "
                          "remove it or give its prompts in data.extra_files")
@@ -107,8 +102,9 @@ def build(cfg) -> tuple[dict[str, list[dict]], dict]:
     data, seed = cfg.data, int(cfg.seed)
     extras, extra_provenance = load_extra_files(data, seed)
     domains = list(dict.fromkeys([*data.domains, *(d for d, _ in extras)]))
-    ctx = sources.SourceContext(data=data, seed=seed, cache=Path(cfg.paths.cache),
-                                wanted={d: _caps(data, d) for d in domains})
+    wanted = {d: {"train": int(data.max_train.get(d, data.train_per_domain)),
+                  "eval": int(data.max_eval.get(d, data.eval_per_domain))} for d in domains}
+    ctx = sources.SourceContext(data=data, seed=seed, cache=Path(cfg.paths.cache), wanted=wanted)
 
     chosen: dict[str, dict[str, list[dict]]] = {}
     report: dict[str, dict] = {}

@@ -6,6 +6,7 @@ busy, restarting or dying server gives. Anything else (400, 404, ...) is the req
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -73,20 +74,14 @@ class Client:
                 if e.code != 429 and e.code < 500:
                     raise Rejected(e.code, message) from None
                 last = f"HTTP {e.code}: {message}"
-                wait = max(wait, _retry_after(e.headers.get("Retry-After")))
+                with contextlib.suppress(TypeError, ValueError):  # no Retry-After, or not in seconds
+                    wait = max(wait, min(float(e.headers.get("Retry-After")), RETRY_AFTER_CAP))
             except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout,
                     http.client.HTTPException, ValueError) as e:  # ValueError: a reply cut off mid-JSON
                 last = str(getattr(e, "reason", None) or e) or type(e).__name__
             if attempt < self.retries:
                 time.sleep(wait)
         raise ServerDown(f"{self.url}{path} failed {self.retries + 1} tries (last: {last})")
-
-
-def _retry_after(header: str | None) -> float:
-    try:
-        return min(float(header), RETRY_AFTER_CAP) if header else 0.0
-    except ValueError:
-        return 0.0
 
 
 # ----------------------------------------------------------------------------- the start-up probe

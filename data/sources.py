@@ -64,9 +64,8 @@ class SourceContext:
                 "files": [pkg.files[f].path for f in files], "license": pkg.license}
 
     def repo_file(self, path: str) -> Path:
-        """A file shipped with this repository (config paths are relative to the repo root)."""
-        p = Path(path)
-        return p if p.is_absolute() else REPO_ROOT / p
+        """A file shipped with this repository (config paths are relative to the repo root; an absolute one stays)."""
+        return REPO_ROOT / path
 
 
 def make_prompt(id: str, domain: str, turns: list[str], source: str) -> dict:
