@@ -1,10 +1,7 @@
-"""Collect stage: the target's own generations on the train prompts (same-source distillation data).
-
-`python -m pipeline stage=collect` renders each train prompt with the target's chat template and samples
-completions with the serving settings in `collect.*` (later turns conditioned on sample 0's earlier answer),
-optionally with white-box labels from the very forward that produced each token (collect.onpolicy: a share answered
-by the draft instead, data/collect_onpolicy.py). The dataset's columns and the manifest are the contract in
-docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
+"""Collect stage (`python -m pipeline stage=collect`): the target's own generations on the train prompts (same-source
+distillation data), sampled with the serving settings in `collect.*`, optionally with white-box labels (a share
+answered by the draft instead: data/collect_onpolicy.py). The dataset's columns, the manifest, resume by shard and
+the disk cost are the contract in docs/architecture.md ("Collected data").
 """
 from __future__ import annotations
 

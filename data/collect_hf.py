@@ -1,7 +1,6 @@
 """The collect stage's Hugging Face backend: batched, left-padded `generate` on CPU or CUDA, with the
 target's top-k log-probabilities taken from the raw logits (before any sampling filter) and, with
-collect.hidden_states, the output head's input at each step (the final hidden state). OnPolicyBackend
-(collect.onpolicy): the draft samples, the target labels its samples in one forward pass."""
+collect.hidden_states, the output head's input at each step (the final hidden state); OnPolicyBackend below."""
 from __future__ import annotations
 
 import contextlib

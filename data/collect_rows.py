@@ -206,8 +206,7 @@ class ServerSettings:
                        retries=0, backoff=0.0, logprobs=False, launch=False)
         if not isinstance(values, Mapping):
             raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
-        names = [f.name for f in fields(cls)]
-        check_keys(dict(values), names, "collect.server", "conf/collect/default.yaml")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.server", "conf/collect/default.yaml")
         urls = values["urls"]
         urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
         numbers = {key: _config_number(f"server.{key}", values[key], kind)

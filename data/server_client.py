@@ -1,8 +1,6 @@
 """HTTP for collect.backend=server: JSON over the standard library with retries and backoff, and the start-up
-probe that checks every server is there and serves the configured model (data/collect_server.py uses both).
-
-What is retried: a refused or dropped connection, a timeout, an unreadable reply, HTTP 429 and 5xx: the faults a
-busy, restarting or dying server gives. Anything else (400, 404, ...) is the request's own fault and is not.
+probe that checks every server is there and serves the configured model. Retried: a refused or dropped connection,
+a timeout, an unreadable reply, HTTP 429 and 5xx (the faults of a busy, restarting or dying server); not any other 4xx.
 """
 from __future__ import annotations
 
