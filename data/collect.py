@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
-from data.collect_server import server_record, skipped_counts
+from data.collect_server import server_record, summed_counts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
 from pipeline.deadline import would_overrun
@@ -299,8 +299,9 @@ def _merge_shards(job: CollectJob):
         if metas[-1]["rows"]:
             parts.append(load_from_disk(str(shard_path / "data")))
     if not parts:
-        raise PipelineError(f"every request of the collect was skipped ({skipped_counts(metas)}): give the servers "
-                            "more context (docs/architecture.md, collect from servers) or pass shorter prompts")
+        raise PipelineError(f"every request of the collect was skipped ({summed_counts(metas, 'skipped')}): give "
+                            "the servers more context (docs/architecture.md, collect from servers) or pass shorter "
+                            "prompts")
     return concatenate_datasets(parts), metas
 
 

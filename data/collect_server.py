@@ -296,20 +296,17 @@ def launch_server(cfg, settings: CollectSettings, log_path, stack) -> CollectSet
     return replace(settings, server=replace(settings.server, urls=(server.url,), launch=False))
 
 
-def skipped_counts(metas: list[dict]) -> dict:
-    """Skipped requests by reason over the shards' meta.json records."""
+def summed_counts(metas: list[dict], key: str) -> dict:
+    """The shards' meta.json counts under `key` (skipped: by reason; token_ids: by where they came from), summed."""
     counts: Counter = Counter()
     for meta in metas:
-        counts.update(meta.get("skipped") or {})
+        counts.update(meta.get(key) or {})
     return dict(sorted(counts.items()))
 
 
 def server_record(metas: list[dict]) -> dict:
     """The manifest's server keys: the servers the rows came from (the last shard's), the requests skipped and
     where the token ids came from, over all shards (whichever run made each)."""
-    token_ids: Counter = Counter()
-    for meta in metas:
-        token_ids.update(meta.get("token_ids") or {})
-    skipped = skipped_counts(metas)
+    skipped = summed_counts(metas, "skipped")
     return {"server": metas[-1].get("server") if metas else None, "skipped": skipped,
-            "skipped_total": sum(skipped.values()), "token_ids": dict(sorted(token_ids.items()))}
+            "skipped_total": sum(skipped.values()), "token_ids": summed_counts(metas, "token_ids")}
