@@ -1,10 +1,7 @@
-"""Collect stage: the target's own generations on the train prompts (same-source distillation data).
-
-`python -m pipeline stage=collect` renders each train prompt with the target's chat template and samples
-completions with the serving settings in `collect.*` (later turns conditioned on sample 0's earlier answer),
-optionally with white-box labels from the very forward that produced each token (collect.onpolicy: a share answered
-by the draft instead, data/collect_onpolicy.py). The dataset's columns and the manifest are the contract in
-docs/architecture.md ("Collected data"), as are resume by shard and the disk cost.
+"""Collect stage (`python -m pipeline stage=collect`): the target's own generations on the train prompts (same-source
+distillation data), sampled with the serving settings in `collect.*`, optionally with white-box labels (a share
+answered by the draft instead: data/collect_onpolicy.py). The dataset's columns, the manifest, resume by shard and
+the disk cost are the contract in docs/architecture.md ("Collected data").
 """
 from __future__ import annotations
 
@@ -19,9 +16,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend, onpolicy_record
+from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
-from data.collect_server import server_record, skipped_counts
+from data.collect_server import server_record, summed_counts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
 from pipeline.deadline import would_overrun
@@ -87,21 +84,6 @@ class CollectJob:
     def finished(self, shard: Shard) -> bool:
         return (self.shard_dir / shard.name / "meta.json").exists()
 
-    def next_shard_overruns(self, done: int) -> bool:
-        """The next shard would end past collect.max_minutes at this run's mean shard time; the first round (a
-        shard per domain, plan order interleaves them) always runs."""
-        first_round = max(1, len(self.prompts) // self.state.num_processes)
-        return would_overrun(self.started, done, self.settings.max_minutes, first_round)
-
-    @property
-    def stop_marker(self) -> Path:
-        """Written by a process whose budget stopped it, so the merge knows its missing shards are meant."""
-        return self.shard_dir / f"budget-stopped.{self.state.process_index}"
-
-    def my_unfinished_shards(self) -> list[Shard]:
-        return [shard for shard in self.plan if shard.position % self.state.num_processes == self.state.process_index
-                and not self.finished(shard)]
-
 
 # ----------------------------------------------------------------------------- the stage
 
@@ -111,7 +93,6 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, tracker) -> dict:
-    """settings -> prompts -> target and fingerprint -> missing shards -> merge + manifest -> summary."""
     started = time.time()
     settings = CollectSettings.from_config(cfg.collect, cfg.seed)
     prompts = _load_prompts(cfg, settings)
@@ -156,7 +137,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         with state.main_process_first():  # runtime.dtype=auto times the target once; the other processes read that
             device, dtype = resolve_device(cfg.get("runtime"), target_path, cfg.paths.models)
     tokenizer = load_tokenizer(target_path)
-    identity = _target_identity(target_path, tokenizer) | {"stop_token_ids": _stop_ids(target_path, tokenizer)}
+    identity = _target_identity(target_path, tokenizer)
     if settings.onpolicy.share:
         identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
@@ -166,35 +147,31 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
 
 
 def _target_identity(path: Path, tokenizer) -> dict:
-    """What makes the data this target's: architecture, weight / tokenizer / template hashes."""
+    """What makes the data this target's: architecture, weight / tokenizer / template hashes, and the stop ids (the
+    chat's with the checkpoint's generation_config EOS ids, read without loading the weights)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
     from pipeline.models import model_identity
     from pipeline.packaged import sha256_of
 
     weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
     tokenizer_file = path / "tokenizer.json"
+    generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
     return {"model": model_identity(path),
             "weights_sha256": {p.name: sha256_of(p) for p in weights},
             "tokenizer_sha256": sha256_of(tokenizer_file) if tokenizer_file.exists() else None,
             "chat_template_sha256": None if tokenizer.chat_template is None else
             hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-            "chat_template": tokenizer.chat_template}
-
-
-def _stop_ids(path: Path, tokenizer) -> list[int]:
-    """The chat's stop tokens with the checkpoint's generation_config EOS ids, without loading the weights."""
-    from types import SimpleNamespace
-
-    from transformers import GenerationConfig
-
-    generation = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else None
-    return stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))
+            "chat_template": tokenizer.chat_template,
+            "stop_token_ids": stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation))}
 
 
 def _fingerprint(identity: dict, settings: CollectSettings, dtype: str) -> str:
     """Names the shard directory: any change to how rows are generated starts a fresh one (the prompts hash into each
     shard's own name)."""
-    target = {k: v for k, v in identity.items() if k != "model"}
-    target["model"] = {k: v for k, v in identity["model"].items() if k != "path"}  # moving a dir is fine
+    target = identity | {"model": {k: v for k, v in identity["model"].items() if k != "path"}}  # moving a dir is fine
     payload = {"format": FORMAT_VERSION, "target": target, "settings": settings.generation_key(), "dtype": dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -226,29 +203,31 @@ def _announce(job: CollectJob) -> None:
 def _generate_missing_shards(job: CollectJob, tracker) -> None:
     """This process's unfinished shards in plan order, under one progress bar, until collect.max_minutes (a
     stopped run resumes from the next shard); loads the target (or starts its server) only when there is work."""
-    mine = job.my_unfinished_shards()
+    from tqdm.auto import tqdm
+
+    state = job.state
+    mine = [shard for shard in job.plan if shard.position % state.num_processes == state.process_index
+            and not job.finished(shard)]
     if not mine:
         return
+    # Written by a process whose budget stopped it, so the merge knows its missing shards are meant.
+    stop_marker = job.shard_dir / f"budget-stopped.{state.process_index}"
+    first_round = max(1, len(job.prompts) // state.num_processes)  # a shard per domain (plan order interleaves them)
+    turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
     with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
         backend = _make_backend(job, stack)
         onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
                                     job.dtype) if job.settings.onpolicy.share else None
-        _generate_shards(job, tracker, mine, backend, onpolicy)
-
-
-def _generate_shards(job: CollectJob, tracker, mine: list[Shard], backend, onpolicy) -> None:
-    from tqdm.auto import tqdm
-
-    turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
-    with tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl", dynamic_ncols=True,
-              disable=not job.state.is_local_main_process) as bar:
+        bar = stack.enter_context(tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl",
+                                       dynamic_ncols=True, disable=not state.is_local_main_process))
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
             backend.show_rates = bar.set_postfix_str
-        job.stop_marker.unlink(missing_ok=True)
+        stop_marker.unlink(missing_ok=True)
         for done, shard in enumerate(mine):
-            if job.next_shard_overruns(done):
+            # the next shard would end past collect.max_minutes at this run's mean shard time; the first round runs
+            if would_overrun(job.started, done, job.settings.max_minutes, first_round):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
-                job.stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
+                stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
                       f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
                 return
@@ -320,8 +299,9 @@ def _merge_shards(job: CollectJob):
         if metas[-1]["rows"]:
             parts.append(load_from_disk(str(shard_path / "data")))
     if not parts:
-        raise PipelineError(f"every request of the collect was skipped ({skipped_counts(metas)}): give the servers "
-                            "more context (docs/architecture.md, collect from servers) or pass shorter prompts")
+        raise PipelineError(f"every request of the collect was skipped ({summed_counts(metas, 'skipped')}): give "
+                            "the servers more context (docs/architecture.md, collect from servers) or pass shorter "
+                            "prompts")
     return concatenate_datasets(parts), metas
 
 
@@ -370,7 +350,8 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
         "label_cost": label_cost(dataset, shard_metas),
-        **onpolicy_record(settings.onpolicy, identity),
+        **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
+                         "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),

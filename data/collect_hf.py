@@ -1,21 +1,17 @@
 """The collect stage's Hugging Face backend: batched, left-padded `generate` on CPU or CUDA, with the
 target's top-k log-probabilities taken from the raw logits (before any sampling filter) and, with
-collect.hidden_states, the output head's input at each step (the final hidden state). OnPolicyBackend
-(collect.onpolicy): the draft samples, the target labels its samples in one forward pass."""
+collect.hidden_states, the output head's input at each step (the final hidden state); OnPolicyBackend below."""
 from __future__ import annotations
 
 import contextlib
 import time
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from data.collect_rows import CollectSettings, Completion
 from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 class HFBackend:
@@ -54,8 +50,8 @@ class HFBackend:
                     progress(n)
             try:
                 return self._generate(contexts, seed, count)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not _is_oom(e):
+            except RuntimeError as e:  # torch.OutOfMemoryError is one
+                if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
                     raise
                 if progress and done[0]:
                     progress(-done[0])
@@ -94,12 +90,10 @@ class HFBackend:
 
     @torch.inference_mode()
     def _generate_batch(self, contexts: list[list[int]]) -> list[Completion]:
-        width = max(map(len, contexts))
-        input_ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ctx in enumerate(contexts):  # left padding: every context ends at the same column
-            input_ids[row, width - len(ctx):] = torch.tensor(ctx)
-            attention_mask[row, width - len(ctx):] = 1
+        rows = [torch.tensor(ctx, dtype=torch.long) for ctx in contexts]  # left padding: they end at the same column
+        input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id, padding_side="left")
+        attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
+        width = input_ids.shape[1]
         steps_hidden: list[torch.Tensor] = []
         with head_inputs(self.model, steps_hidden) if self.hidden else contextlib.nullcontext():
             result = self.model.generate(input_ids=input_ids.to(self.device),
@@ -151,11 +145,9 @@ class OnPolicyBackend(HFBackend):
         target-generated row carries them. Right padding: positions count from 0 in every row without position ids;
         the head runs on the completion positions alone."""
         sequences = [context + completion.ids[:-1] for context, completion in zip(contexts, completions)]
-        input_ids = torch.full((len(sequences), max(map(len, sequences))), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, sequence in enumerate(sequences):
-            input_ids[row, :len(sequence)] = torch.tensor(sequence)
-            attention_mask[row, :len(sequence)] = 1
+        rows = [torch.tensor(sequence, dtype=torch.long) for sequence in sequences]
+        input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id)
+        attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
         device = next(self.target.parameters()).device
         hidden = self.target.get_decoder()(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                            use_cache=False).last_hidden_state

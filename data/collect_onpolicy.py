@@ -1,11 +1,6 @@
 """collect.onpolicy: rows whose completions the draft samples and the target labels (DistillSpec's on-policy data,
-Zhou et al. 2023), collected once with the target's own rows and cached like them.
-
-A share of each domain's train prompts (pipeline/split.py onpolicy_prompts: never a prompt distill holds out) is
-marked `origin: onpolicy`. The draft distill starts from (model.draft, built by pipeline/draft_init.py) or a draft
-directory answers them at the serving sampling, and the target labels each answer in one forward pass over prompt +
-completion (data/collect_hf.py OnPolicyBackend): the same top-k labels and final hidden states as a target-generated
-row, from a prefill instead of a token-by-token generation. The manifest's label_cost puts the two side by side.
+Zhou et al. 2023), collected once with the target's own rows and cached like them. Which prompts, which draft and
+what the rows and the manifest carry: docs/architecture.md ("Collected data").
 """
 from __future__ import annotations
 
@@ -62,14 +57,6 @@ def onpolicy_backend(cfg: DictConfig, settings, target, tokenizer, stop_ids: lis
     print(f"[collect] on-policy rows: {settings.onpolicy.share:g} of each domain's train prompts answered by the draft "
           f"{info} and labelled by the target")
     return OnPolicyBackend(draft.to(dtype).eval(), target, tokenizer.pad_token_id, stop_ids, settings)
-
-
-def onpolicy_record(onpolicy, identity: dict) -> dict:
-    """The manifest's `onpolicy` entry: the share, the draft asked for and what it was; none without on-policy rows."""
-    if not onpolicy.share:
-        return {}
-    return {"onpolicy": {"share": onpolicy.share, "draft": onpolicy.draft,
-                         "draft_identity": identity["onpolicy_draft"]}}
 
 
 def label_cost(dataset, shard_metas: list[dict]) -> dict[str, dict]:

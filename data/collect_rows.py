@@ -63,9 +63,7 @@ class CollectSettings:
         if not isinstance(self.vllm, Mapping):
             raise PipelineError(f"collect.vllm={self.vllm!r} is not a group of settings: {_FIX}")
         self._normalise("vllm", MappingProxyType(dict(self.vllm)))
-        if self.server is None:
-            self._normalise("server", ServerSettings.none())
-        elif not isinstance(self.server, ServerSettings):
+        if not isinstance(self.server, ServerSettings):
             self._normalise("server", ServerSettings.from_mapping(self.server))
         if not isinstance(self.onpolicy, OnPolicySettings):
             self._normalise("onpolicy", OnPolicySettings.from_mapping(self.onpolicy))
@@ -202,16 +200,13 @@ class ServerSettings:
     launch: bool
 
     @classmethod
-    def none(cls) -> "ServerSettings":
-        return cls(urls=(), model=None, endpoint="completions", engine="auto", concurrency=1, timeout=600.0,
-                   retries=0, backoff=0.0, logprobs=False, launch=False)
-
-    @classmethod
     def from_mapping(cls, values) -> "ServerSettings":
+        if values is None:  # no servers
+            return cls(urls=(), model=None, endpoint="completions", engine="auto", concurrency=1, timeout=600.0,
+                       retries=0, backoff=0.0, logprobs=False, launch=False)
         if not isinstance(values, Mapping):
             raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
-        names = [f.name for f in fields(cls)]
-        check_keys(dict(values), names, "collect.server", "conf/collect/default.yaml")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.server", "conf/collect/default.yaml")
         urls = values["urls"]
         urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
         numbers = {key: _config_number(f"server.{key}", values[key], kind)

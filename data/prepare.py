@@ -3,7 +3,6 @@ manifest.json, SOURCES.md), replaced in one rename; deterministic given cfg.seed
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import shutil
 import sys
@@ -15,18 +14,10 @@ from data import sources
 from pipeline.prompts import SPLITS, load_prompts, normalized_text, write_prompts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.errors import PipelineError
+from pipeline.packaged import sha256_of
 
 BUILTIN_DOMAINS = ("chat", "code", "summarization", "math", "qa", "translation")
 SOURCES_MD = Path(__file__).resolve().parent / "SOURCES.md"
-
-
-def _caps(data, domain: str) -> dict[str, int]:
-    return {"train": int(data.max_train.get(domain, data.train_per_domain)),
-            "eval": int(data.max_eval.get(domain, data.eval_per_domain))}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _unknown_domain(domain: str) -> PipelineError:
@@ -99,7 +90,7 @@ def load_extra_files(data, seed: int) -> tuple[dict[tuple[str, str], list[dict]]
             n_eval = round(len(items) * data.extra_eval_fraction)
             groups.setdefault((domain, "eval"), []).extend(items[:n_eval])
             groups.setdefault((domain, "train"), []).extend(items[n_eval:])
-        provenance.append({"path": str(path), "sha256": _sha256(path), "rows": len(rows),
+        provenance.append({"path": str(path), "sha256": sha256_of(path), "rows": len(rows),
                            "split": entry_split, "domain_map": domain_map or None})
     for key, items in groups.items():  # extra rows are in file order: make any prefix a sample
         groups[key] = random.Random(f"{seed}:extra:{key[0]}:{key[1]}").sample(items, len(items))
@@ -111,8 +102,9 @@ def build(cfg) -> tuple[dict[str, list[dict]], dict]:
     data, seed = cfg.data, int(cfg.seed)
     extras, extra_provenance = load_extra_files(data, seed)
     domains = list(dict.fromkeys([*data.domains, *(d for d, _ in extras)]))
-    ctx = sources.SourceContext(data=data, seed=seed, cache=Path(cfg.paths.cache),
-                                wanted={d: _caps(data, d) for d in domains})
+    wanted = {d: {"train": int(data.max_train.get(d, data.train_per_domain)),
+                  "eval": int(data.max_eval.get(d, data.eval_per_domain))} for d in domains}
+    ctx = sources.SourceContext(data=data, seed=seed, cache=Path(cfg.paths.cache), wanted=wanted)
 
     chosen: dict[str, dict[str, list[dict]]] = {}
     report: dict[str, dict] = {}
@@ -176,7 +168,7 @@ def run(cfg, tracker=None) -> dict:
     with atomic_dir(out) as tmp:
         for split, prompts in splits.items():
             write_prompts(tmp / f"{split}.jsonl", prompts)
-        manifest["files"] = {f"{s}.jsonl": {"rows": len(splits[s]), "sha256": _sha256(tmp / f"{s}.jsonl")}
+        manifest["files"] = {f"{s}.jsonl": {"rows": len(splits[s]), "sha256": sha256_of(tmp / f"{s}.jsonl")}
                              for s in SPLITS}
         write_json(tmp / "manifest.json", manifest)
         if SOURCES_MD.is_file():

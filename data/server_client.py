@@ -1,19 +1,17 @@
 """HTTP for collect.backend=server: JSON over the standard library with retries and backoff, and the start-up
-probe that checks every server is there and serves the configured model (data/collect_server.py uses both).
-
-What is retried: a refused or dropped connection, a timeout, an unreadable reply, HTTP 429 and 5xx: the faults a
-busy, restarting or dying server gives. Anything else (400, 404, ...) is the request's own fault and is not.
+probe that checks every server is there and serves the configured model. Retried: a refused or dropped connection,
+a timeout, an unreadable reply, HTTP 429 and 5xx (the faults of a busy, restarting or dying server); not any other 4xx.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 from pipeline.errors import PipelineError
 
@@ -53,7 +51,6 @@ class Client:
     timeout: float
     retries: int
     backoff: float
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
     def get(self, path: str) -> dict:
         return self._call(urllib.request.Request(self.url + path), path)
@@ -75,20 +72,14 @@ class Client:
                 if e.code != 429 and e.code < 500:
                     raise Rejected(e.code, message) from None
                 last = f"HTTP {e.code}: {message}"
-                wait = max(wait, _retry_after(e.headers.get("Retry-After")))
+                with contextlib.suppress(TypeError, ValueError):  # no Retry-After, or not in seconds
+                    wait = max(wait, min(float(e.headers.get("Retry-After")), RETRY_AFTER_CAP))
             except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout,
                     http.client.HTTPException, ValueError) as e:  # ValueError: a reply cut off mid-JSON
                 last = str(getattr(e, "reason", None) or e) or type(e).__name__
             if attempt < self.retries:
-                self.sleep(wait)
+                time.sleep(wait)
         raise ServerDown(f"{self.url}{path} failed {self.retries + 1} tries (last: {last})")
-
-
-def _retry_after(header: str | None) -> float:
-    try:
-        return min(float(header), RETRY_AFTER_CAP) if header else 0.0
-    except ValueError:
-        return 0.0
 
 
 # ----------------------------------------------------------------------------- the start-up probe

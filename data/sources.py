@@ -64,9 +64,8 @@ class SourceContext:
                 "files": [pkg.files[f].path for f in files], "license": pkg.license}
 
     def repo_file(self, path: str) -> Path:
-        """A file shipped with this repository (config paths are relative to the repo root)."""
-        p = Path(path)
-        return p if p.is_absolute() else REPO_ROOT / p
+        """A file shipped with this repository (config paths are relative to the repo root; an absolute one stays)."""
+        return REPO_ROOT / path
 
 
 def make_prompt(id: str, domain: str, turns: list[str], source: str) -> dict:
@@ -105,10 +104,8 @@ def chat(ctx: SourceContext) -> DomainPrompts:
     eval_ = interleave(by_category, ctx.rng("chat", "eval"))
 
     rng = ctx.rng("chat", "train")
-    templates = [json.loads(line) for line in
-                 ctx.repo_file(c.templates).read_text(encoding="utf-8").splitlines() if line.strip()]
     fillings = {}
-    for i, t in enumerate(templates):
+    for i, t in enumerate(_read_jsonl(ctx.repo_file(c.templates))):
         names = sorted(t["slots"])
         fillings[f"{i:03d}"] = [(t, dict(zip(names, values)))
                                 for values in itertools.product(*(t["slots"][n] for n in names))]
