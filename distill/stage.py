@@ -215,16 +215,11 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "recipe": training.recipe}
 
 
-def initial_dir(inputs: Inputs, split: Split) -> Path:
-    """Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those first)."""
-    return Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
-
-
 def save_initial(inputs: Inputs, split: Split) -> Path:
-    """The initial draft on disk before training: the output's draft_init/, and what keep_best ships when training
-    gains nothing. A copy in memory through training cost 2.5 GB on the real pair (the 0.5B draft in fp32), where
-    the run was killed for memory at 24 GiB. Saved again on a resume: build_draft makes the same weights."""
-    path = initial_dir(inputs, split)
+    """The initial draft on disk before training (not in memory, where a copy costs a whole fp32 draft): the output's
+    draft_init/, and what keep_best ships when training gains nothing. Saved again on a resume: build_draft makes the
+    same weights. Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those)."""
+    path = Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
     save_draft(inputs.draft, inputs.draft_tokenizer, path, None, None, inputs.target.generation_config)
     return path
 
