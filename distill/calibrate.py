@@ -80,20 +80,28 @@ def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampli
 
 
 @torch.no_grad()
+def draft_logits(draft, heldout: HeldOut, vocab: torch.Tensor | None = None):
+    """Per batch of held-out positions, in order: the draft's logits [n, C] over its head (the FR-Spec subset's rows
+    when `vocab` is set), computed in eval mode."""
+    was_training = draft.training
+    draft.eval()
+    device = _device(draft)
+    rows = head_rows(draft, None if vocab is None else vocab.to(device))
+    for batch, mask in heldout.batches(device):
+        yield head_logits(completion_hidden(draft, batch)[mask], rows)
+    draft.train(was_training)
+
+
+@torch.no_grad()
 def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.Tensor | None = None,
                filtered: bool = True) -> torch.Tensor:
     """α per held-out position for each draft temperature τ: [len(temperatures), N]; filtered=False: q without the
     serving top-k/top-p (an engine that applies only the temperature to its draft, pipeline/engines/rules.py)."""
-    was_training = draft.training
-    draft.eval()
     device = _device(draft)
-    vocab = None if vocab is None else vocab.to(device)
-    column_of = column_map(vocab, draft.config.vocab_size)
-    rows = head_rows(draft, vocab)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     draft_sampling = heldout.sampling if filtered else Sampling(heldout.sampling.temperature)
     out, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         n = logits.shape[0]
         p_ids = heldout.p_ids[start:start + n].to(device)
         p = heldout.p_probs[start:start + n].to(device)
@@ -105,7 +113,6 @@ def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.
             alphas.append(expected_acceptance(p, q_at).cpu())
         out.append(torch.stack(alphas))
         start += n
-    draft.train(was_training)
     return torch.cat(out, 1)
 
 

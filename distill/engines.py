@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from distill import calibrate as cal
-from distill.batch import completion_hidden
 from distill.export import exported_weights
 from distill.policy import pass_profile_rows, simulate
 from pipeline import speculation_profile as sp
@@ -34,7 +33,6 @@ from pipeline.engines.rules import (
     candidate_rules,
     rule_record,
 )
-from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
 from pipeline.sampling import Sampling
@@ -46,12 +44,9 @@ DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 1
 @torch.no_grad()
 def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=None) -> torch.Tensor:
     """κ [len(thresholds), N]: 1 where llama.cpp would still propose the draft's token at a held-out position."""
-    device = next(draft.parameters()).device
-    rows = head_rows(draft, None if vocab is None else vocab.to(device))
-    limits = torch.tensor(thresholds, device=device).view(-1, 1)
+    limits = torch.tensor(thresholds, device=next(draft.parameters()).device).view(-1, 1)
     out = []
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in cal.draft_logits(draft, heldout, vocab):
         top = logits.topk(min(DRAFT_TOP_K, logits.shape[-1]), -1).values.softmax(-1)[:, 0]
         out.append((top >= limits).float().cpu())
     return torch.cat(out, 1)

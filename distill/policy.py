@@ -20,11 +20,9 @@ from typing import Mapping
 
 import torch
 
-from distill.batch import completion_hidden
-from distill.calibrate import HeldOut, domain_index
+from distill.calibrate import HeldOut, domain_index, draft_logits
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
-from pipeline.heads import head_logits, head_rows
 
 
 @torch.no_grad()
@@ -32,21 +30,15 @@ def keep_probabilities(draft, heldout: HeldOut, tau: float, thresholds: list[flo
     """κ [len(thresholds), N]: the chance the confidence rule keeps drafting after each held-out position.
     Greedy drafting: 1[max softmax ≥ threshold] (the draft's temperature-1 confidence in its argmax, as the
     decoder and HF use). Sampling at τ: Σ_x q(x)·1[q(x) ≥ threshold]."""
-    was_training = draft.training
-    draft.eval()
-    device = next(draft.parameters()).device
-    rows = head_rows(draft, None if vocab is None else vocab.to(device))
-    limits = torch.tensor(thresholds, device=device).view(-1, 1, 1)
+    limits = torch.tensor(thresholds, device=next(draft.parameters()).device).view(-1, 1, 1)
     out = []
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         if tau == 0:
             keep = (logits.softmax(-1).amax(-1) >= limits[:, :, 0]).float()
         else:
             q = heldout.sampling.with_temperature(tau).probs(logits)
             keep = (q * (q >= limits)).sum(-1)
         out.append(keep.cpu())
-    draft.train(was_training)
     return torch.cat(out, 1)
 
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from distill.batch import completion_hidden
-from distill.calibrate import OVERALL, HeldOut, domain_index
+from distill.calibrate import OVERALL, HeldOut, domain_index, draft_logits
 from distill.policy import visit_weights
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes
-from pipeline.heads import column_map, head_logits, head_rows
+from pipeline.heads import column_map
 from pipeline.sampling import sample
 from pipeline.decoding.tree_sampling import rejection_update
 
@@ -51,21 +50,16 @@ def hit_table(draft, heldout: HeldOut, vocab=None, temperature_of: dict | None =
 def target_ranks(draft, heldout: HeldOut, vocab=None) -> torch.Tensor:
     """[N] the rank of the target's greedy token among the draft's logits (0 = the draft's argmax; a token
     outside the draft's vocabulary subset gets rank V, never a hit)."""
-    was_training = draft.training
-    draft.eval()
     device = next(draft.parameters()).device
-    vocab = None if vocab is None else vocab.to(device)
-    rows, column_of = head_rows(draft, vocab), column_map(vocab, draft.config.vocab_size)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     ranks, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         target = heldout.p_ids[start:start + logits.shape[0], 0].to(device)
         cols = target if column_of is None else column_of[target]
         own = logits.gather(-1, cols.clamp_min(0)[:, None])
         rank = (logits > own).sum(-1)
         ranks.append(torch.where(cols >= 0, rank, torch.full_like(rank, logits.shape[-1])).cpu())
         start += logits.shape[0]
-    draft.train(was_training)
     return torch.cat(ranks)
 
 
@@ -75,26 +69,21 @@ def sibling_acceptance(draft, heldout: HeldOut, temperature_of: dict[str, float]
     """[N, K_MAX]: P(recursive rejection sampling accepts one of k siblings drawn without replacement from q_τ)
     at each held-out position, k = 1..K_MAX, each position at its domain's τ. p_T's mass outside the draft's
     vocabulary subset, and the tail beyond the held-out support, form one bucket the draft never proposes."""
-    was_training = draft.training
-    draft.eval()
     device = next(draft.parameters()).device
-    vocab = None if vocab is None else vocab.to(device)
-    rows, column_of = head_rows(draft, vocab), column_map(vocab, draft.config.vocab_size)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     tau = torch.full((heldout.n_positions,), float(temperature_of[OVERALL]))
     for domain, mask in domain_index(heldout).items():
         if domain != OVERALL:
             tau[mask] = float(temperature_of.get(domain, temperature_of[OVERALL]))
     generator = torch.Generator(device=device).manual_seed(seed)
     out, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         for s in range(0, logits.shape[0], chunk):
             at = slice(start + s, start + min(s + chunk, logits.shape[0]))
             q = _draft_probs(logits[s:s + chunk], tau[at].to(device), heldout.sampling)
             p = _target_on_columns(heldout, at, column_of, q.shape[-1], device)
             out.append(_race(p, torch.cat([q, q.new_zeros(q.shape[0], 1)], -1), samples, generator).cpu())
         start += logits.shape[0]
-    draft.train(was_training)
     return torch.cat(out)
 
 
