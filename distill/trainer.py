@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,8 +34,7 @@ with warnings.catch_warnings():  # the experimental-API warning: the TRL version
     warnings.simplefilter("ignore")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-LABEL_COLUMNS = ("topk_ids", "topk_logprobs", "subset_logmass")
-ALIGNED_ONLY = ("position_ids", "prompt_length", *LABEL_COLUMNS)
+ALIGNED_ONLY = ("position_ids", "prompt_length", "topk_ids", "topk_logprobs", "subset_logmass")
 CAUSAL = "causal"  # inputs["layout"] of a batch TRL generated
 
 
@@ -104,8 +103,8 @@ class DistillConfig(GKDConfig):
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "alias of activation_checkpointing"})
 
     def __post_init__(self):
-        unset = [f.name for f in fields(DistillConfig) if f.name in OBJECTIVE and f.name not in OPTIONAL
-                 and getattr(self, f.name) is None]
+        # max_new_tokens None is a setting (as long as the completions)
+        unset = [name for name in OBJECTIVE if name != "max_new_tokens" and getattr(self, name) is None]
         if unset:
             raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
         # nothing generated beyond the completion tokens the loss trains on
@@ -115,7 +114,6 @@ class DistillConfig(GKDConfig):
 
 OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
              "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
-OPTIONAL = ("max_new_tokens",)  # None is a setting (as long as the completions)
 
 
 # ---------------------------------------------------------------- loss positions of either layout
@@ -190,8 +188,6 @@ class DistillTrainer(GKDTrainer):
 
     def __init__(self, model, args: DistillConfig, train_dataset, teacher_model, vocab=None,
                  stop_ids: list[int] | None = None, processing_class=None, callbacks=None):
-        """GKDTrainer's arguments (model, args, data, teacher, tokenizer, callbacks) plus what ours adds: the FR-Spec
-        `vocab` and the `stop_ids` of on-policy continuations."""
         check_loss(args.loss, args.beta, args.topk_tail, args.teacher)
         collator = DistillCollator(processing_class.pad_token_id,
                                    Truncation(args.max_prompt_length, args.max_completion_length))
@@ -239,14 +235,11 @@ class DistillTrainer(GKDTrainer):
         hidden = where.at(teacher.model(**where.forward, use_cache=False).last_hidden_state)[where.mask]
         return head_logits(hidden, head_rows(teacher, self.vocab))
 
-    def _columns(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.column_of is None else self.column_of[ids]
-
     def teacher_signal(self, inputs: dict, where: Positions) -> dict:
         """distillation_loss's teacher keyword: labels (ce), online target logits, or the cached top-k teacher."""
         args, mask = self.args, where.mask
         if args.loss == "ce":
-            cols = self._columns(where.labels[mask])
+            cols = where.labels[mask] if self.column_of is None else self.column_of[where.labels[mask]]
             return {"labels": torch.where(cols >= 0, cols, -100)}
         if args.teacher == "online" or inputs.get("layout") == CAUSAL:
             return {"teacher_logits": self.teacher_logits(where)}
@@ -256,17 +249,12 @@ class DistillTrainer(GKDTrainer):
         return {"teacher": sparse_teacher(inputs["topk_ids"][mask], inputs["topk_logprobs"][mask], self.vocab_size,
                                           self.column_of, subset_logmass)}
 
-    def _per_token(self, model, where: Positions, teacher: dict):
-        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
-        logits = where.at(out.logits)[where.mask]
-        args = self.args
-        return distillation_loss(args.loss, logits, temperature=args.loss_temperature, beta=args.beta,
-                                 tail=args.topk_tail, **teacher), out
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        where = positions(inputs)
+        where, args = positions(inputs), self.args
         teacher = self.teacher_signal(inputs, where)
-        per_token, out = self._per_token(model, where, teacher)
+        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
+        per_token = distillation_loss(args.loss, where.at(out.logits)[where.mask], temperature=args.loss_temperature,
+                                      beta=args.beta, tail=args.topk_tail, **teacher)
         self.train_tokens += int(where.mask.sum())
         loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
         return (loss, out) if return_outputs else loss
