@@ -90,8 +90,7 @@ SCHEDULES = {"vllm": ("num_speculative_tokens_per_batch_size", lambda table, con
 
 def with_engine_schedules(engines: dict, block: dict) -> dict:
     """engines with each vLLM and TensorRT-LLM speculative_config (a domain that drafts there) given its draft
-    length per batch size. vLLM 0.34.0 takes its key for every method (vllm/config/speculative.py; the scheduler
-    applies it, vllm/v1/core/sched/scheduler.py; added by PR #32374, and refused as unknown before it)."""
+    length per batch size (vLLM takes its key for every method: vllm/config/speculative.py)."""
     out = dict(engines)
     for name, (key, schedule) in SCHEDULES.items():
         if not engines.get(name):

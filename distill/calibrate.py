@@ -1,15 +1,9 @@
-"""The acceptance simulator, draft-temperature calibration and the best fixed γ.
-
-Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
-serving distribution p_T (temperature, top-k, top-p: the core Sampling, pipeline/sampling.py) is
-compared with the draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). The expected
-acceptance of a position is α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1); at T=0 both are
-one-hot and α is argmax agreement.
-
-Per-position acceptance for a block of γ drafts starting at position t is P_k = Π_{i<k} α_{t+i} (the first k
-drafts all accepted), averaged over t; the expected tokens per target pass is 1 + Σ_{k≤γ} P_k, and the
-predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exactly Leviathan et al.'s
-(1 − α^(γ+1)) / ((1 − α)(γc + 1)); the measured P_k keep the burstiness of real acceptance (easy stretches).
+"""The acceptance simulator, draft-temperature calibration and the best fixed γ, on held-out collected rows,
+teacher-forced: at each completion position the target's serving distribution p_T (pipeline/sampling.py) meets the
+draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). A position accepts with
+α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1; argmax agreement at T=0); a block of γ drafts from t
+accepts its first k with P_k = Π_{i<k} α_{t+i}, averaged over t, so a pass yields 1 + Σ_{k≤γ} P_k tokens. P_k = α^k
+gives Leviathan et al.'s formula; the measured P_k keep the burstiness of real acceptance (easy stretches).
 """
 from __future__ import annotations
 
@@ -162,9 +156,8 @@ def keep_best(initial: torch.Tensor, trained: torch.Tensor, heldout: HeldOut, ru
     """keep_best's verdict from α per position of the initial and the trained weights on one held-out part:
     {"selected": "distilled" | "init", "rule", "initial", "trained", "difference", "ci95"}. "interval": the trained
     weights ship only when the paired 95% interval over rows of (trained − initial) lies above 0, so a difference
-    the part cannot resolve keeps the weights the user brought (a refinement of the published Qwen draft that gained
-    0.008 on 12 calibration prompts lost 0.05-0.07 in llama-server: docs/results.md); "mean": unless their mean
-    is lower, ties keeping them. Below two rows there is no interval and "interval" judges as "mean"."""
+    the part cannot resolve keeps the weights the user brought (docs/results.md); "mean": unless their mean is lower,
+    ties keeping them. Below two rows there is no interval and "interval" judges as "mean"."""
     base, counts = row_sums(initial, heldout)
     delta, ci = paired_difference(base, row_sums(trained, heldout)[0], counts)
     wins = ci[0] > 0 if rule == "interval" and ci is not None else delta >= 0
@@ -289,8 +282,8 @@ def out_of_subset_fill(draft, heldout: HeldOut, vocab: torch.Tensor | None) -> t
     """The head row an export gives every token outside the FR-Spec subset (pipeline.heads.bake_subset): minus
     the mean direction ū of the draft's final hidden states h on `heldout`, scaled so that such a token scores
     −(|b| + 1), b the median best in-subset logit, where h·ū is at its median. Final hidden states share one dominant
-    direction (h·ū > 0 at every held-out position of the default draft), so these rows stay far below the
-    subset's best instead of at 0, which at T = 0.7 took ~4% of the draft's mass (docs/results.md)."""
+    direction, so these rows stay far below the subset's best instead of at 0, which takes a share of the draft's
+    mass when sampling (docs/results.md)."""
     if vocab is None:
         return None
     device = _device(draft)

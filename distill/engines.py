@@ -1,17 +1,13 @@
-"""Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own:
-`distill.calibration.engines=[hf, llamacpp, vllm, sglang, trtllm]`. Each is planned under the draft sampling and
-verification it runs at the version named (pipeline/engines/rules.py): the rule the export selects where the engine
-can switch, else its default, recorded per engine (`rules`) and per domain (`rule`).
+"""Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own
+(`distill.calibration.engines`), each planned under the draft sampling and verification it runs at the version named
+(pipeline/engines/rules.py), recorded per engine (`rules`) and per domain (`rule`).
 
-llama.cpp drafts greedily and stops *before* a token whose draft probability (softmax over the draft's top-10
-logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the target samples its own token
-and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So the held-out simulator
-(distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
-τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
-the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens and the draft GGUF's
-step, and llama-server's own timings of a few greedy decodes price its work between those forwards
-(`server_host`). Per domain the (n_max, p_min) with the highest predicted speedup on the calibration part wins;
-"off" (plain decoding) when even that does not beat 1 + margin.
+llama.cpp drafts greedily, at most n_max tokens, and stops *before* a token whose draft probability (softmax over the
+top-10 logits of its draft sampler) is below p_min; the target keeps the draft's tokens while its own equal them
+(pipeline/engines/llamacpp.py). So the simulator (distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax
+q_t) and κ_t = 1[top-10 softmax max ≥ p_min], priced through the engine on this device (llama-bench's forwards,
+llama-server's timings for its work between them: `server_host`). Per domain the (n_max, p_min) predicted fastest on
+the calibration part wins; "off" (plain decoding) unless it beats 1 + margin.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Choosing the draft-length policy per domain from the held-out simulator and the measured costs.
 
-For a block starting at held-out position t, the draft proposes token k when the policy kept going after
-tokens 1..k−1 (fixed γ: always, up to γ; confidence: while the draft's probability of its own token stayed
-≥ the threshold, up to `max`), and token k is accepted when tokens 1..k all are. With per-position
-acceptance α_t = Σ min(p, q) and keep-probabilities κ_t (teacher-forced on held-out rows), the expected
-drafted and accepted tokens per target pass are
-
-    D = Σ_k Π_{i<k−1} κ_{t+i},        A = Σ_k Π_{i<k−1} κ_{t+i} · Π_{i<k} α_{t+i},
-
-and the predicted speedup is (1 + A) / (c·D + r(D)) with r the target's verify cost relative to one step
-(Leviathan et al. 2023, Thm 3.8, with a measured verify cost and a variable draft length). Greedy serving
-makes α and κ 0/1 per position, so this is exact given the teacher-forced prefix; when sampling, acceptance
-and stopping are treated as independent given the position. Positions past a completion's end count as
-rejections that still cost their drafts.
+A block from held-out position t proposes token k when the policy kept going after tokens 1..k−1 (fixed γ: up to γ;
+confidence: while the draft's probability of its own token stays ≥ the threshold, up to `max`), and token k is
+accepted when tokens 1..k all are. With acceptance α_t and keep-probabilities κ_t (teacher-forced), a pass drafts
+D = Σ_k Π_{i<k−1} κ_{t+i} and accepts A = Σ_k Π_{i<k−1} κ_{t+i} · Π_{i<k} α_{t+i} tokens, priced by
+pipeline/decoding/cost.py pass_speedup. Exact at greedy given the teacher-forced prefix; when sampling, acceptance and
+stopping are taken as independent given the position. Positions past a completion's end are rejections that still
+cost their drafts.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""The distill stage's settings (`distill.*`), declared once: one frozen dataclass per group of
-conf/distill/default.yaml (whose comments say what each key does), one field per key, built by
-`DistillSettings.from_config(cfg.distill)`, which refuses a missing or an unknown key, and checked in one place before
-anything loads (TRL's `XConfig` pattern, as eval/settings.py); what needs files or models is checked where they load.
-
-`trainer` goes to `transformers.TrainingArguments` by name, so it stays a read-only mapping (TrainingArguments
-validates it); only the keys the stage reads must be there (`TRAINER_READ`), `OUR_TRAINER_KEYS` among them. The
-checkpoint fingerprint (distill/stage.py) hashes the composed config's groups, not these values.
+"""The distill stage's settings (`distill.*`): one frozen dataclass per group of conf/distill/default.yaml (whose
+comments say what each key does), built by `DistillSettings.from_config(cfg.distill)`, which refuses a missing or an
+unknown key, and checked before anything loads (as eval/settings.py); what needs files or models is checked where they
+load. `trainer` goes to `transformers.TrainingArguments` by name (which validates it), so it stays a read-only
+mapping of which only the keys the stage reads must be there (`TRAINER_READ`). The checkpoint fingerprint
+(distill/stage.py) hashes the composed config's groups, not these values.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Choosing a token-tree shape per domain from held-out acceptance per depth and the cost profile.
 
-A node with k children yields one of them with probability h_t(k) at held-out position t (teacher forcing keeps
-the draft's context equal to the accepted path):
-- greedy serving: the accepted path follows the target's argmax, so h_t(k) = 1[target argmax ∈ draft top-k at t];
-- sampled serving: the children are k draws without replacement from q_τ, verified by recursive rejection
-  sampling against p_T (pipeline/decoding/tree_sampling.py), so h_t(k) = P(one of them is accepted), estimated by Monte
-  Carlo over the draws with the rejection probabilities themselves averaged (no coin flips): for k = 1 it is
-  Σ min(p_T, q_τ), the chain's α.
-A tree with branching factors (b_1, …, b_D) then accepts, per block starting at t,
-
-    A = Σ_d Π_{i≤d} h_{t+i−1}(b_i),   nodes N = Σ_d Π_{i≤d} b_i,
-
-and the predicted speedup is (1 + A) / (D·c + r(N)), with D draft forwards (one per depth: the frontier is fed
-in one forward, costed as one draft step, which holds while a small draft's forward of a few tokens costs
-about one step) and r(N) the target's (N+1)-token forward over its 1-token forward from the cost profile.
-Under sampling the depths are taken as independent given the positions (the same approximation as the chain's
-Π α). A chain (1, …, 1) is one of the candidates, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024;
-Sequoia, Chen et al. 2024, choose trees from the same two ingredients: per-depth acceptance and verify cost).
+A node with k children yields one of them with probability h_t(k) at held-out position t (teacher forcing keeps the
+draft's context the accepted path): at greedy serving 1[target argmax ∈ draft top-k at t]; when sampling, the chance
+that recursive rejection sampling (pipeline/decoding/tree_sampling.py) accepts one of k draws without replacement from
+q_τ against p_T, a Monte Carlo estimate over the draws (k = 1: the chain's α). A tree (b_1, …, b_D) accepts
+A = Σ_d Π_{i≤d} h_{t+i−1}(b_i) per block from t, with one draft forward per depth (its frontier in one forward, priced
+as one step) and a verify of its N = Σ_d Π_{i≤d} b_i nodes (pass_speedup); depths are taken as independent given the positions, as the
+chain's Π α. Chains are candidates too, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024; Sequoia, Chen
+et al. 2024, choose trees from the same per-depth acceptance and verify cost).
 """
 from __future__ import annotations
 
