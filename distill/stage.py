@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from distill import calibrate as cal
 from distill.draft import vocab_subset
 from distill.export import save_draft
-from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, serving_acceptance, serving_alpha,
-                             split_collected)
+from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, log, serving_acceptance,
+                             serving_alpha, split_collected)
 from distill.job import HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
 from distill.training import TrainingResult, generation_length, train_draft
@@ -49,10 +49,6 @@ COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "b
                         "disk_bytes_per_million_tokens")
 RECORD = "training.json"  # in ${paths.trained}: what calibrate needs beside the weights (RECORD_VERSION's keys)
 RECORD_VERSION = 1
-
-
-def log(msg: str) -> None:
-    print(f"[distill] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------- the stage
