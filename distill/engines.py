@@ -194,12 +194,12 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     training, which llama.cpp's draft.gguf is made from where they accept more under its rule (weights_for_rule)."""
     settings = inputs.settings.calibration
     gpu_engines = [name for name in GPU_CONFIGS if name in settings.engines]
+    if gpu_engines or "hf" in settings.engines:  # they run the exported checkpoint's full head, in the serving dtype
+        weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
     if gpu_engines:
-        weights = exported_weights(inputs.draft, split.vocab_list, head_fill)
         spec = replace(spec, engines={**spec.engines, **calibrate_gpu_engines(
             inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, gpu_engines, log)})
-    if "hf" in settings.engines:  # HF runs the exported checkpoint's full head, in the serving dtype
-        weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
+    if "hf" in settings.engines:
         spec = replace(spec, engines={**spec.engines, "hf": calibrate_hf(inputs, weights, heldouts, settings.hf, log)})
     if "llamacpp" not in settings.engines:
         return spec, {}
