@@ -63,14 +63,6 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1)
 
 
-def forward_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    return _kl(log_p, log_q)
-
-
-def reverse_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    return _kl(log_q, log_p)
-
-
 def jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
     return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
@@ -94,7 +86,7 @@ def lk_alpha(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 def lk_lambda(log_p: torch.Tensor, log_q: torch.Tensor, eta: float = LK_ETA) -> torch.Tensor:
     """LK^λ = λ KL(p ‖ q) + (1 − λ) TV(p, q) with one detached λ = exp(−η ᾱ) for all positions (module docstring)."""
     weight = torch.exp(-eta * acceptance(log_p, log_q).mean().detach())
-    return weight * forward_kl(log_p, log_q) + (1 - weight) * tvd(log_p, log_q)
+    return weight * _kl(log_p, log_q) + (1 - weight) * tvd(log_p, log_q)
 
 
 # exp(-1e4) is 0 in fp32: a floor that keeps zero-mass classes at zero probability while their log stays
@@ -105,9 +97,9 @@ LOG_FLOOR = -1e4
 def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
     log_p, log_q = log_p.clamp_min(LOG_FLOOR), log_q.clamp_min(LOG_FLOOR)
     if name == "fkl":
-        return forward_kl(log_p, log_q)
+        return _kl(log_p, log_q)
     if name == "rkl":
-        return reverse_kl(log_p, log_q)
+        return _kl(log_q, log_p)
     if name == "jsd":
         return jsd(log_p, log_q, beta)
     if name == "tvd":

@@ -143,13 +143,12 @@ def choose(alpha: torch.Tensor, keep: dict[float, torch.Tensor], heldout: HeldOu
     (pipeline/decoding/cost.py pass_speedup), with its D, A and speedup."""
     result = {}
     for domain, mask in domain_index(heldout).items():
-        best = None
+        predictions = []
         for option in options:
             policy_keep = keep[option.threshold] if option.policy == "confidence" else None
             drafted, accepted = simulate(alpha, policy_keep, heldout, mask, option.max)
-            speedup = pass_speedup(accepted, drafted, drafted, cost)
-            if best is None or speedup > best["predicted_speedup"]:
-                best = {"draft_length": option, "drafted": drafted, "accepted": accepted, "predicted_speedup": speedup}
-        result[domain] = best
+            predictions.append({"draft_length": option, "drafted": drafted, "accepted": accepted,
+                                "predicted_speedup": pass_speedup(accepted, drafted, drafted, cost)})
+        result[domain] = max(predictions, key=lambda p: p["predicted_speedup"])  # the first of equals
     return result
 

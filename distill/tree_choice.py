@@ -135,11 +135,10 @@ def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tu
     pipeline/cost_profile.py), chains included."""
     result = {}
     for domain, mask in domain_index(heldout).items():
-        best = None
+        predictions = []
         for factors in candidates:
             accepted = simulate(hits, heldout, mask, factors)
-            speedup = pass_speedup(accepted, len(factors), nodes(factors), cost, tree=set(factors) != {1})
-            if best is None or speedup > best["predicted_speedup"]:
-                best = {"tree": list(factors), "accepted": accepted, "predicted_speedup": speedup}
-        result[domain] = best
+            predictions.append({"tree": list(factors), "accepted": accepted, "predicted_speedup": pass_speedup(
+                accepted, len(factors), nodes(factors), cost, tree=set(factors) != {1})})
+        result[domain] = max(predictions, key=lambda p: p["predicted_speedup"])  # the first of equals
     return result
