@@ -202,18 +202,14 @@ def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: to
     return result
 
 
-def accepted_length(per_position: list[float], gamma: int) -> float:
-    """Expected tokens per target pass (accepted drafts + the bonus/correction token)."""
-    return 1.0 + sum(per_position[:gamma])
-
-
 def summarize(alpha: torch.Tensor, heldout: HeldOut, gamma: int = 4, gamma_max: int = 8) -> dict[str, dict]:
-    """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ."""
+    """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ (expected
+    tokens per target pass)."""
     out = {}
     for name, mask in domain_index(heldout).items():
         per_position = per_position_acceptance(alpha, heldout, mask, max(gamma, gamma_max))
         out[name] = {"acceptance": float(alpha[mask].mean()) if mask.any() else 0.0,
-                     "mean_accepted_length": accepted_length(per_position, gamma),
+                     "mean_accepted_length": 1.0 + sum(per_position[:gamma]),  # the accepted drafts + one token
                      "per_position_acceptance": per_position[:max(gamma, gamma_max)],
                      "positions": int(mask.sum())}
     return out

@@ -35,8 +35,7 @@ class RunProgress:
 
     def tokens(self) -> int:
         """Completion tokens the loss saw; other processes are assumed to see as many as this one."""
-        local = getattr(self.trainer, "train_tokens", 0) if self.trainer is not None else 0
-        return self.tokens0 + local * self.num_processes
+        return self.tokens0 + getattr(self.trainer, "train_tokens", 0) * self.num_processes
 
     def seconds(self) -> float:
         if self.started is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch import nn
 
 from distill.batch import Truncation, layout
 from distill.losses import check_loss, distillation_loss, sparse_teacher
+from distill.settings import ObjectiveSettings
 from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
 
 with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
@@ -112,8 +113,7 @@ class DistillConfig(GKDConfig):
         super().__post_init__()
 
 
-OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
-             "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
+OBJECTIVE = tuple(f.name for f in fields(ObjectiveSettings))  # conf's `objective:` keys, DistillConfig's knobs
 
 
 # ---------------------------------------------------------------- loss positions of either layout
