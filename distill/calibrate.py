@@ -7,7 +7,6 @@ gives Leviathan et al.'s formula; the measured P_k keep the burstiness of real a
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Mapping
 from dataclasses import dataclass
 
@@ -166,24 +165,29 @@ def keep_best(initial: torch.Tensor, trained: torch.Tensor, heldout: HeldOut, ru
             "ci95": None if ci is None else [round(v, 4) for v in ci]}
 
 
+def by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, length: int, fill: float):
+    """[rows, T + length] per held-out row (completion order), padded with `fill` past each row's end."""
+    rows = heldout.row_of[positions]
+    chosen = values[positions].double()
+    names = rows.unique()
+    counts = [int((rows == r).sum()) for r in names]
+    table = torch.full((len(names), max(counts) + length), fill, dtype=torch.float64)
+    for i, r in enumerate(names):
+        table[i, :counts[i]] = chosen[rows == r]
+    return table, counts
+
+
 def per_position_windows(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor,
                          gamma_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per held-out row (of those with a selected position) and k = 1..γmax: the sum over the row's blocks of
     Π_{i<k} α_{t+i} (the first k drafts of the block starting at t all accepted) and the number of such blocks
     (windows that fit inside the completion): two [rows, γmax] float64 tensors. Kept per row so that
     speculation_profile.json can resample rows for its intervals."""
-    rows = defaultdict(list)
-    for a, r, keep in zip(alpha.tolist(), heldout.row_of.tolist(), positions.tolist()):
-        if keep:
-            rows[r].append(a)
-    sums = torch.zeros((len(rows), gamma_max), dtype=torch.float64)
+    if not bool(positions.any()):
+        return torch.zeros((0, gamma_max), dtype=torch.float64), torch.zeros((0, gamma_max), dtype=torch.float64)
+    a = by_row(alpha, heldout, positions, 0, float("nan"))[0]
+    sums = torch.zeros((a.shape[0], gamma_max), dtype=torch.float64)
     counts = torch.zeros_like(sums)
-    if not rows:
-        return sums, counts
-    length = max(len(v) for v in rows.values())
-    a = torch.full((len(rows), length), float("nan"), dtype=torch.float64)
-    for i, v in enumerate(rows.values()):
-        a[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
     prod = torch.ones_like(a)
     for k in range(1, gamma_max + 1):
         prod = prod[:, :a.shape[1] - k + 1] * a[:, k - 1:]  # prod[t] = Π_{i<k} a[t+i]

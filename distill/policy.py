@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from distill.calibrate import HeldOut, domain_index, draft_logits
+from distill.calibrate import HeldOut, by_row, domain_index, draft_logits
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
 
@@ -52,18 +52,6 @@ def keep_at(draft, heldout: HeldOut, temperature_of: dict[str, float], threshold
     return keep
 
 
-def _by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, length: int, fill: float):
-    """[rows, T + length] per held-out row (completion order), padded with `fill` past each row's end."""
-    rows = heldout.row_of[positions]
-    chosen = values[positions].double()
-    names = rows.unique()
-    counts = [int((rows == r).sum()) for r in names]
-    table = torch.full((len(names), max(counts) + length), fill, dtype=torch.float64)
-    for i, r in enumerate(names):
-        table[i, :counts[i]] = chosen[rows == r]
-    return table, counts
-
-
 def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
              max_len: int, stop_before: bool = False, renewal: bool = True) -> tuple[float, float]:
     """(D, A): expected drafted and accepted tokens per pass (module docstring), averaged over the block starts
@@ -94,8 +82,8 @@ def pass_profile_rows(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: H
     if not bool(positions.any()):
         return torch.zeros(0, max_len, dtype=torch.float64), torch.zeros(0, max_len, dtype=torch.float64), \
             torch.zeros(0, dtype=torch.float64)
-    a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
-    k = torch.ones_like(a) if keep is None else _by_row(keep, heldout, positions, max_len, 1.0)[0]
+    a, counts = by_row(alpha, heldout, positions, max_len, 0.0)
+    k = torch.ones_like(a) if keep is None else by_row(keep, heldout, positions, max_len, 1.0)[0]
     starts = torch.zeros_like(a, dtype=torch.bool)
     for i, n in enumerate(counts):
         starts[i, :n] = True
