@@ -219,8 +219,8 @@ def trained_weights(model) -> dict:
 
 
 def put_back(model, weights: dict) -> None:
-    """Loads trained_weights (or a whole state dict) into the model; a name the model does not have is an error,
-    not a silent skip."""
+    """Loads trained_weights (or a whole state dict, which older checkpoints saved) into the model; a name the model
+    does not have is an error, not a silent skip."""
     unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
     if unexpected:
         raise KeyError(f"weights for parameters the draft does not have: {unexpected[:3]}")
