@@ -1,15 +1,13 @@
 """Distillation on TRL's GKD trainer: `DistillConfig` (GKDConfig + our knobs) and `DistillTrainer` (GKDTrainer).
 
 TRL serves the on-policy share λ (GKDTrainer.training_step / generate_on_policy_outputs), sequence-level KD
-(seq_kd), dense JSD(β) (generalized_jsd_loss, through distill/losses.py), the sampling temperature, and, through
-Trainer and accelerate, checkpointing, accumulation, mixed precision and `accelerate launch`. Ours, where TRL
-cannot serve:
+(seq_kd), dense JSD(β) (generalized_jsd_loss, through distill/losses.py), the sampling temperature and, through
+Trainer and accelerate, checkpointing, accumulation, mixed precision and `accelerate launch`. Ours, where TRL cannot:
 - compute_loss: the target runs only when the loss needs it (teacher=online, and batches TRL generated, whose cached
-  labels no longer apply), so teacher=topk with λ=0 never runs it per step; it takes
-- the cached top-k teacher (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
-- the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back
-  with every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset
-  distribution as token ids;
+  labels no longer apply), so teacher=topk with λ=0 never runs it per step; it takes the cached top-k teacher
+  (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
+- the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back with
+  every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset's ids;
 - the aligned batch layout for off-policy batches (distill/batch.py), beside TRL's causal layout for generated ones;
 - the held-out acceptance callback and the time budget.
 The λ draw is TRL's `random.random()`, seeded by Trainer on every process and checkpointed with it, so every process
