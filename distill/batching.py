@@ -1,15 +1,11 @@
-"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`, whose
-schema is docs/architecture.md's).
+"""Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`;
+docs/architecture.md says how it is measured and priced).
 
-A chain of γ drafts yields 1 + Σ_{k≤γ} P_k tokens per pass whatever the batch size; what B changes is the price:
-the draft step c(B) and the verify r(B) of γ + 1 tokens per row, from a batch cost profile measured on this device
-(pipeline/batch_profile.py). Per domain and measured B the γ with the highest predicted speedup is kept when it
-beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off": batched plain decoding). The
-break-even batch is the smallest measured B from which no γ pays at any larger one. A batch size between two
-measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour
-would not. Runs in the calibrate stage when `distill.calibration.batch_sizes` is non-empty; where the export has
-engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that engine's draft length per batch
-size (below).
+Per domain and measured batch size B, the γ predicted fastest under that B's cost (pipeline/batch_profile.py) is kept
+when it beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off"). A batch size between two
+measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour would
+not. Where the export has engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that
+engine's draft length per batch size.
 """
 from __future__ import annotations
 
@@ -90,8 +86,7 @@ SCHEDULES = {"vllm": ("num_speculative_tokens_per_batch_size", lambda table, con
 
 def with_engine_schedules(engines: dict, block: dict) -> dict:
     """engines with each vLLM and TensorRT-LLM speculative_config (a domain that drafts there) given its draft
-    length per batch size. vLLM 0.34.0 takes its key for every method (vllm/config/speculative.py; the scheduler
-    applies it, vllm/v1/core/sched/scheduler.py; added by PR #32374, and refused as unknown before it)."""
+    length per batch size (vLLM takes its key for every method: vllm/config/speculative.py)."""
     out = dict(engines)
     for name, (key, schedule) in SCHEDULES.items():
         if not engines.get(name):

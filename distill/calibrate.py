@@ -1,19 +1,12 @@
-"""The acceptance simulator, draft-temperature calibration and the best fixed γ.
-
-Everything is measured on held-out collected rows, teacher-forced: at each completion position the target's
-serving distribution p_T (temperature, top-k, top-p: the core Sampling, pipeline/sampling.py) is
-compared with the draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). The expected
-acceptance of a position is α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1); at T=0 both are
-one-hot and α is argmax agreement.
-
-Per-position acceptance for a block of γ drafts starting at position t is P_k = Π_{i<k} α_{t+i} (the first k
-drafts all accepted), averaged over t; the expected tokens per target pass is 1 + Σ_{k≤γ} P_k, and the
-predicted walltime speedup is that over (γc + 1). With P_k = α^k this is exactly Leviathan et al.'s
-(1 − α^(γ+1)) / ((1 − α)(γc + 1)); the measured P_k keep the burstiness of real acceptance (easy stretches).
+"""The acceptance simulator, draft-temperature calibration and the best fixed γ, on held-out collected rows,
+teacher-forced: at each completion position the target's serving distribution p_T (pipeline/sampling.py) meets the
+draft's q_τ (same filters, draft temperature τ, FR-Spec subset head if any). A position accepts with
+α = Σ_x min(p_T(x), q_τ(x)) (Leviathan et al. 2023, Def. 3.1; argmax agreement at T=0); a block of γ drafts from t
+accepts its first k with P_k = Π_{i<k} α_{t+i}, averaged over t, so a pass yields 1 + Σ_{k≤γ} P_k tokens. P_k = α^k
+gives Leviathan et al.'s formula; the measured P_k keep the burstiness of real acceptance (easy stretches).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Mapping
 from dataclasses import dataclass
 
@@ -80,20 +73,28 @@ def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampli
 
 
 @torch.no_grad()
+def draft_logits(draft, heldout: HeldOut, vocab: torch.Tensor | None = None):
+    """Per batch of held-out positions, in order: the draft's logits [n, C] over its head (the FR-Spec subset's rows
+    when `vocab` is set), computed in eval mode."""
+    was_training = draft.training
+    draft.eval()
+    device = _device(draft)
+    rows = head_rows(draft, None if vocab is None else vocab.to(device))
+    for batch, mask in heldout.batches(device):
+        yield head_logits(completion_hidden(draft, batch)[mask], rows)
+    draft.train(was_training)
+
+
+@torch.no_grad()
 def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.Tensor | None = None,
                filtered: bool = True) -> torch.Tensor:
     """α per held-out position for each draft temperature τ: [len(temperatures), N]; filtered=False: q without the
     serving top-k/top-p (an engine that applies only the temperature to its draft, pipeline/engines/rules.py)."""
-    was_training = draft.training
-    draft.eval()
     device = _device(draft)
-    vocab = None if vocab is None else vocab.to(device)
-    column_of = column_map(vocab, draft.config.vocab_size)
-    rows = head_rows(draft, vocab)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     draft_sampling = heldout.sampling if filtered else Sampling(heldout.sampling.temperature)
     out, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         n = logits.shape[0]
         p_ids = heldout.p_ids[start:start + n].to(device)
         p = heldout.p_probs[start:start + n].to(device)
@@ -105,7 +106,6 @@ def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.
             alphas.append(expected_acceptance(p, q_at).cpu())
         out.append(torch.stack(alphas))
         start += n
-    draft.train(was_training)
     return torch.cat(out, 1)
 
 
@@ -155,9 +155,8 @@ def keep_best(initial: torch.Tensor, trained: torch.Tensor, heldout: HeldOut, ru
     """keep_best's verdict from α per position of the initial and the trained weights on one held-out part:
     {"selected": "distilled" | "init", "rule", "initial", "trained", "difference", "ci95"}. "interval": the trained
     weights ship only when the paired 95% interval over rows of (trained − initial) lies above 0, so a difference
-    the part cannot resolve keeps the weights the user brought (a refinement of the published Qwen draft that gained
-    0.008 on 12 calibration prompts lost 0.05-0.07 in llama-server: docs/results.md); "mean": unless their mean
-    is lower, ties keeping them. Below two rows there is no interval and "interval" judges as "mean"."""
+    the part cannot resolve keeps the weights the user brought (docs/results.md); "mean": unless their mean is lower,
+    ties keeping them. Below two rows there is no interval and "interval" judges as "mean"."""
     base, counts = row_sums(initial, heldout)
     delta, ci = paired_difference(base, row_sums(trained, heldout)[0], counts)
     wins = ci[0] > 0 if rule == "interval" and ci is not None else delta >= 0
@@ -166,24 +165,29 @@ def keep_best(initial: torch.Tensor, trained: torch.Tensor, heldout: HeldOut, ru
             "ci95": None if ci is None else [round(v, 4) for v in ci]}
 
 
+def by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, length: int, fill: float):
+    """[rows, T + length] per held-out row (completion order), padded with `fill` past each row's end."""
+    rows = heldout.row_of[positions]
+    chosen = values[positions].double()
+    names = rows.unique()
+    counts = [int((rows == r).sum()) for r in names]
+    table = torch.full((len(names), max(counts) + length), fill, dtype=torch.float64)
+    for i, r in enumerate(names):
+        table[i, :counts[i]] = chosen[rows == r]
+    return table, counts
+
+
 def per_position_windows(alpha: torch.Tensor, heldout: HeldOut, positions: torch.Tensor,
                          gamma_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per held-out row (of those with a selected position) and k = 1..γmax: the sum over the row's blocks of
     Π_{i<k} α_{t+i} (the first k drafts of the block starting at t all accepted) and the number of such blocks
     (windows that fit inside the completion): two [rows, γmax] float64 tensors. Kept per row so that
     speculation_profile.json can resample rows for its intervals."""
-    rows = defaultdict(list)
-    for a, r, keep in zip(alpha.tolist(), heldout.row_of.tolist(), positions.tolist()):
-        if keep:
-            rows[r].append(a)
-    sums = torch.zeros((len(rows), gamma_max), dtype=torch.float64)
+    if not bool(positions.any()):
+        return torch.zeros((0, gamma_max), dtype=torch.float64), torch.zeros((0, gamma_max), dtype=torch.float64)
+    a = by_row(alpha, heldout, positions, 0, float("nan"))[0]
+    sums = torch.zeros((a.shape[0], gamma_max), dtype=torch.float64)
     counts = torch.zeros_like(sums)
-    if not rows:
-        return sums, counts
-    length = max(len(v) for v in rows.values())
-    a = torch.full((len(rows), length), float("nan"), dtype=torch.float64)
-    for i, v in enumerate(rows.values()):
-        a[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
     prod = torch.ones_like(a)
     for k in range(1, gamma_max + 1):
         prod = prod[:, :a.shape[1] - k + 1] * a[:, k - 1:]  # prod[t] = Π_{i<k} a[t+i]
@@ -202,18 +206,14 @@ def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: to
     return result
 
 
-def accepted_length(per_position: list[float], gamma: int) -> float:
-    """Expected tokens per target pass (accepted drafts + the bonus/correction token)."""
-    return 1.0 + sum(per_position[:gamma])
-
-
 def summarize(alpha: torch.Tensor, heldout: HeldOut, gamma: int = 4, gamma_max: int = 8) -> dict[str, dict]:
-    """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ."""
+    """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ (expected
+    tokens per target pass)."""
     out = {}
     for name, mask in domain_index(heldout).items():
         per_position = per_position_acceptance(alpha, heldout, mask, max(gamma, gamma_max))
         out[name] = {"acceptance": float(alpha[mask].mean()) if mask.any() else 0.0,
-                     "mean_accepted_length": accepted_length(per_position, gamma),
+                     "mean_accepted_length": 1.0 + sum(per_position[:gamma]),  # the accepted drafts + one token
                      "per_position_acceptance": per_position[:max(gamma, gamma_max)],
                      "positions": int(mask.sum())}
     return out
@@ -282,8 +282,8 @@ def out_of_subset_fill(draft, heldout: HeldOut, vocab: torch.Tensor | None) -> t
     """The head row an export gives every token outside the FR-Spec subset (pipeline.heads.bake_subset): minus
     the mean direction ū of the draft's final hidden states h on `heldout`, scaled so that such a token scores
     −(|b| + 1), b the median best in-subset logit, where h·ū is at its median. Final hidden states share one dominant
-    direction (h·ū > 0 at every held-out position of the default draft), so these rows stay far below the
-    subset's best instead of at 0, which at T = 0.7 took ~4% of the draft's mass (docs/results.md)."""
+    direction, so these rows stay far below the subset's best instead of at 0, which takes a share of the draft's
+    mass when sampling (docs/results.md)."""
     if vocab is None:
         return None
     device = _device(draft)

@@ -264,9 +264,8 @@ def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
         **{f"draft_temperature/{k}": v for k, v in spec.draft_temperature.items()},
         **{f"best_gamma/{k}": v for k, v in spec.gamma.items()},
         **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()}, "c": spec.cost["c"]})
-    inputs.tracker.log_artifact(str(out / "speculative.json"))
-    inputs.tracker.log_artifact(str(out / "README.md"))
-    inputs.tracker.log_artifact(str(out / sp.FILENAME))
+    for name in ("speculative.json", "README.md", sp.FILENAME):
+        inputs.tracker.log_artifact(str(out / name))
 
 
 def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:

@@ -1,17 +1,13 @@
-"""Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own:
-`distill.calibration.engines=[hf, llamacpp, vllm, sglang, trtllm]`. Each is planned under the draft sampling and
-verification it runs at the version named (pipeline/engines/rules.py): the rule the export selects where the engine
-can switch, else its default, recorded per engine (`rules`) and per domain (`rule`).
+"""Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own
+(`distill.calibration.engines`), each planned under the draft sampling and verification it runs at the version named
+(pipeline/engines/rules.py), recorded per engine (`rules`) and per domain (`rule`).
 
-llama.cpp drafts greedily and stops *before* a token whose draft probability (softmax over the draft's top-10
-logits: its draft sampler is top-k 10) is below p_min, at most n_max tokens; the target samples its own token
-and accepts the draft's while they are equal (pipeline/engines/llamacpp.py). So the held-out simulator
-(distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax q_t) (Σ min(p_T, one-hot), cal.acceptance at
-τ = 0; 1[argmaxes equal] at greedy) and κ_t = 1[top-10 softmax max ≥ p_min], and the passes are priced through
-the engine itself on this device: llama-bench times the target's forward of 1..N+1 tokens and the draft GGUF's
-step, and llama-server's own timings of a few greedy decodes price its work between those forwards
-(`server_host`). Per domain the (n_max, p_min) with the highest predicted speedup on the calibration part wins;
-"off" (plain decoding) when even that does not beat 1 + margin.
+llama.cpp drafts greedily, at most n_max tokens, and stops *before* a token whose draft probability (softmax over the
+top-10 logits of its draft sampler) is below p_min; the target keeps the draft's tokens while its own equal them
+(pipeline/engines/llamacpp.py). So the simulator (distill/policy.py, `stop_before=True`) runs with α_t = p_T(argmax
+q_t) and κ_t = 1[top-10 softmax max ≥ p_min], priced through the engine on this device (llama-bench's forwards,
+llama-server's timings for its work between them: `server_host`). Per domain the (n_max, p_min) predicted fastest on
+the calibration part wins; "off" (plain decoding) unless it beats 1 + margin.
 """
 from __future__ import annotations
 
@@ -22,7 +18,6 @@ from pathlib import Path
 import torch
 
 from distill import calibrate as cal
-from distill.batch import completion_hidden
 from distill.export import exported_weights
 from distill.policy import pass_profile_rows, simulate
 from pipeline import speculation_profile as sp
@@ -34,7 +29,6 @@ from pipeline.engines.rules import (
     candidate_rules,
     rule_record,
 )
-from pipeline.heads import head_logits, head_rows
 from pipeline.machine import cpu_name
 from pipeline.models import model_gguf, resolve_model
 from pipeline.sampling import Sampling
@@ -46,12 +40,9 @@ DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 1
 @torch.no_grad()
 def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=None) -> torch.Tensor:
     """κ [len(thresholds), N]: 1 where llama.cpp would still propose the draft's token at a held-out position."""
-    device = next(draft.parameters()).device
-    rows = head_rows(draft, None if vocab is None else vocab.to(device))
-    limits = torch.tensor(thresholds, device=device).view(-1, 1)
+    limits = torch.tensor(thresholds, device=next(draft.parameters()).device).view(-1, 1)
     out = []
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in cal.draft_logits(draft, heldout, vocab):
         top = logits.topk(min(DRAFT_TOP_K, logits.shape[-1]), -1).values.softmax(-1)[:, 0]
         out.append((top >= limits).float().cpu())
     return torch.cat(out, 1)
@@ -203,12 +194,12 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     training, which llama.cpp's draft.gguf is made from where they accept more under its rule (weights_for_rule)."""
     settings = inputs.settings.calibration
     gpu_engines = [name for name in GPU_CONFIGS if name in settings.engines]
+    if gpu_engines or "hf" in settings.engines:  # they run the exported checkpoint's full head, in the serving dtype
+        weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
     if gpu_engines:
-        weights = exported_weights(inputs.draft, split.vocab_list, head_fill)
         spec = replace(spec, engines={**spec.engines, **calibrate_gpu_engines(
             inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, gpu_engines, log)})
-    if "hf" in settings.engines:  # HF runs the exported checkpoint's full head, in the serving dtype
-        weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
+    if "hf" in settings.engines:
         spec = replace(spec, engines={**spec.engines, "hf": calibrate_hf(inputs, weights, heldouts, settings.hf, log)})
     if "llamacpp" not in settings.engines:
         return spec, {}

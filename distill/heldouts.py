@@ -120,8 +120,8 @@ def as_served(draft, dtype: torch.dtype):
     weights run in fp32 are neither (docs/results.md, "The draft judged as it serves")."""
     if next(draft.parameters()).dtype == dtype:
         return draft
-    # each float tensor converted straight into the copy: no second fp32 model in memory (a 0.5B draft's 2.5 GB beside
-    # its optimizer, best-weights snapshot and target); shared tensors (tied embeddings) stay shared
+    # each float tensor converted straight into the copy: no second fp32 model in memory; shared tensors (tied
+    # embeddings) stay shared
     memo = {id(t): (torch.nn.Parameter(t.detach().to(dtype), requires_grad=False) if isinstance(t, torch.nn.Parameter)
                     else t.detach().to(dtype))
             for t in [*draft.parameters(), *draft.buffers()] if t.is_floating_point()}
@@ -130,10 +130,9 @@ def as_served(draft, dtype: torch.dtype):
 
 def served_acceptance(draft, dtype: torch.dtype, heldout: cal.HeldOut, temperatures: list[float],
                       vocab: torch.Tensor | None) -> list[torch.Tensor]:
-    """cal.acceptance of the draft as served, its copy freed on return. A copy of a draft in training holds reference
+    """cal.acceptance of the draft as served, its copy freed on return: a copy of a draft in training holds reference
     cycles (accelerate binds the autocast forward to the model as an attribute, and the copy's is bound to the copy),
-    which refcounting never frees; left to Python's rare full collections, every held-out evaluation kept one (1.3 GB
-    for a 0.5B draft) and the real pair's training ran out of 24 GiB."""
+    which refcounting never frees, so each held-out evaluation would keep one until a rare full collection."""
     served = as_served(draft, dtype)
     alphas = cal.acceptance(served, heldout, temperatures, vocab)
     if served is not draft:

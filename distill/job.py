@@ -1,9 +1,7 @@
-"""The values the distill and calibrate stages' steps hand each other, each frozen once built: what a stage read
-(`Inputs`), how the collected rows were split (`Split`), the held-out parts with the target's serving
-distribution (`HeldOuts`), and the serving settings chosen on the calibration part (`Calibration`).
-A step that changes one returns a new value (dataclasses.replace); the stage bodies (distill/stage.py,
-distill/calibrate_stage.py) show which step produces what. The draft model is the one mutable member: training
-updates its weights in place; calibrate loads each draft it calibrates from disk into its own `Inputs`.
+"""The frozen values the distill and calibrate stages' steps hand each other: what a stage read (`Inputs`), how the
+collected rows were split (`Split`), the held-out parts (`HeldOuts`) and the serving settings chosen on the calibration
+part (`Calibration`); a step that changes one returns a new value (dataclasses.replace). The draft model is the one
+mutable member: training updates its weights in place.
 """
 from __future__ import annotations
 

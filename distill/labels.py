@@ -20,6 +20,22 @@ from pipeline.atomic import atomic_dir
 from pipeline.heads import head_logits, head_rows
 
 
+def _label_names(k: int, vocab: torch.Tensor | None) -> list[str]:
+    return [*(("topk_ids", "topk_logprobs") if k else ()), *(("subset_logmass",) if vocab is not None else ())]
+
+
+def _label_tensors(logp: torch.Tensor, k: int, vocab: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The label columns' values at each position of the target's log-probs `logp` [..., V]: topk_ids /
+    topk_logprobs (when k > 0, at the precision collect stores) and subset_logmass (when `vocab` is set)."""
+    out = {}
+    if k:
+        top = logp.topk(k, -1)
+        out["topk_ids"], out["topk_logprobs"] = top.indices.int(), top.values.half().float()
+    if vocab is not None:
+        out["subset_logmass"] = logp.index_select(-1, vocab).logsumexp(-1)
+    return out
+
+
 @torch.no_grad()
 def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Tensor | None, batch_size: int,
                    pad: int) -> dict[str, list]:
@@ -27,32 +43,19 @@ def teacher_labels(target, rows: list[dict], truncation, k: int, vocab: torch.Te
     device = next(target.parameters()).device
     rows_of_head = head_rows(target)
     vocab = None if vocab is None else vocab.to(device)
-    columns: dict[str, list] = {name: [] for name, wanted in
-                                (("topk_ids", k), ("topk_logprobs", k), ("subset_logmass", vocab is not None)) if wanted}
-    # rows of similar length share a batch: a fifth less padding on a default collect; columns return in row order
+    # rows of similar length share a batch (less padding); columns return in row order
     order = sorted(range(len(rows)), key=lambda i: sum(map(len, truncation(rows[i]))))
     from tqdm.auto import tqdm
 
     passes = tqdm(batches([rows[i] for i in order], batch_size, pad, device, truncation), desc="target labels",
                   total=-(-len(rows) // batch_size), unit="batch", dynamic_ncols=True)
+    columns: dict[str, list] = {name: [] for name in _label_names(k, vocab)}
     for batch, mask in passes:
-        logp = head_logits(completion_hidden(target, batch), rows_of_head).log_softmax(-1)
-        lengths = mask.sum(1).tolist()
-        if k:
-            top = logp.topk(k, -1)
-            ids, values = top.indices.int(), top.values.half().float()  # the precision collect stores
-        if vocab is not None:
-            mass = logp.index_select(-1, vocab).logsumexp(-1)
-        for i, n in enumerate(lengths):
-            if k:
-                columns["topk_ids"].append(ids[i, :n].tolist())
-                columns["topk_logprobs"].append(values[i, :n].tolist())
-            if vocab is not None:
-                columns["subset_logmass"].append(mass[i, :n].tolist())
-    unsorted = [0] * len(order)
-    for position, i in enumerate(order):
-        unsorted[i] = position
-    return {name: [values[j] for j in unsorted] for name, values in columns.items()}
+        values = _label_tensors(head_logits(completion_hidden(target, batch), rows_of_head).log_softmax(-1), k, vocab)
+        for name, value in values.items():
+            columns[name] += [value[i, :n].tolist() for i, n in enumerate(mask.sum(1).tolist())]
+    place = {i: position for position, i in enumerate(order)}
+    return {name: [values[place[i]] for i in range(len(order))] for name, values in columns.items()}
 
 
 @torch.no_grad()
@@ -63,19 +66,12 @@ def labels_from_hidden(target, hidden, lengths: list[int], k: int, vocab: torch.
     rows_of_head = head_rows(target)
     weight = rows_of_head[0]
     vocab = None if vocab is None else vocab.to(weight.device)
-    columns: dict[str, list] = {name: [] for name, wanted in
-                                (("topk_ids", k), ("topk_logprobs", k), ("subset_logmass", vocab is not None)) if wanted}
+    columns: dict[str, list] = {name: [] for name in _label_names(k, vocab)}
     pending: list[torch.Tensor] = []
 
     def flush():
         states = torch.cat(pending).to(weight.device, weight.dtype)
-        logp = head_logits(states, rows_of_head).log_softmax(-1)
-        out = {}
-        if k:
-            top = logp.topk(k, -1)
-            out["topk_ids"], out["topk_logprobs"] = top.indices.int(), top.values.half().float()
-        if vocab is not None:
-            out["subset_logmass"] = logp.index_select(-1, vocab).logsumexp(-1)
+        out = _label_tensors(head_logits(states, rows_of_head).log_softmax(-1), k, vocab)
         start = 0
         for row in pending:
             for name, values in out.items():

@@ -3,27 +3,23 @@ the trainer masks and averages), in fp32. **p is the target distribution, q the 
 - `fkl`  forward KL(p ‖ q) (mass-covering; the classic KD loss, Hinton et al. 2015)
 - `rkl`  reverse KL(q ‖ p) (mode-seeking; MiniLLM, Gu et al. 2024)
 - `jsd`  generalised JSD(β) = β KL(p ‖ m) + (1−β) KL(q ‖ m), m = β p + (1−β) q (GKD, Agarwal et al. 2024, eq. 1;
-         TRL's `generalized_jsd_loss`, which the dense path uses)
+         the dense path is TRL's `generalized_jsd_loss`)
 - `tvd`  ½ Σ |p − q| = 1 − Σ min(p, q): one minus the acceptance rate itself (Leviathan et al. 2023; DistillSpec)
-- `ce`   −log q(y) on the target's sampled token (sequence-level KD, Kim & Rush 2016); no teacher distribution,
-         no loss temperature
-- `top1` −log q(argmax p): greedy serving accepts a drafted token only where the argmaxes agree, so the draft is
-         taught the target's most likely token and nothing of the rest (DistillSpec's "divergence chosen for the
-         decoding mode"); no loss temperature. A position whose target argmax the draft cannot predict (outside its
-         vocabulary subset) gives 0
-- `lk_alpha` = −log α and `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV, λ = exp(−η·sg(ᾱ)), η = `LK_ETA` = 3, one detached
-         λ per call (LK losses, Samarin et al. 2026, arXiv 2602.23881; the paper's text could not be retrieved, so
-         the definitions are those of vLLM speculators' `nla` / `lk_hybrid` and NVIDIA Model-Optimizer's
-         `masked_lk_lambda_loss`, which cite it)
-The loss temperature divides both models' logits before the softmax (no T² factor, as TRL).
+- `ce`   −log q(y) on the target's sampled token (sequence-level KD, Kim & Rush 2016)
+- `top1` −log q(argmax p): greedy serving accepts a drafted token only where the argmaxes agree (DistillSpec's
+         "divergence chosen for the decoding mode"); 0 where the draft cannot predict the target's argmax
+- `lk_alpha` = −log α and `lk_lambda` = λ KL(p ‖ q) + (1 − λ) TV, λ = exp(−η·sg(ᾱ)), one detached λ per call (LK
+         losses, Samarin et al. 2026, arXiv 2602.23881, as vLLM speculators' `nla` / `lk_hybrid` and NVIDIA
+         Model-Optimizer's `masked_lk_lambda_loss` define them)
+The loss temperature divides both models' logits before the softmax (no T² factor, as TRL); ce and top1 have none.
 
-Two teacher forms. **Dense** (online target forward): teacher logits over the draft's classes; under an FR-Spec
-subset the target is sliced to the same rows, i.e. renormalised over the subset (mass outside it is unreachable for
-any draft). **Top-k** (`SparseTeacher`, cached at T=1) with its tail as `tail`: `bucket` (default) makes the tail one
-"other" class holding the teacher's remaining *reachable* mass (1 − Σ top-k, or P(S) − Σ listed-in-S for a subset
-draft, P(S) computed by distill/labels.py), floored at `TAIL_FLOOR`: exactly the online teacher projected onto k+1
-classes at T=1 (at T≠1 the tail is assumed even, which overstates it for T>1: use teacher=online there);
-`renormalize` makes the teacher its top-k renormalised (reverse KL is infinite under it and is refused).
+Two teacher forms. **Dense** (online target forward): teacher logits over the draft's classes, so under an FR-Spec
+subset the target renormalised over the subset (mass outside it is unreachable for any draft). **Top-k**
+(`SparseTeacher`, cached at T=1): `tail=bucket` makes the rest one "other" class holding the teacher's remaining
+*reachable* mass (1 − Σ top-k, or P(S) − Σ listed-in-S for a subset draft, P(S) from distill/labels.py), floored at
+`TAIL_FLOOR`: exactly the online teacher projected onto k+1 classes at T=1 (at T≠1 the tail is assumed even, which
+overstates it for T>1: use teacher=online there); `renormalize` renormalises the top-k (reverse KL is then infinite,
+and refused).
 """
 from __future__ import annotations
 
@@ -67,14 +63,6 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1)
 
 
-def forward_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    return _kl(log_p, log_q)
-
-
-def reverse_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    return _kl(log_q, log_p)
-
-
 def jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
     return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
@@ -98,7 +86,7 @@ def lk_alpha(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 def lk_lambda(log_p: torch.Tensor, log_q: torch.Tensor, eta: float = LK_ETA) -> torch.Tensor:
     """LK^λ = λ KL(p ‖ q) + (1 − λ) TV(p, q) with one detached λ = exp(−η ᾱ) for all positions (module docstring)."""
     weight = torch.exp(-eta * acceptance(log_p, log_q).mean().detach())
-    return weight * forward_kl(log_p, log_q) + (1 - weight) * tvd(log_p, log_q)
+    return weight * _kl(log_p, log_q) + (1 - weight) * tvd(log_p, log_q)
 
 
 # exp(-1e4) is 0 in fp32: a floor that keeps zero-mass classes at zero probability while their log stays
@@ -109,9 +97,9 @@ LOG_FLOOR = -1e4
 def divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
     log_p, log_q = log_p.clamp_min(LOG_FLOOR), log_q.clamp_min(LOG_FLOOR)
     if name == "fkl":
-        return forward_kl(log_p, log_q)
+        return _kl(log_p, log_q)
     if name == "rkl":
-        return reverse_kl(log_p, log_q)
+        return _kl(log_q, log_p)
     if name == "jsd":
         return jsd(log_p, log_q, beta)
     if name == "tvd":

@@ -1,18 +1,12 @@
 """Choosing the draft-length policy per domain from the held-out simulator and the measured costs.
 
-For a block starting at held-out position t, the draft proposes token k when the policy kept going after
-tokens 1..k−1 (fixed γ: always, up to γ; confidence: while the draft's probability of its own token stayed
-≥ the threshold, up to `max`), and token k is accepted when tokens 1..k all are. With per-position
-acceptance α_t = Σ min(p, q) and keep-probabilities κ_t (teacher-forced on held-out rows), the expected
-drafted and accepted tokens per target pass are
-
-    D = Σ_k Π_{i<k−1} κ_{t+i},        A = Σ_k Π_{i<k−1} κ_{t+i} · Π_{i<k} α_{t+i},
-
-and the predicted speedup is (1 + A) / (c·D + r(D)) with r the target's verify cost relative to one step
-(Leviathan et al. 2023, Thm 3.8, with a measured verify cost and a variable draft length). Greedy serving
-makes α and κ 0/1 per position, so this is exact given the teacher-forced prefix; when sampling, acceptance
-and stopping are treated as independent given the position. Positions past a completion's end count as
-rejections that still cost their drafts.
+A block from held-out position t proposes token k when the policy kept going after tokens 1..k−1 (fixed γ: up to γ;
+confidence: while the draft's probability of its own token stays ≥ the threshold, up to `max`), and token k is
+accepted when tokens 1..k all are. With acceptance α_t and keep-probabilities κ_t (teacher-forced), a pass drafts
+D = Σ_k Π_{i<k−1} κ_{t+i} and accepts A = Σ_k Π_{i<k−1} κ_{t+i} · Π_{i<k} α_{t+i} tokens, priced by
+pipeline/decoding/cost.py pass_speedup. Exact at greedy given the teacher-forced prefix; when sampling, acceptance and
+stopping are taken as independent given the position. Positions past a completion's end are rejections that still
+cost their drafts.
 """
 from __future__ import annotations
 
@@ -20,11 +14,9 @@ from typing import Mapping
 
 import torch
 
-from distill.batch import completion_hidden
-from distill.calibrate import HeldOut, domain_index
+from distill.calibrate import HeldOut, by_row, domain_index, draft_logits
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
-from pipeline.heads import head_logits, head_rows
 
 
 @torch.no_grad()
@@ -32,21 +24,15 @@ def keep_probabilities(draft, heldout: HeldOut, tau: float, thresholds: list[flo
     """κ [len(thresholds), N]: the chance the confidence rule keeps drafting after each held-out position.
     Greedy drafting: 1[max softmax ≥ threshold] (the draft's temperature-1 confidence in its argmax, as the
     decoder and HF use). Sampling at τ: Σ_x q(x)·1[q(x) ≥ threshold]."""
-    was_training = draft.training
-    draft.eval()
-    device = next(draft.parameters()).device
-    rows = head_rows(draft, None if vocab is None else vocab.to(device))
-    limits = torch.tensor(thresholds, device=device).view(-1, 1, 1)
+    limits = torch.tensor(thresholds, device=next(draft.parameters()).device).view(-1, 1, 1)
     out = []
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         if tau == 0:
             keep = (logits.softmax(-1).amax(-1) >= limits[:, :, 0]).float()
         else:
             q = heldout.sampling.with_temperature(tau).probs(logits)
             keep = (q * (q >= limits)).sum(-1)
         out.append(keep.cpu())
-    draft.train(was_training)
     return torch.cat(out, 1)
 
 
@@ -64,18 +50,6 @@ def keep_at(draft, heldout: HeldOut, temperature_of: dict[str, float], threshold
             for i, threshold in enumerate(thresholds):
                 keep[threshold][mask] = table[i][mask]
     return keep
-
-
-def _by_row(values: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, length: int, fill: float):
-    """[rows, T + length] per held-out row (completion order), padded with `fill` past each row's end."""
-    rows = heldout.row_of[positions]
-    chosen = values[positions].double()
-    names = rows.unique()
-    counts = [int((rows == r).sum()) for r in names]
-    table = torch.full((len(names), max(counts) + length), fill, dtype=torch.float64)
-    for i, r in enumerate(names):
-        table[i, :counts[i]] = chosen[rows == r]
-    return table, counts
 
 
 def simulate(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: HeldOut, positions: torch.Tensor,
@@ -108,8 +82,8 @@ def pass_profile_rows(alpha: torch.Tensor, keep: torch.Tensor | None, heldout: H
     if not bool(positions.any()):
         return torch.zeros(0, max_len, dtype=torch.float64), torch.zeros(0, max_len, dtype=torch.float64), \
             torch.zeros(0, dtype=torch.float64)
-    a, counts = _by_row(alpha, heldout, positions, max_len, 0.0)
-    k = torch.ones_like(a) if keep is None else _by_row(keep, heldout, positions, max_len, 1.0)[0]
+    a, counts = by_row(alpha, heldout, positions, max_len, 0.0)
+    k = torch.ones_like(a) if keep is None else by_row(keep, heldout, positions, max_len, 1.0)[0]
     starts = torch.zeros_like(a, dtype=torch.bool)
     for i, n in enumerate(counts):
         starts[i, :n] = True
@@ -157,13 +131,12 @@ def choose(alpha: torch.Tensor, keep: dict[float, torch.Tensor], heldout: HeldOu
     (pipeline/decoding/cost.py pass_speedup), with its D, A and speedup."""
     result = {}
     for domain, mask in domain_index(heldout).items():
-        best = None
+        predictions = []
         for option in options:
             policy_keep = keep[option.threshold] if option.policy == "confidence" else None
             drafted, accepted = simulate(alpha, policy_keep, heldout, mask, option.max)
-            speedup = pass_speedup(accepted, drafted, drafted, cost)
-            if best is None or speedup > best["predicted_speedup"]:
-                best = {"draft_length": option, "drafted": drafted, "accepted": accepted, "predicted_speedup": speedup}
-        result[domain] = best
+            predictions.append({"draft_length": option, "drafted": drafted, "accepted": accepted,
+                                "predicted_speedup": pass_speedup(accepted, drafted, drafted, cost)})
+        result[domain] = max(predictions, key=lambda p: p["predicted_speedup"])  # the first of equals
     return result
 

@@ -22,9 +22,10 @@ class RunProgress:
     """Counters of the whole run. `trainer` (set once built) counts this process's completion tokens."""
 
     def __init__(self, checkpoint: str | Path | None = None, num_processes: int = 1):
-        saved = read_progress(checkpoint)
-        self.tokens0, self.seconds0 = saved["train_tokens"], saved["train_seconds"]
-        self.curve: list[dict] = saved["curve"]
+        path = Path(checkpoint) / PROGRESS_FILE if checkpoint else None
+        saved = json.loads(path.read_text()) if path is not None and path.exists() else {}  # {}: a fresh run
+        self.tokens0, self.seconds0 = saved.get("train_tokens", 0), saved.get("train_seconds", 0.0)
+        self.curve: list[dict] = saved.get("curve", [])
         self.recipe: dict | None = saved.get("recipe")  # the step size chosen (distill/training.py), None until then
         self.best: dict | None = saved.get("best")  # the stop rule's state (BestWeightsCallback)
         self.checkpoint = Path(checkpoint) if checkpoint else None
@@ -34,8 +35,7 @@ class RunProgress:
 
     def tokens(self) -> int:
         """Completion tokens the loss saw; other processes are assumed to see as many as this one."""
-        local = getattr(self.trainer, "train_tokens", 0) if self.trainer is not None else 0
-        return self.tokens0 + local * self.num_processes
+        return self.tokens0 + getattr(self.trainer, "train_tokens", 0) * self.num_processes
 
     def seconds(self) -> float:
         if self.started is None:
@@ -47,12 +47,12 @@ class RunProgress:
                 "curve": self.curve, "recipe": self.recipe, "best": self.best}
 
 
-def read_progress(checkpoint: str | Path | None) -> dict:
-    """The progress saved with a checkpoint; zeros for a fresh run (or a checkpoint from before this record)."""
-    path = Path(checkpoint) / PROGRESS_FILE if checkpoint else None
-    if path is None or not path.exists():
-        return {"step": 0, "train_tokens": 0, "train_seconds": 0.0, "curve": []}
-    return json.loads(path.read_text())
+def from_main(value: float, device) -> float:
+    """`value` as the main process has it, on every process (so every process stops or chooses alike)."""
+    tensor = torch.tensor(float(value), device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast(tensor, src=0)
+    return tensor.item()
 
 
 class ProgressCallback(TrainerCallback):
@@ -71,25 +71,21 @@ class ProgressCallback(TrainerCallback):
 
 
 class AcceptanceCallback(TrainerCallback):
-    """Every `eval_steps`, runs `evaluate(model) -> {metric: value}` (the held-out acceptance simulator) on
-    the main process, logs it with the stage's tracker and appends a point to the learning curve; also
-    forwards the Trainer's own logs."""
+    """Every `eval_steps`, runs `evaluate(model) -> {metric: value}` on the main process, logs it and appends a point
+    to the learning curve; also forwards the Trainer's own logs."""
 
     def __init__(self, evaluate, tracker, eval_steps: int, progress: RunProgress, is_main: bool = True,
                  printer=print):
         self.evaluate, self.tracker, self.eval_steps = evaluate, tracker, max(1, int(eval_steps))
         self.progress, self.is_main, self.printer = progress, is_main, printer
 
-    @property
-    def curve(self) -> list[dict]:
-        return self.progress.curve
-
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.eval_steps == 0 and state.global_step < state.max_steps:
             self._run(state, model)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if not self.curve or self.curve[-1]["step"] != state.global_step:
+        curve = self.progress.curve
+        if not curve or curve[-1]["step"] != state.global_step:
             self._run(state, model)
 
     def _run(self, state, model):
@@ -98,8 +94,8 @@ class AcceptanceCallback(TrainerCallback):
         started, was_training = time.time(), model.training
         metrics = self.evaluate(model)
         model.train(was_training)
-        self.curve.append({"step": state.global_step, "train_tokens": self.progress.tokens(),
-                           "train_minutes": round(self.progress.seconds() / 60, 3), **_curve_metrics(metrics)})
+        self.progress.curve.append({"step": state.global_step, "train_tokens": self.progress.tokens(),
+                                    "train_minutes": round(self.progress.seconds() / 60, 3), **_curve_metrics(metrics)})
         self.progress.excluded += time.time() - started
         self.tracker.log_metrics(metrics, step=state.global_step)
         overall = metrics.get("heldout/acceptance/overall")
@@ -119,10 +115,9 @@ def _curve_metrics(metrics: dict) -> dict:
 
 
 class HeapTrimCallback(TrainerCallback):
-    """Trims the C heap after a step once the resident set has grown `slack` bytes past its size after the last trim.
-    Freed activations of varying lengths fragment glibc's arenas: with 4 accumulated batches a step the real pair's
-    free heap grew ≈ 1 GB a step until 24 GiB ran out, while trimming after every step costs a run that does not grow
-    20% of its time (the trimmed pages fault back in)."""
+    """Trims the C heap after a step once the resident set has grown `slack` bytes past its size after the last trim:
+    freed activations of varying lengths fragment glibc's arenas, and trimming after every step would cost time (the
+    trimmed pages fault back in; docs/results.md)."""
 
     def __init__(self, slack: int = 2 * 2**30):
         self.slack, self.floor = slack, None
@@ -145,10 +140,7 @@ class TimeBudgetCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.minutes:
             return
-        stop = torch.tensor(float(self.progress.seconds() > 60 * self.minutes), device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast(stop, src=0)  # every process stops at the same step (rank 0's clock)
-        if stop.item():
+        if from_main(self.progress.seconds() > 60 * self.minutes, args.device):  # rank 0's clock
             control.should_training_stop = True
             control.should_save = True
 
@@ -179,10 +171,7 @@ class BestWeightsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.eval_steps or state.global_step >= state.max_steps:
             return
-        stop = torch.tensor(float(self.is_main and self._evaluate(state.global_step, model)), device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast(stop, src=0)  # every process stops at the same step
-        if stop.item():
+        if from_main(self.is_main and self._evaluate(state.global_step, model), args.device):
             self.state["stopped_at"] = state.global_step
             self.printer(f"step {state.global_step}: held-out acceptance (calibration part) below its best "
                          f"{self.state['best']:.3f} for {self.patience} evaluations: training stops")
@@ -224,14 +213,13 @@ class BestWeightsCallback(TrainerCallback):
 
 
 def trained_weights(model) -> dict:
-    """A CPU copy of the weights training moves (those that take a gradient; the draft trains on in place). Frozen
-    ones never change: a pretrained draft's shared embeddings and head are 272M of its 630M parameters, 1.1 GB of
-    fp32 per copy on the real pair, whose run was killed for memory at 24 GiB while holding such copies."""
+    """A CPU copy of the weights training moves (those that take a gradient; the draft trains on in place): frozen
+    ones never change, and a pretrained draft's shared embeddings and head are a large share of its memory."""
     return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def put_back(model, weights: dict) -> None:
-    """Loads trained_weights (or a whole state dict, as older checkpoints saved) into the model; a name the model
+    """Loads trained_weights (or a whole state dict, which older checkpoints saved) into the model; a name the model
     does not have is an error, not a silent skip."""
     unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
     if unexpected:

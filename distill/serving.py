@@ -7,15 +7,12 @@ import torch
 
 from distill import calibrate as cal
 from distill import tree_choice
+from distill.heldouts import log
 from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
 from pipeline.cost_profile import canary_warning, measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
-
-
-def log(msg: str) -> None:
-    print(f"[distill] {msg}", flush=True)
 
 
 def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: dict) -> Calibration:

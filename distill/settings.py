@@ -1,11 +1,9 @@
-"""The distill stage's settings (`distill.*`), declared once: one frozen dataclass per group of
-conf/distill/default.yaml (whose comments say what each key does), one field per key, built by
-`DistillSettings.from_config(cfg.distill)`, which refuses a missing or an unknown key, and checked in one place before
-anything loads (TRL's `XConfig` pattern, as eval/settings.py); what needs files or models is checked where they load.
-
-`trainer` goes to `transformers.TrainingArguments` by name, so it stays a read-only mapping (TrainingArguments
-validates it); only the keys the stage reads must be there (`TRAINER_READ`), `OUR_TRAINER_KEYS` among them. The
-checkpoint fingerprint (distill/stage.py) hashes the composed config's groups, not these values.
+"""The distill stage's settings (`distill.*`): one frozen dataclass per group of conf/distill/default.yaml (whose
+comments say what each key does), built by `DistillSettings.from_config(cfg.distill)`, which refuses a missing or an
+unknown key, and checked before anything loads (as eval/settings.py); what needs files or models is checked where they
+load. `trainer` goes to `transformers.TrainingArguments` by name (which validates it), so it stays a read-only
+mapping of which only the keys the stage reads must be there (`TRAINER_READ`). The checkpoint fingerprint
+(distill/stage.py) hashes the composed config's groups, not these values.
 """
 from __future__ import annotations
 
@@ -71,6 +69,19 @@ class ObjectiveSettings:
     max_completion_length: int         # completion tokens trained on (the first ones)
     max_new_tokens: int | None         # on-policy / seq-KD continuation length; null = the collect's
 
+    def __post_init__(self):
+        check_loss(self.loss, self.beta, self.topk_tail, self.teacher)
+        if self.teacher not in TEACHERS:
+            raise PipelineError(f"unknown distill.objective.teacher={self.teacher!r}: use online or topk")
+        if not 0.0 <= float(self.lmbda) <= 1.0:
+            raise PipelineError(f"distill.objective.lmbda={self.lmbda} is not a share in [0, 1]: use e.g. 0 or 0.5")
+        if float(self.lmbda) > 0 and self.loss == "ce":
+            raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
+                                "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
+        if self.loss_temperature != SERVING and not _positive(self.loss_temperature):
+            raise PipelineError(f"distill.objective.loss_temperature={self.loss_temperature!r} is neither "
+                                f"a temperature > 0 nor {SERVING!r}: use e.g. 1.0 or serving")
+
 
 @dataclass(frozen=True)
 class SplitSettings:
@@ -79,6 +90,17 @@ class SplitSettings:
     heldout_max_prompts_per_domain: int | None  # at most this many held out per domain
     train_fraction: float              # share of the train prompts trained on (< 1: a learning-curve point)
     calibration_share: float           # share of the held-out prompts that choose keep_best, τ and γ
+
+    def __post_init__(self):
+        if not 0.0 < float(self.heldout_fraction) < 1.0:
+            raise PipelineError(f"distill.split.heldout_fraction={self.heldout_fraction} must be in (0, 1): "
+                                "use e.g. 0.15")
+        if not 0.0 < float(self.calibration_share) < 1.0:
+            raise PipelineError(f"distill.split.calibration_share={self.calibration_share} must be in (0, 1): "
+                                "use e.g. 0.5")
+        if self.train_fraction is not None and not 0.0 < float(self.train_fraction) <= 1.0:
+            raise PipelineError(f"distill.split.train_fraction={self.train_fraction} must be in (0, 1]: "
+                                "use e.g. 0.25 (a learning-curve point) or 1")
 
 
 @dataclass(frozen=True)
@@ -208,6 +230,10 @@ class CalibrationSettings:
         if unknown:
             raise PipelineError(f"distill.calibration.engines={list(self.engines)} names unknown engines {unknown}: "
                                 f"use a list from {', '.join(ENGINES)} (our decoder is always calibrated)")
+        samples = self.tree_samples
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise PipelineError(f"distill.calibration.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
+                                "for chains only when sampling")
 
 
 @dataclass(frozen=True)
@@ -240,43 +266,6 @@ class DistillSettings:
             raise PipelineError(f"distill.trainer={self.trainer!r} is not a group of settings: restore it from "
                                 "conf/distill/default.yaml")
         object.__setattr__(self, "trainer", MappingProxyType(dict(self.trainer)))  # read-only, a copy of conf's
-        self._check_objective()
-        self._check_split()
-        self._check_trainer()
-        self._check_calibration()
-
-    def to_dict(self) -> dict:
-        """The settings as plain containers, the shape of conf/distill/default.yaml."""
-        return _plain(self)
-
-    def _check_objective(self) -> None:
-        objective = self.objective
-        check_loss(objective.loss, objective.beta, objective.topk_tail, objective.teacher)
-        if objective.teacher not in TEACHERS:
-            raise PipelineError(f"unknown distill.objective.teacher={objective.teacher!r}: use online or topk")
-        if not 0.0 <= float(objective.lmbda) <= 1.0:
-            raise PipelineError(f"distill.objective.lmbda={objective.lmbda} is not a share in [0, 1]: "
-                                "use e.g. 0 or 0.5")
-        if float(objective.lmbda) > 0 and objective.loss == "ce":
-            raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
-                                "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
-        if objective.loss_temperature != SERVING and not _positive(objective.loss_temperature):
-            raise PipelineError(f"distill.objective.loss_temperature={objective.loss_temperature!r} is neither "
-                                f"a temperature > 0 nor {SERVING!r}: use e.g. 1.0 or serving")
-
-    def _check_split(self) -> None:
-        split = self.split
-        if not 0.0 < float(split.heldout_fraction) < 1.0:
-            raise PipelineError(f"distill.split.heldout_fraction={split.heldout_fraction} must be in (0, 1): "
-                                "use e.g. 0.15")
-        if not 0.0 < float(split.calibration_share) < 1.0:
-            raise PipelineError(f"distill.split.calibration_share={split.calibration_share} must be in (0, 1): "
-                                "use e.g. 0.5")
-        if split.train_fraction is not None and not 0.0 < float(split.train_fraction) <= 1.0:
-            raise PipelineError(f"distill.split.train_fraction={split.train_fraction} must be in (0, 1]: "
-                                "use e.g. 0.25 (a learning-curve point) or 1")
-
-    def _check_trainer(self) -> None:
         missing = [key for key in TRAINER_READ if key not in self.trainer]
         if missing:
             raise PipelineError(f"distill setting(s) {', '.join(f'distill.trainer.{key}' for key in missing)} missing "
@@ -290,11 +279,9 @@ class DistillSettings:
             raise PipelineError(f"distill.trainer.stop_patience={patience!r} is not a count >= 1: use e.g. 2, or null to "
                                 "train to the budget")
 
-    def _check_calibration(self) -> None:
-        samples = self.calibration.tree_samples
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise PipelineError(f"distill.calibration.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
-                                "for chains only when sampling")
+    def to_dict(self) -> dict:
+        """The settings as plain containers, the shape of conf/distill/default.yaml."""
+        return _plain(self)
 
 
 def _check_lr_probe(probe) -> None:

@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from distill import calibrate as cal
 from distill.draft import vocab_subset
 from distill.export import save_draft
-from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, serving_acceptance, serving_alpha,
-                             split_collected)
+from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, log, serving_acceptance,
+                             serving_alpha, split_collected)
 from distill.job import HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
 from distill.training import TrainingResult, generation_length, train_draft
@@ -49,10 +49,6 @@ COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "b
                         "disk_bytes_per_million_tokens")
 RECORD = "training.json"  # in ${paths.trained}: what calibrate needs beside the weights (RECORD_VERSION's keys)
 RECORD_VERSION = 1
-
-
-def log(msg: str) -> None:
-    print(f"[distill] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------- the stage
@@ -215,16 +211,11 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "recipe": training.recipe}
 
 
-def initial_dir(inputs: Inputs, split: Split) -> Path:
-    """Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those first)."""
-    return Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
-
-
 def save_initial(inputs: Inputs, split: Split) -> Path:
-    """The initial draft on disk before training: the output's draft_init/, and what keep_best ships when training
-    gains nothing. A copy in memory through training cost 2.5 GB on the real pair (the 0.5B draft in fp32), where
-    the run was killed for memory at 24 GiB. Saved again on a resume: build_draft makes the same weights."""
-    path = initial_dir(inputs, split)
+    """The initial draft on disk before training (not in memory, where a copy costs a whole fp32 draft): the output's
+    draft_init/, and what keep_best ships when training gains nothing. Saved again on a resume: build_draft makes the
+    same weights. Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those)."""
+    path = Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
     save_draft(inputs.draft, inputs.draft_tokenizer, path, None, None, inputs.target.generation_config)
     return path
 

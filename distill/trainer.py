@@ -1,15 +1,13 @@
 """Distillation on TRL's GKD trainer: `DistillConfig` (GKDConfig + our knobs) and `DistillTrainer` (GKDTrainer).
 
 TRL serves the on-policy share λ (GKDTrainer.training_step / generate_on_policy_outputs), sequence-level KD
-(seq_kd), dense JSD(β) (generalized_jsd_loss, through distill/losses.py), the sampling temperature, and, through
-Trainer and accelerate, checkpointing, accumulation, mixed precision and `accelerate launch`. Ours, where TRL
-cannot serve:
+(seq_kd), dense JSD(β) (generalized_jsd_loss, through distill/losses.py), the sampling temperature and, through
+Trainer and accelerate, checkpointing, accumulation, mixed precision and `accelerate launch`. Ours, where TRL cannot:
 - compute_loss: the target runs only when the loss needs it (teacher=online, and batches TRL generated, whose cached
-  labels no longer apply), so teacher=topk with λ=0 never runs it per step; it takes
-- the cached top-k teacher (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
-- the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back
-  with every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset
-  distribution as token ids;
+  labels no longer apply), so teacher=topk with λ=0 never runs it per step; it takes the cached top-k teacher
+  (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
+- the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back with
+  every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset's ids;
 - the aligned batch layout for off-policy batches (distill/batch.py), beside TRL's causal layout for generated ones;
 - the held-out acceptance callback and the time budget.
 The λ draw is TRL's `random.random()`, seeded by Trainer on every process and checkpointed with it, so every process
@@ -28,14 +26,14 @@ from torch import nn
 
 from distill.batch import Truncation, layout
 from distill.losses import check_loss, distillation_loss, sparse_teacher
+from distill.settings import ObjectiveSettings
 from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
 
 with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
     warnings.simplefilter("ignore")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-LABEL_COLUMNS = ("topk_ids", "topk_logprobs", "subset_logmass")
-ALIGNED_ONLY = ("position_ids", "prompt_length", *LABEL_COLUMNS)
+ALIGNED_ONLY = ("position_ids", "prompt_length", "topk_ids", "topk_logprobs", "subset_logmass")
 CAUSAL = "causal"  # inputs["layout"] of a batch TRL generated
 
 
@@ -104,8 +102,8 @@ class DistillConfig(GKDConfig):
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "alias of activation_checkpointing"})
 
     def __post_init__(self):
-        unset = [f.name for f in fields(DistillConfig) if f.name in OBJECTIVE and f.name not in OPTIONAL
-                 and getattr(self, f.name) is None]
+        # max_new_tokens None is a setting (as long as the completions)
+        unset = [name for name in OBJECTIVE if name != "max_new_tokens" and getattr(self, name) is None]
         if unset:
             raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
         # nothing generated beyond the completion tokens the loss trains on
@@ -113,9 +111,7 @@ class DistillConfig(GKDConfig):
         super().__post_init__()
 
 
-OBJECTIVE = ("loss", "beta", "loss_temperature", "teacher", "topk", "topk_tail", "lmbda", "temperature", "seq_kd",
-             "freeze_shared", "max_prompt_length", "max_completion_length", "max_new_tokens")
-OPTIONAL = ("max_new_tokens",)  # None is a setting (as long as the completions)
+OBJECTIVE = tuple(f.name for f in fields(ObjectiveSettings))  # conf's `objective:` keys, DistillConfig's knobs
 
 
 # ---------------------------------------------------------------- loss positions of either layout
@@ -190,8 +186,6 @@ class DistillTrainer(GKDTrainer):
 
     def __init__(self, model, args: DistillConfig, train_dataset, teacher_model, vocab=None,
                  stop_ids: list[int] | None = None, processing_class=None, callbacks=None):
-        """GKDTrainer's arguments (model, args, data, teacher, tokenizer, callbacks) plus what ours adds: the FR-Spec
-        `vocab` and the `stop_ids` of on-policy continuations."""
         check_loss(args.loss, args.beta, args.topk_tail, args.teacher)
         collator = DistillCollator(processing_class.pad_token_id,
                                    Truncation(args.max_prompt_length, args.max_completion_length))
@@ -239,14 +233,11 @@ class DistillTrainer(GKDTrainer):
         hidden = where.at(teacher.model(**where.forward, use_cache=False).last_hidden_state)[where.mask]
         return head_logits(hidden, head_rows(teacher, self.vocab))
 
-    def _columns(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.column_of is None else self.column_of[ids]
-
     def teacher_signal(self, inputs: dict, where: Positions) -> dict:
         """distillation_loss's teacher keyword: labels (ce), online target logits, or the cached top-k teacher."""
         args, mask = self.args, where.mask
         if args.loss == "ce":
-            cols = self._columns(where.labels[mask])
+            cols = where.labels[mask] if self.column_of is None else self.column_of[where.labels[mask]]
             return {"labels": torch.where(cols >= 0, cols, -100)}
         if args.teacher == "online" or inputs.get("layout") == CAUSAL:
             return {"teacher_logits": self.teacher_logits(where)}
@@ -256,17 +247,12 @@ class DistillTrainer(GKDTrainer):
         return {"teacher": sparse_teacher(inputs["topk_ids"][mask], inputs["topk_logprobs"][mask], self.vocab_size,
                                           self.column_of, subset_logmass)}
 
-    def _per_token(self, model, where: Positions, teacher: dict):
-        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
-        logits = where.at(out.logits)[where.mask]
-        args = self.args
-        return distillation_loss(args.loss, logits, temperature=args.loss_temperature, beta=args.beta,
-                                 tail=args.topk_tail, **teacher), out
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        where = positions(inputs)
+        where, args = positions(inputs), self.args
         teacher = self.teacher_signal(inputs, where)
-        per_token, out = self._per_token(model, where, teacher)
+        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
+        per_token = distillation_loss(args.loss, where.at(out.logits)[where.mask], temperature=args.loss_temperature,
+                                      beta=args.beta, tail=args.topk_tail, **teacher)
         self.train_tokens += int(where.mask.sum())
         loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
         return (loss, out) if return_outputs else loss

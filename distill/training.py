@@ -21,7 +21,7 @@ from distill.draft import freeze_shared
 from distill.heldouts import served_acceptance
 from distill.job import HeldOuts, Inputs, Split
 from distill.progress import (AcceptanceCallback, BestWeightsCallback, HeapTrimCallback, ProgressCallback,
-                              RunProgress, TimeBudgetCallback, put_back, trained_weights)
+                              RunProgress, TimeBudgetCallback, from_main, put_back, trained_weights)
 from distill.settings import OUR_TRAINER_KEYS
 from distill.trainer import DistillConfig, DistillTrainer, restore_forward
 from pipeline.heads import restore_full_head, use_subset_head
@@ -103,7 +103,7 @@ def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progres
         progress.tokens0 += _run_tokens(job, trainer, RunProgress(None, job.state.num_processes))
         _free(trainer)  # its optimizer state (the draft's trained weights twice over) before the next one's
         scores[rate] = judge(job.draft) if job.is_main else 0.0
-        if _broadcast_choice(int(scores[rate] > scores[0.0]), job):
+        if from_main(scores[rate] > scores[0.0], job.state.device):  # only the main process holds the held-out rows
             chosen = rate
             break
         put_back(job.draft, initial)
@@ -116,14 +116,6 @@ def probe_learning_rate(job: Inputs, split: Split, judge, out_dir: Path, progres
 
 def _rate_name(rate: float) -> str:
     return "initial" if rate == 0 else f"{rate:.3g}"
-
-
-def _broadcast_choice(index: int, job: Inputs) -> int:
-    """The main process's choice, on every process (only the main one holds the held-out rows)."""
-    choice = torch.tensor(index if job.is_main else 0, device=job.state.device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.broadcast(choice, src=0)
-    return int(choice)
 
 
 def _trainer(job: Inputs, split: Split, arguments: DistillConfig, callbacks: list) -> DistillTrainer:
@@ -200,23 +192,17 @@ def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> Tr
             f"({tokens / max(minutes, 1e-9) / 60:.0f} tokens/s; this process {(time.process_time() - cpu0) / 60:.1f} "
             "CPU-minutes)")
     result = TrainingResult(steps, tokens, minutes, progress.curve, recipe_record(progress.recipe, stop))
-    _release(job, trainer, stop, progress)
-    return result
-
-
-def _release(job: Inputs, trainer, stop: BestWeightsCallback | None, progress: RunProgress) -> None:
-    """Frees the optimizer state, gradients and best-weights snapshot (put back already) before keep_best and the
-    export: ~7 GB for a 0.5B draft, held in cycles (Trainer, callbacks, progress) that refcounting alone never frees;
-    the real pair's keep_best ran out of 24 GiB without this."""
+    # the optimizer state, gradients and best-weights snapshot (put back already) go before keep_best and the export
     progress.trainer = None
     if stop is not None:
         stop.weights = None
     _free(trainer)
+    return result
 
 
 def _free(trainer) -> None:
     """Drops a finished trainer's optimizer state, scheduler and the model's gradients, and collects the cycles
-    that hold them (refcounting alone leaves them until Python's cyclic collector happens to run)."""
+    (Trainer, callbacks, progress) that hold them: refcounting alone never frees those."""
     trainer.accelerator.free_memory()
     trainer.optimizer = trainer.lr_scheduler = None
     trainer.model.zero_grad(set_to_none=True)
@@ -234,9 +220,7 @@ def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
         return cal.heldout_metrics(cal.summarize(alpha, heldouts.reporting, gamma), gamma)
 
     def judge(model):
-        was_training = model.training
-        alpha = served_acceptance(model.eval(), dtype, heldouts.calibration, temperature, split.vocab)[0]
-        model.train(was_training)
+        alpha = served_acceptance(model, dtype, heldouts.calibration, temperature, split.vocab)[0]
         return cal.summarize(alpha, heldouts.calibration, gamma)[cal.OVERALL]["acceptance"]
 
     return evaluate, judge

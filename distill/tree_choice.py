@@ -1,33 +1,23 @@
 """Choosing a token-tree shape per domain from held-out acceptance per depth and the cost profile.
 
-A node with k children yields one of them with probability h_t(k) at held-out position t (teacher forcing keeps
-the draft's context equal to the accepted path):
-- greedy serving: the accepted path follows the target's argmax, so h_t(k) = 1[target argmax ∈ draft top-k at t];
-- sampled serving: the children are k draws without replacement from q_τ, verified by recursive rejection
-  sampling against p_T (pipeline/decoding/tree_sampling.py), so h_t(k) = P(one of them is accepted), estimated by Monte
-  Carlo over the draws with the rejection probabilities themselves averaged (no coin flips): for k = 1 it is
-  Σ min(p_T, q_τ), the chain's α.
-A tree with branching factors (b_1, …, b_D) then accepts, per block starting at t,
-
-    A = Σ_d Π_{i≤d} h_{t+i−1}(b_i),   nodes N = Σ_d Π_{i≤d} b_i,
-
-and the predicted speedup is (1 + A) / (D·c + r(N)), with D draft forwards (one per depth: the frontier is fed
-in one forward, costed as one draft step, which holds while a small draft's forward of a few tokens costs
-about one step) and r(N) the target's (N+1)-token forward over its 1-token forward from the cost profile.
-Under sampling the depths are taken as independent given the positions (the same approximation as the chain's
-Π α). A chain (1, …, 1) is one of the candidates, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024;
-Sequoia, Chen et al. 2024, choose trees from the same two ingredients: per-depth acceptance and verify cost).
+A node with k children yields one of them with probability h_t(k) at held-out position t (teacher forcing keeps the
+draft's context the accepted path): at greedy serving 1[target argmax ∈ draft top-k at t]; when sampling, the chance
+that recursive rejection sampling (pipeline/decoding/tree_sampling.py) accepts one of k draws without replacement from
+q_τ against p_T, a Monte Carlo estimate over the draws (k = 1: the chain's α). A tree (b_1, …, b_D) accepts
+A = Σ_d Π_{i≤d} h_{t+i−1}(b_i) per block from t, with one draft forward per depth (its frontier in one forward, priced
+as one step) and a verify of its N = Σ_d Π_{i≤d} b_i nodes (pass_speedup); depths are taken as independent given the positions, as the
+chain's Π α. Chains are candidates too, so "no tree" is a valid answer (SpecInfer, Miao et al. 2024; Sequoia, Chen
+et al. 2024, choose trees from the same per-depth acceptance and verify cost).
 """
 from __future__ import annotations
 
 import torch
 
-from distill.batch import completion_hidden
-from distill.calibrate import OVERALL, HeldOut, domain_index
+from distill.calibrate import OVERALL, HeldOut, domain_index, draft_logits
 from distill.policy import visit_weights
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes
-from pipeline.heads import column_map, head_logits, head_rows
+from pipeline.heads import column_map
 from pipeline.sampling import sample
 from pipeline.decoding.tree_sampling import rejection_update
 
@@ -51,21 +41,16 @@ def hit_table(draft, heldout: HeldOut, vocab=None, temperature_of: dict | None =
 def target_ranks(draft, heldout: HeldOut, vocab=None) -> torch.Tensor:
     """[N] the rank of the target's greedy token among the draft's logits (0 = the draft's argmax; a token
     outside the draft's vocabulary subset gets rank V, never a hit)."""
-    was_training = draft.training
-    draft.eval()
     device = next(draft.parameters()).device
-    vocab = None if vocab is None else vocab.to(device)
-    rows, column_of = head_rows(draft, vocab), column_map(vocab, draft.config.vocab_size)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     ranks, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         target = heldout.p_ids[start:start + logits.shape[0], 0].to(device)
         cols = target if column_of is None else column_of[target]
         own = logits.gather(-1, cols.clamp_min(0)[:, None])
         rank = (logits > own).sum(-1)
         ranks.append(torch.where(cols >= 0, rank, torch.full_like(rank, logits.shape[-1])).cpu())
         start += logits.shape[0]
-    draft.train(was_training)
     return torch.cat(ranks)
 
 
@@ -75,26 +60,21 @@ def sibling_acceptance(draft, heldout: HeldOut, temperature_of: dict[str, float]
     """[N, K_MAX]: P(recursive rejection sampling accepts one of k siblings drawn without replacement from q_τ)
     at each held-out position, k = 1..K_MAX, each position at its domain's τ. p_T's mass outside the draft's
     vocabulary subset, and the tail beyond the held-out support, form one bucket the draft never proposes."""
-    was_training = draft.training
-    draft.eval()
     device = next(draft.parameters()).device
-    vocab = None if vocab is None else vocab.to(device)
-    rows, column_of = head_rows(draft, vocab), column_map(vocab, draft.config.vocab_size)
+    column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
     tau = torch.full((heldout.n_positions,), float(temperature_of[OVERALL]))
     for domain, mask in domain_index(heldout).items():
         if domain != OVERALL:
             tau[mask] = float(temperature_of.get(domain, temperature_of[OVERALL]))
     generator = torch.Generator(device=device).manual_seed(seed)
     out, start = [], 0
-    for batch, mask in heldout.batches(device):
-        logits = head_logits(completion_hidden(draft, batch)[mask], rows)
+    for logits in draft_logits(draft, heldout, vocab):
         for s in range(0, logits.shape[0], chunk):
             at = slice(start + s, start + min(s + chunk, logits.shape[0]))
             q = _draft_probs(logits[s:s + chunk], tau[at].to(device), heldout.sampling)
             p = _target_on_columns(heldout, at, column_of, q.shape[-1], device)
             out.append(_race(p, torch.cat([q, q.new_zeros(q.shape[0], 1)], -1), samples, generator).cpu())
         start += logits.shape[0]
-    draft.train(was_training)
     return torch.cat(out)
 
 
@@ -155,11 +135,10 @@ def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tu
     pipeline/cost_profile.py), chains included."""
     result = {}
     for domain, mask in domain_index(heldout).items():
-        best = None
+        predictions = []
         for factors in candidates:
             accepted = simulate(hits, heldout, mask, factors)
-            speedup = pass_speedup(accepted, len(factors), nodes(factors), cost, tree=set(factors) != {1})
-            if best is None or speedup > best["predicted_speedup"]:
-                best = {"tree": list(factors), "accepted": accepted, "predicted_speedup": speedup}
-        result[domain] = best
+            predictions.append({"tree": list(factors), "accepted": accepted, "predicted_speedup": pass_speedup(
+                accepted, len(factors), nodes(factors), cost, tree=set(factors) != {1})})
+        result[domain] = max(predictions, key=lambda p: p["predicted_speedup"])  # the first of equals
     return result
