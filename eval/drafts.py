@@ -44,6 +44,9 @@ class Evaluation:
     budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
     stalls: dict | None = None  # the stall rule's verdicts (eval/harness.py retime_stalls); None when it is off
 
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
 
 def _n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -20,7 +20,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from eval import metrics as M
-from eval.harness import rotated
+from eval.harness import interleaved, rotated
 from pipeline import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
@@ -83,18 +83,14 @@ def server_plan(spec: SpeculativeSpec | None, domains: list[str], drafts: dict[s
 
 def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
     """The first user turn of every prompt, domains interleaved, as token ids."""
-    longest = max(map(len, prompts.values()))
-    ordered = [ps[i] for i in range(longest) for ps in prompts.values() if i < len(ps)]
     return [{"domain": p["domain"], "prompt_id": p["id"], "turn": 0,
-             "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
+             "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in interleaved(prompts)]
 
 
 def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str,
                    max_minutes: float | None = None) -> list[dict]:
     """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
-    rotating order (eval/harness.py), a seed per request shared by the methods, while the next request fits in
-    eval.max_minutes (as eval's own loop: the first request of each domain always runs; requests are interleaved by
-    domain, so a cut takes from every domain alike)."""
+    rotating order with a seed per request, while the next request fits in eval.max_minutes (as eval's own loop)."""
     from tqdm.auto import tqdm
 
     records, started, domains = [], time.time(), len({r["domain"] for r in requests})
@@ -237,9 +233,10 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
         target = cached_gguf(root, Path(target_path), gguf_dir, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
-    if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
-        draft_dirs["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
-    for name, path in draft_dirs.items():
+    init = Path(settings.draft_init or cfg.paths.draft_init)
+    if settings.draft_init != "none" and init.is_dir():
+        draft_dirs["speculative_init"] = init
+    for path in draft_dirs.values():
         if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
             raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir | .gguf>")
     drafts = {name: path if path.suffix == ".gguf" else path / "draft.gguf" if (path / "draft.gguf").is_file()
@@ -362,12 +359,12 @@ def per_pass_table(metrics: dict) -> list[str]:
     for domain, method, m in rows:
         predicted = m.get("predicted") or {}
         guesses = predicted.get("accepted", [])
+        diff = (m.get("difference") or {}).get("accepted", [])
         for k, (value, ci) in enumerate(zip(m["accepted"], m["accepted_ci95"])):
             known = k < len(guesses)
             guess = f"{guesses[k]:.3f}{_interval((predicted.get('accepted_ci95') or [None] * (k + 1))[k])}" \
                 if known else "–"
             inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if known else "–"
-            diff = (m.get("difference") or {}).get("accepted", [])
             shown = f"{diff[k][0]:+.3f}{_interval(diff[k][1:])}" if k < len(diff) and diff[k] else "–"
             lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{_interval(ci)} | {guess} "
                          f"| {inside} | {shown} |")

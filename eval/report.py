@@ -138,8 +138,7 @@ def _fidelity(metrics: dict) -> list[str]:
 
 
 def control_lines(metrics: dict) -> list[str]:
-    """The control pair's verdict (eval/metrics.py control_check): which requests other load disturbed, and the
-    overall speedups without them."""
+    """The control pair's verdict (eval/metrics.py control_check)."""
     control = metrics.get("control")
     if not control:
         return []
@@ -167,8 +166,7 @@ def control_lines(metrics: dict) -> list[str]:
 
 
 def stall_lines(metrics: dict) -> list[str]:
-    """The stall rule's verdict (eval.stall, eval/harness.py): requests re-timed, and those still disturbed, kept out
-    of every figure, with the overall speedups they would have given beside."""
+    """The stall rule's verdict (eval.stall, eval/harness.py retime_stalls)."""
     stalls = metrics.get("stalls")
     if not stalls:
         return []
@@ -191,13 +189,6 @@ def _control(metrics: dict) -> list[str]:
     control = ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
     stalls = stall_lines(metrics)
     return control + (["## Timing checks", "", *[f"- {line}" for line in stalls], ""] if stalls else [])
-
-
-def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
-    """report.md: the setup, per-domain and per-method tables, advice, comparisons, sweeps, fidelity, plots."""
-    lines = _setup_lines(metrics) + _result_lines(metrics) + _sweep_lines(metrics) + _fidelity(metrics)
-    lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
-    path.write_text("\n".join(lines))
 
 
 def _setup_lines(metrics: dict) -> list[str]:
@@ -250,8 +241,8 @@ def _result_lines(metrics: dict) -> list[str]:
         markdown_table(*method_rows(metrics)), "",
         _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
     ]
-    if slowdown_advice(metrics):
-        lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
+    if advice := slowdown_advice(metrics):
+        lines += [f"**Slower than plain decoding.** {advice}", ""]
     header, rows = latency_rows(metrics)
     if rows:
         lines += ["## Streaming latency", "", markdown_table(header, rows), "",
@@ -303,7 +294,8 @@ def _sweep_lines(metrics: dict) -> list[str]:
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:
-    """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md, in one atomic rename."""
+    """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md (the setup, the tables, advice,
+    checks, sweeps, fidelity, plots), in one atomic rename."""
     stalls = metrics.get("stalls") or {}
     disturbed = {tuple(key) for key in stalls.get("disturbed", [])} if stalls.get("n_excluded") else set()
     with atomic_dir(out_dir) as tmp:
@@ -321,7 +313,9 @@ def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str
                     row["ttft_s"], row["itl_mean_s"] = r["stats"].ttft, r["stats"].mean_itl
                 f.write(json.dumps(row) + "\n")
         plots = write_plots(metrics, records, tmp)
-        write_report(tmp / "report.md", metrics, plots)
+        lines = _setup_lines(metrics) + _result_lines(metrics) + _sweep_lines(metrics) + _fidelity(metrics)
+        lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
+        (tmp / "report.md").write_text("\n".join(lines))
     return plots
 
 

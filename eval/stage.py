@@ -72,7 +72,7 @@ HELDOUT = "heldout"  # eval.prompts_file: the prompts the calibration's predicti
 
 def heldout_prompt_ids(draft: Path) -> set[str]:
     """The prompts of the reporting part the draft's calibration predicted on (evidence.json heldout.prompt_ids)."""
-    spec = SpeculativeSpec.read(draft) if draft.is_dir() else None
+    spec = SpeculativeSpec.read(draft)
     ids = ((spec.heldout if spec else {}).get("prompt_ids") or {}).get("reporting")
     if not ids:
         raise PipelineError(f"eval.prompts_file={HELDOUT}: {draft} records no held-out prompts (a calibration from "
@@ -161,8 +161,8 @@ def _hf_methods(evaluation: Evaluation) -> dict:
         raise PipelineError(f"eval.baselines_draft={assistant_name} is not loaded here (drafts: "
                             f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
                             "undistilled draft exists")
-    assistant = evaluation.drafts[assistant_name].model
     draft = evaluation.drafts[assistant_name]
+    assistant = draft.model
     configs = {domain: assistant_configs(assistant, fixed_gamma(draft, domain, settings),
                                          plan.as_chain().hf_generation_config())
                for domain, plan in evaluation.plans[assistant_name].items()}
@@ -185,12 +185,9 @@ def make_methods(evaluation: Evaluation) -> dict:
         return hf_engine_methods(evaluation)
     target, sampling, stop = evaluation.target, evaluation.sampling, evaluation.stop
 
-    def generator(seed: int):
-        return torch.Generator(device=evaluation.device).manual_seed(seed)
-
     def autoregressive(ids, domain, n, seed):
         out = autoregressive_generate(target, ids, sampling=sampling, max_new_tokens=n, eos_token_id=stop,
-                                      generator=generator(seed))
+                                      generator=evaluation.generator(seed))
         return out.tokens.tolist(), out.stats
 
     def speculative(name, draft_name=None):
@@ -201,7 +198,7 @@ def make_methods(evaluation: Evaluation) -> dict:
             if gamma or tree:  # the sweeps measure each shape as it is: drafting, never switched down
                 plan = replace(plan, drafting=tree or gamma, guard=None)
             out = speculative_generate(target, draft.model, ids, plan=plan, sampling=sampling, max_new_tokens=n,
-                                       eos_token_id=stop, generator=generator(seed))
+                                       eos_token_id=stop, generator=evaluation.generator(seed))
             return out.tokens.tolist(), out.stats
         return generate
 
@@ -295,7 +292,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     sampling = settings.sampling
     out_dir = output_dir(cfg)
     if settings.engine == "vllm":
-        from eval.engine_vllm import require_vllm
+        from eval.engine_vllm import require_vllm, run_vllm  # imports vLLM only when asked for
 
         require_vllm()  # before any prompt or model is read
     prompts, source = load_eval_prompts(cfg, settings)
@@ -304,8 +301,6 @@ def run(cfg: DictConfig, tracker) -> dict:
 
         return run_llamacpp(cfg, tracker, settings, prompts, source, out_dir)
     if settings.engine == "vllm":
-        from eval.engine_vllm import run_vllm  # imports vLLM only when asked for
-
         return run_vllm(cfg, tracker, settings, prompts, source, out_dir)
     evaluation = load_models(cfg, settings, sampling)
     evaluation.plans = make_plans(evaluation, list(prompts))
@@ -347,8 +342,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     if (metrics.get("batch_sweep") or {}).get("by_batch"):
         print(text_table(*batch_rows(metrics["batch_sweep"])) + "\n" + batch_verdict(metrics["batch_sweep"]))
     print("\n".join(comparison_lines(metrics) + control_lines(metrics) + stall_lines(metrics)))
-    if slowdown_advice(metrics):
-        print(f"[eval] {slowdown_advice(metrics)}")
+    if advice := slowdown_advice(metrics):
+        print(f"[eval] {advice}")
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots; {laps.summary()}")
     log_to_tracker(tracker, metrics, out_dir)
     overall = metrics["overall"]

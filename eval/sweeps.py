@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
 from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
@@ -85,17 +83,14 @@ def batch_methods(evaluation: Evaluation, plan: DraftPlan) -> dict:
     fn(rows, domain, n, seed) -> (tokens per row, stats per row), each from a generator of the batch's seed."""
     common = {"sampling": evaluation.sampling, "eos_token_id": evaluation.stop}
 
-    def generator(seed: int) -> torch.Generator:
-        return torch.Generator(device=evaluation.device).manual_seed(seed)
-
     def plain(rows, _domain, n, seed):
-        out = autoregressive_generate_batch(evaluation.target, rows, max_new_tokens=n, generator=generator(seed),
-                                            **common)
+        out = autoregressive_generate_batch(evaluation.target, rows, max_new_tokens=n,
+                                            generator=evaluation.generator(seed), **common)
         return [t.tolist() for t in out.tokens], out.stats
 
     def speculative(rows, _domain, n, seed):
         out = speculative_generate_batch(evaluation.target, evaluation.drafts[M.SPECULATIVE].model, rows, plan=plan,
-                                         max_new_tokens=n, generator=generator(seed), **common)
+                                         max_new_tokens=n, generator=evaluation.generator(seed), **common)
         return [t.tolist() for t in out.tokens], out.stats
 
     return {"plain": plain, "speculative": speculative}
