@@ -146,8 +146,6 @@ def extra_sources(cfg: DictConfig, settings: EvalSettings) -> dict[str, Path]:
 
 
 def load_models(cfg: DictConfig, settings: EvalSettings, sampling: Sampling) -> Evaluation:
-    """The target, its tokenizer and stop ids, the evaluated draft, the undistilled draft (when there is one) and
-    the drafts of eval.extra_drafts."""
     extras = extra_sources(cfg, settings)
     target, tokenizer, target_path = load_role(cfg, "target")
     device, dtype = next(target.parameters()).device, next(target.parameters()).dtype

@@ -44,8 +44,7 @@ class EngineStats:
 
 
 def cached_gguf(root: Path, model_dir: Path, out_dir: Path, quant: str | None) -> Path:
-    """An HF model directory (a draft export, an HF-directory target) as GGUF (llamacpp.hf_to_gguf), cached
-    under `out_dir` by the hash of its weights."""
+    """An HF model directory as GGUF (llamacpp.hf_to_gguf), cached under `out_dir` by the hash of its weights."""
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
         raise PipelineError(f"{model_dir} holds no safetensors weights: point eval.draft at a draft export")
@@ -122,8 +121,7 @@ def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,
                   out_dir: Path) -> dict:
-    """{(draft name | None, DraftSettings): llamacpp.Server}, one per distinct setting the plan uses, started
-    together and stopped with `stack`."""
+    """{(draft name | None, DraftSettings): llamacpp.Server}, one per distinct setting the plan uses."""
     servers = {}
     for key in {entry for by_domain in plan.values() for entry in by_domain.values()}:
         name, setting = key
@@ -158,11 +156,9 @@ def overall_predictions(specs: dict, plan: dict) -> dict:
 
 
 def per_pass(records: list[dict], predicted: dict | None) -> dict | None:
-    """Per draft position k, measured from the servers' per-pass logs: the share of decoding passes that proposed a
-    k-th draft and that accepted at least k (llama-server's own per-position counter), with bootstrap intervals over
-    requests, beside the calibration's prediction (`inside`: the prediction lies in the measured interval). A pass
-    that drafted nothing is a plain step the log does not list: a request's passes are its tokens after the first
-    less its accepted drafts."""
+    """Per draft position k, from the servers' per-pass logs: the share of passes that proposed a k-th draft and that
+    accepted at least k, with intervals over requests, beside `predicted` (`inside`: within the measured interval).
+    The log lists no pass that drafted nothing: a request's passes are its tokens after the first less its accepted."""
     counts = [(sum(r["stats"].accepted), r["stats"].accepted, r["stats"].drafted, len(r["tokens"])) for r in records]
     width = max((max(drafted, default=0) for _, _, drafted, _ in counts), default=0)
     if width == 0:
@@ -202,8 +198,7 @@ def difference(measured: tuple, predicted: tuple) -> list[float] | None:
 
 
 def method_metrics(records: list[dict], greedy: bool, predictions: dict | None = None) -> dict:
-    """Per method: throughput, speedup over the plain server with its paired bootstrap CI, acceptance with its CI,
-    and per draft position the measured rates beside `predictions[method]` (per_pass)."""
+    """Per method: throughput, speedup over the plain server, acceptance (with CIs) and per_pass."""
     ar = [r for r in records if r["method"] == "autoregressive"]
     ar_tps = M.throughput(ar)["tokens_per_s"]
     out = {}
@@ -344,8 +339,7 @@ def control_flags(metrics: dict) -> list[str]:
 
 
 def per_pass_table(metrics: dict) -> list[str]:
-    """Per draft position: the share of passes accepting at least k drafts, measured [95% CI over requests] beside
-    the calibration's prediction, where it made one."""
+    """per_pass of every method and domain as a table (the caption says what each column is)."""
     rows = [(d, method, m["per_pass"]) for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]
             for method, m in by.items() if m.get("per_pass")]
     if not rows:

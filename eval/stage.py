@@ -1,15 +1,12 @@
-"""Eval stage: the project's speculative decoder against plain target decoding, per domain.
+"""Eval stage: the project's speculative decoder against plain target decoding, per domain, timed by
+eval/harness.py; writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 
     python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=...] ...
-
-Every held-out request is decoded by every method (metrics.json's names, docs/architecture.md "Eval output") back to
-back, in rotating order, after a warm-up (eval/harness.py), so machine drift hits all methods alike. Writes
-metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -123,8 +120,7 @@ def drafting_shape(wanted, spec, domain: str, sampling: Sampling):
 
 
 def fixed_gamma(draft: Draft, domain: str, settings: EvalSettings) -> int:
-    """The fixed γ a chain-only peer (HF assisted generation's fixed γ) runs: eval.drafting's int, else the
-    calibrated one, else DraftLength's default."""
+    """The fixed γ HF assisted generation's `hf_assisted_fixed` runs."""
     if isinstance(settings.drafting, int):
         return settings.drafting
     spec = draft.spec if settings.drafting != "uncalibrated" else None
@@ -153,8 +149,7 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
 # ---------------------------------------------------------------- timed decoding
 
 def _hf_methods(evaluation: Evaluation) -> dict:
-    """The eval.baselines of HF generate, and HF assisted generation with HF's defaults, with a fixed γ and with our
-    calibration, each domain's γ and policy taken from the assistant draft's plan."""
+    """The eval.baselines (eval/baselines.py), each domain's γ and policy taken from the assistant draft's plan."""
     settings, sampling = evaluation.settings, evaluation.sampling
     assistant_name = settings.baselines_draft
     if assistant_name not in evaluation.drafts:
@@ -279,7 +274,7 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
         "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
         "draft_init": init.identity if init else None,
         "calibrated": bool(calibrated),
-        "prompt_source": source, "settings": settings.to_dict(),
+        "prompt_source": source, "settings": asdict(settings),
         "prompts": {domain: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
                     for domain, ps in prompts.items()},
     }
