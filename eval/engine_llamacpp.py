@@ -222,10 +222,8 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     engine = cfg.engines.llamacpp
     root = llamacpp.build(cfg.paths.engines, str(engine.version), log)
     target_path = resolve_model(cfg.model.target, "target", cfg.paths)
-    target = model_gguf(cfg.model.target, "target", cfg.paths)
     gguf_dir = Path(cfg.paths.engines) / "gguf"
-    if target is None:
-        target = cached_gguf(root, Path(target_path), gguf_dir, None)
+    target = model_gguf(cfg.model.target, "target", cfg.paths) or cached_gguf(root, Path(target_path), gguf_dir, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
     init = Path(settings.draft_init or cfg.paths.draft_init)
