@@ -256,8 +256,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                                                   for m, by in plan.items()}) for d in prompts},
                    "overall": method_metrics(records, greedy, overall_predictions(specs, plan))}
         write_engine_outputs(tmp, metrics, records)
-    finish(metrics, tracker)
-    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+    return finish(metrics, tracker)
 
 
 def requests_done(records: list[dict], requests: list[dict], methods) -> dict:
@@ -281,11 +280,13 @@ def write_engine_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> N
     (out_dir / "report.md").write_text(report(metrics))
 
 
-def finish(metrics: dict, tracker) -> None:
-    """The report on stdout and every method's speedup per domain in the tracker, as `<engine>.<domain>.<method>`."""
+def finish(metrics: dict, tracker) -> dict:
+    """The report on stdout and every method's speedup per domain in the tracker, as `<engine>.<domain>.<method>`;
+    returns the stage's result."""
     print(report(metrics))
     tracker.log_metrics({f"{metrics['engine']}.{d}.{m}.speedup": v.get("speedup", 1.0)
                          for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
 
 
 CONTROL_BAND = 0.05  # plain server against plain server: a reading further than this from 1.00× is other load
@@ -302,12 +303,10 @@ def report(metrics: dict) -> str:
     for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method, m in by.items():
             ci, aci = m.get("speedup_ci95"), m.get("acceptance_rate_ci95")
-            speed = "1.00×" if method == "autoregressive" else (
-                f"{m['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+            speed = "1.00×" if method == "autoregressive" else f"{m['speedup']:.2f}×{_interval(ci, '.2f')}"
             if method != "autoregressive" and _plain_only(plan.get(method), domain):
                 speed = f"off (plain server: {speed})"
-            accept = "–" if not m.get("n_drafted") else (
-                f"{m['acceptance_rate']:.3f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else ""))
+            accept = "–" if not m.get("n_drafted") else f"{m['acceptance_rate']:.3f}{_interval(aci)}"
             lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
     return "\n".join(lines + control_flags(metrics) + per_pass_table(metrics)) + "\n"
 
@@ -363,5 +362,5 @@ def per_pass_table(metrics: dict) -> list[str]:
     return lines
 
 
-def _interval(ci) -> str:
-    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+def _interval(ci, fmt: str = ".3f") -> str:
+    return f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else ""

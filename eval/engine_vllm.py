@@ -134,5 +134,4 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
                "overall": method_metrics(records, greedy)}
     with atomic_dir(out_dir) as tmp:
         write_engine_outputs(tmp, metrics, records)
-    finish(metrics, tracker)
-    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+    return finish(metrics, tracker)
