@@ -184,13 +184,6 @@ def stall_lines(metrics: dict) -> list[str]:
                    f"Overall with them: {unfiltered}."]
 
 
-def _control(metrics: dict) -> list[str]:
-    lines = control_lines(metrics)
-    control = ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
-    stalls = stall_lines(metrics)
-    return control + (["## Timing checks", "", *[f"- {line}" for line in stalls], ""] if stalls else [])
-
-
 def _setup_lines(metrics: dict) -> list[str]:
     setup = metrics["setup"]
     m = setup["machine"]
@@ -260,7 +253,12 @@ def _result_lines(metrics: dict) -> list[str]:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "
                   "requests (= ratio of their tokens/s), with a paired bootstrap 95% CI:", "",
                   *[f"- {c}" for c in comparisons], ""]
-    return lines + _control(metrics)
+    control, stalls = control_lines(metrics), stall_lines(metrics)
+    if control:
+        lines += ["## Control pair", "", *[f"- {line}" for line in control], ""]
+    if stalls:
+        lines += ["## Timing checks", "", *[f"- {line}" for line in stalls], ""]
+    return lines
 
 
 def _sweep_lines(metrics: dict) -> list[str]:

@@ -47,10 +47,7 @@ def _drafting(m: dict) -> str:
     """What drafted for a method: its token tree when it ran one, else its draft-length policy."""
     if m.get("tree"):
         return "tree (" + ", ".join(map(str, m["tree"])) + ")"
-    return _policy(m.get("draft_length"))
-
-
-def _policy(entry: dict | None) -> str:
+    entry = m.get("draft_length")
     if not entry:
         return "–"
     if entry["policy"] == "confidence":
