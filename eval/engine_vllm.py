@@ -63,9 +63,7 @@ def engine_plan(drafts: dict[str, Path], domains: list[str], default_k: int) -> 
     for name, path in drafts.items():
         plan[name] = {}
         for d in domains:
-            config = speculative_config(spec, d, path, default_k)
-            if name != "speculative" and config is not None:  # the undistilled draft at the tuned draft's k
-                config = {**config, "model": str(path)}
+            config = speculative_config(spec, d, path, default_k)  # every draft at the tuned draft's calibration
             plan[name][d] = None if config is None else json.dumps(config, sort_keys=True)
     return plan
 
