@@ -44,6 +44,9 @@ class Evaluation:
     budget: dict | None = None  # set when eval.max_minutes stopped the benchmark early
     stalls: dict | None = None  # the stall rule's verdicts (eval/harness.py retime_stalls); None when it is off
 
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
 
 def _n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
@@ -143,8 +146,6 @@ def extra_sources(cfg: DictConfig, settings: EvalSettings) -> dict[str, Path]:
 
 
 def load_models(cfg: DictConfig, settings: EvalSettings, sampling: Sampling) -> Evaluation:
-    """The target, its tokenizer and stop ids, the evaluated draft, the undistilled draft (when there is one) and
-    the drafts of eval.extra_drafts."""
     extras = extra_sources(cfg, settings)
     target, tokenizer, target_path = load_role(cfg, "target")
     device, dtype = next(target.parameters()).device, next(target.parameters()).dtype

@@ -20,7 +20,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from eval import metrics as M
-from eval.harness import rotated
+from eval.harness import interleaved, rotated
 from pipeline import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
@@ -44,8 +44,7 @@ class EngineStats:
 
 
 def cached_gguf(root: Path, model_dir: Path, out_dir: Path, quant: str | None) -> Path:
-    """An HF model directory (a draft export, an HF-directory target) as GGUF (llamacpp.hf_to_gguf), cached
-    under `out_dir` by the hash of its weights."""
+    """An HF model directory as GGUF (llamacpp.hf_to_gguf), cached under `out_dir` by the hash of its weights."""
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
         raise PipelineError(f"{model_dir} holds no safetensors weights: point eval.draft at a draft export")
@@ -83,18 +82,14 @@ def server_plan(spec: SpeculativeSpec | None, domains: list[str], drafts: dict[s
 
 def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
     """The first user turn of every prompt, domains interleaved, as token ids."""
-    longest = max(map(len, prompts.values()))
-    ordered = [ps[i] for i in range(longest) for ps in prompts.values() if i < len(ps)]
     return [{"domain": p["domain"], "prompt_id": p["id"], "turn": 0,
-             "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in ordered]
+             "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in interleaved(prompts)]
 
 
 def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str,
                    max_minutes: float | None = None) -> list[dict]:
     """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
-    rotating order (eval/harness.py), a seed per request shared by the methods, while the next request fits in
-    eval.max_minutes (as eval's own loop: the first request of each domain always runs; requests are interleaved by
-    domain, so a cut takes from every domain alike)."""
+    rotating order with a seed per request, while the next request fits in eval.max_minutes (as eval's own loop)."""
     from tqdm.auto import tqdm
 
     records, started, domains = [], time.time(), len({r["domain"] for r in requests})
@@ -126,8 +121,7 @@ def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,
                   out_dir: Path) -> dict:
-    """{(draft name | None, DraftSettings): llamacpp.Server}, one per distinct setting the plan uses, started
-    together and stopped with `stack`."""
+    """{(draft name | None, DraftSettings): llamacpp.Server}, one per distinct setting the plan uses."""
     servers = {}
     for key in {entry for by_domain in plan.values() for entry in by_domain.values()}:
         name, setting = key
@@ -162,11 +156,9 @@ def overall_predictions(specs: dict, plan: dict) -> dict:
 
 
 def per_pass(records: list[dict], predicted: dict | None) -> dict | None:
-    """Per draft position k, measured from the servers' per-pass logs: the share of decoding passes that proposed a
-    k-th draft and that accepted at least k (llama-server's own per-position counter), with bootstrap intervals over
-    requests, beside the calibration's prediction (`inside`: the prediction lies in the measured interval). A pass
-    that drafted nothing is a plain step the log does not list: a request's passes are its tokens after the first
-    less its accepted drafts."""
+    """Per draft position k, from the servers' per-pass logs: the share of passes that proposed a k-th draft and that
+    accepted at least k, with intervals over requests, beside `predicted` (`inside`: within the measured interval).
+    The log lists no pass that drafted nothing: a request's passes are its tokens after the first less its accepted."""
     counts = [(sum(r["stats"].accepted), r["stats"].accepted, r["stats"].drafted, len(r["tokens"])) for r in records]
     width = max((max(drafted, default=0) for _, _, drafted, _ in counts), default=0)
     if width == 0:
@@ -206,8 +198,7 @@ def difference(measured: tuple, predicted: tuple) -> list[float] | None:
 
 
 def method_metrics(records: list[dict], greedy: bool, predictions: dict | None = None) -> dict:
-    """Per method: throughput, speedup over the plain server with its paired bootstrap CI, acceptance with its CI,
-    and per draft position the measured rates beside `predictions[method]` (per_pass)."""
+    """Per method: throughput, speedup over the plain server, acceptance (with CIs) and per_pass."""
     ar = [r for r in records if r["method"] == "autoregressive"]
     ar_tps = M.throughput(ar)["tokens_per_s"]
     out = {}
@@ -231,15 +222,14 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     engine = cfg.engines.llamacpp
     root = llamacpp.build(cfg.paths.engines, str(engine.version), log)
     target_path = resolve_model(cfg.model.target, "target", cfg.paths)
-    target = model_gguf(cfg.model.target, "target", cfg.paths)
     gguf_dir = Path(cfg.paths.engines) / "gguf"
-    if target is None:
-        target = cached_gguf(root, Path(target_path), gguf_dir, None)
+    target = model_gguf(cfg.model.target, "target", cfg.paths) or cached_gguf(root, Path(target_path), gguf_dir, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
-    if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
-        draft_dirs["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
-    for name, path in draft_dirs.items():
+    init = Path(settings.draft_init or cfg.paths.draft_init)
+    if settings.draft_init != "none" and init.is_dir():
+        draft_dirs["speculative_init"] = init
+    for path in draft_dirs.values():
         if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
             raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir | .gguf>")
     drafts = {name: path if path.suffix == ".gguf" else path / "draft.gguf" if (path / "draft.gguf").is_file()
@@ -266,8 +256,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                                                   for m, by in plan.items()}) for d in prompts},
                    "overall": method_metrics(records, greedy, overall_predictions(specs, plan))}
         write_engine_outputs(tmp, metrics, records)
-    finish(metrics, tracker)
-    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+    return finish(metrics, tracker)
 
 
 def requests_done(records: list[dict], requests: list[dict], methods) -> dict:
@@ -291,11 +280,13 @@ def write_engine_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> N
     (out_dir / "report.md").write_text(report(metrics))
 
 
-def finish(metrics: dict, tracker) -> None:
-    """The report on stdout and every method's speedup per domain in the tracker, as `<engine>.<domain>.<method>`."""
+def finish(metrics: dict, tracker) -> dict:
+    """The report on stdout and every method's speedup per domain in the tracker, as `<engine>.<domain>.<method>`;
+    returns the stage's result."""
     print(report(metrics))
     tracker.log_metrics({f"{metrics['engine']}.{d}.{m}.speedup": v.get("speedup", 1.0)
                          for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])] for m, v in by.items()})
+    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
 
 
 CONTROL_BAND = 0.05  # plain server against plain server: a reading further than this from 1.00× is other load
@@ -312,12 +303,10 @@ def report(metrics: dict) -> str:
     for domain, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
         for method, m in by.items():
             ci, aci = m.get("speedup_ci95"), m.get("acceptance_rate_ci95")
-            speed = "1.00×" if method == "autoregressive" else (
-                f"{m['speedup']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+            speed = "1.00×" if method == "autoregressive" else f"{m['speedup']:.2f}×{_interval(ci, '.2f')}"
             if method != "autoregressive" and _plain_only(plan.get(method), domain):
                 speed = f"off (plain server: {speed})"
-            accept = "–" if not m.get("n_drafted") else (
-                f"{m['acceptance_rate']:.3f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else ""))
+            accept = "–" if not m.get("n_drafted") else f"{m['acceptance_rate']:.3f}{_interval(aci)}"
             lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
     return "\n".join(lines + control_flags(metrics) + per_pass_table(metrics)) + "\n"
 
@@ -347,8 +336,7 @@ def control_flags(metrics: dict) -> list[str]:
 
 
 def per_pass_table(metrics: dict) -> list[str]:
-    """Per draft position: the share of passes accepting at least k drafts, measured [95% CI over requests] beside
-    the calibration's prediction, where it made one."""
+    """per_pass of every method and domain as a table (the caption says what each column is)."""
     rows = [(d, method, m["per_pass"]) for d, by in [*metrics["domains"].items(), ("overall", metrics["overall"])]
             for method, m in by.items() if m.get("per_pass")]
     if not rows:
@@ -362,17 +350,17 @@ def per_pass_table(metrics: dict) -> list[str]:
     for domain, method, m in rows:
         predicted = m.get("predicted") or {}
         guesses = predicted.get("accepted", [])
+        diff = (m.get("difference") or {}).get("accepted", [])
         for k, (value, ci) in enumerate(zip(m["accepted"], m["accepted_ci95"])):
             known = k < len(guesses)
             guess = f"{guesses[k]:.3f}{_interval((predicted.get('accepted_ci95') or [None] * (k + 1))[k])}" \
                 if known else "–"
             inside = ("yes" if m["inside"]["accepted"][k] else "**no**") if known else "–"
-            diff = (m.get("difference") or {}).get("accepted", [])
             shown = f"{diff[k][0]:+.3f}{_interval(diff[k][1:])}" if k < len(diff) and diff[k] else "–"
             lines.append(f"| {domain} | {method} | {m['passes']} | {k + 1} | {value:.3f}{_interval(ci)} | {guess} "
                          f"| {inside} | {shown} |")
     return lines
 
 
-def _interval(ci) -> str:
-    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+def _interval(ci, fmt: str = ".3f") -> str:
+    return f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else ""

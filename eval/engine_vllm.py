@@ -58,14 +58,12 @@ def speculative_config(spec: SpeculativeSpec | None, domain: str, draft_dir: Pat
 
 def engine_plan(drafts: dict[str, Path], domains: list[str], default_k: int) -> dict[str, dict[str, str | None]]:
     """{method: {domain: config key | None}} and the configs by key (JSON of the speculative_config)."""
-    spec = SpeculativeSpec.read(drafts["speculative"]) if (drafts["speculative"] / "speculative.json").is_file() else None
+    spec = SpeculativeSpec.read(drafts["speculative"])
     plan = {"autoregressive": {d: None for d in domains}}
     for name, path in drafts.items():
         plan[name] = {}
         for d in domains:
-            config = speculative_config(spec, d, path, default_k)
-            if name != "speculative" and config is not None:  # the undistilled draft at the tuned draft's k
-                config = {**config, "model": str(path)}
+            config = speculative_config(spec, d, path, default_k)  # every draft at the tuned draft's calibration
             plan[name][d] = None if config is None else json.dumps(config, sort_keys=True)
     return plan
 
@@ -108,7 +106,6 @@ def generate(llm, ids: list[int], settings, seed: int, stop: list[int]) -> tuple
 
 def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
     """The eval stage inside vLLM (module docstring): metrics.json, requests.jsonl and report.md under `out_dir`."""
-    require_vllm()
     drafts = {"speculative": Path(settings.draft or cfg.paths.draft)}
     if settings.draft_init != "none" and Path(settings.draft_init or cfg.paths.draft_init).is_dir():
         drafts["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
@@ -135,5 +132,4 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
                "overall": method_metrics(records, greedy)}
     with atomic_dir(out_dir) as tmp:
         write_engine_outputs(tmp, metrics, records)
-    finish(metrics, tracker)
-    return {"speedup": metrics["overall"].get("speculative", {}).get("speedup")}
+    return finish(metrics, tracker)

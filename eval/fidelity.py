@@ -53,10 +53,9 @@ def fidelity_check(contexts, target, draft, plans, stop, s: EvalSettings) -> dic
     ar, spec, mismatches = [], [], []
     for c in first_prompts(contexts, s.fidelity_prompts_per_domain):
         key = {k: c[k] for k in ("domain", "prompt_id", "turn")}
-        plan = plans[c["domain"]]
         a = autoregressive_generate(target, c["ids"], max_new_tokens=s.max_new_tokens, eos_token_id=stop)
         b = speculative_generate(target, draft.model, c["ids"], max_new_tokens=s.max_new_tokens,
-                                 plan=DraftPlan(plan.drafting or DraftLength(), draft_vocab=draft.vocab),
+                                 plan=DraftPlan(plans[c["domain"]].drafting or DraftLength(), draft_vocab=draft.vocab),
                                  eos_token_id=stop)
         ar.append(key | {"tokens": a.tokens.tolist()})
         spec.append(key | {"tokens": b.tokens.tolist()})

@@ -1,9 +1,6 @@
 """Eval's one timing harness: every request decoded by every method back to back, in rotating order, after a
-warm-up; a method that decodes plainly on a domain (calibrated "off") reuses the plain run instead of timing the same
-computation twice; a request whose timing stalled is re-timed by a rule fixed before the run (eval.stall).
-
-A *record* is eval/metrics.py's: {"method", "domain", "prompt_id", "turn", "tokens", "time_s", "stats"}, plus
-"reused": "autoregressive" on a record copied from the plain run.
+warm-up. A method that decodes plainly on a domain (calibrated "off") reuses the plain run (its record, one of
+eval/metrics.py's, gets "reused": "autoregressive"); a request whose timing stalled is re-timed (eval.stall).
 """
 from __future__ import annotations
 
@@ -19,9 +16,9 @@ from pipeline.timing import synced_clock
 PLAIN = "autoregressive"
 
 
-def timed(fn, ids, domain, n, seed, clock, **kw) -> tuple[list[int], object, float]:
+def timed(fn, ids, domain, n, seed, clock) -> tuple[list[int], object, float]:
     start = clock()
-    tokens, stats = fn(ids, domain, n, seed, **kw)
+    tokens, stats = fn(ids, domain, n, seed)
     return tokens, stats, clock() - start
 
 
@@ -115,10 +112,6 @@ def time_request(context: dict, methods: dict, evaluation: Evaluation, clock) ->
 
 # ---------------------------------------------------------------- stalls
 
-def request_key(record: dict) -> tuple:
-    return record["domain"], record["prompt_id"], record["turn"]
-
-
 def seconds_per_token(record: dict) -> float:
     return record["time_s"] / max(1, len(record["tokens"]))
 
@@ -157,7 +150,7 @@ def retime_stalls(records: list[dict], contexts: list[dict], methods: dict, eval
     medians = method_medians(records)  # fixed from the first timing: re-times are judged by the same yardstick
     by_key: dict[tuple, list[int]] = {}
     for i, r in enumerate(records):
-        by_key.setdefault(request_key(r), []).append(i)
+        by_key.setdefault((r["domain"], r["prompt_id"], r["turn"]), []).append(i)
     out = {"rule": dict(rule), "n_requests": len(by_key), "suspects": [], "retimed": [], "disturbed": []}
     for context in contexts:
         key = (context["domain"], context["prompt_id"], context["turn"])

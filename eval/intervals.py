@@ -13,17 +13,14 @@ def _div(num, den):
     return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
 
 
-def _tps(tokens, seconds, axis=-1):
-    return _div(np.sum(tokens, axis=axis), np.sum(seconds, axis=axis))
+def pooled(num, den, axis=-1):
+    """Σ num / Σ den: tokens/s of (tokens, seconds), acceptance of (accepted, drafted)."""
+    return _div(np.sum(num, axis=axis), np.sum(den, axis=axis))
 
 
 def speedup_stat(tok_m, sec_m, tok_ar, sec_ar, axis=-1):
     """(Σ tokens_m / Σ time_m) / (Σ tokens_AR / Σ time_AR): the pooled point estimate, vectorised."""
-    return _div(_tps(tok_m, sec_m, axis), _tps(tok_ar, sec_ar, axis))
-
-
-def acceptance_stat(accepted, drafted, axis=-1):
-    return _div(np.sum(accepted, axis=axis), np.sum(drafted, axis=axis))
+    return _div(pooled(tok_m, sec_m, axis), pooled(tok_ar, sec_ar, axis))
 
 
 def per_request(records: list[dict]) -> dict[tuple, list[float]]:
@@ -60,7 +57,7 @@ def paired_ratio(samples: tuple) -> tuple[float, list[float] | None]:
 
 def acceptance_ci(records: list[dict]) -> list[float] | None:  # of Σ accepted / Σ drafted
     rows = list(per_request(records).values())
-    return bootstrap_ci((np.array([r[2] for r in rows]), np.array([r[3] for r in rows])), acceptance_stat)
+    return bootstrap_ci((np.array([r[2] for r in rows]), np.array([r[3] for r in rows])), pooled)
 
 
 # A bootstrap over n requests has at most C(2n−1, n) distinct resamples (3 for n = 2, 10 for n = 3): its interval

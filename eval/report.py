@@ -138,8 +138,7 @@ def _fidelity(metrics: dict) -> list[str]:
 
 
 def control_lines(metrics: dict) -> list[str]:
-    """The control pair's verdict (eval/metrics.py control_check): which requests other load disturbed, and the
-    overall speedups without them."""
+    """The control pair's verdict (eval/metrics.py control_check)."""
     control = metrics.get("control")
     if not control:
         return []
@@ -167,8 +166,7 @@ def control_lines(metrics: dict) -> list[str]:
 
 
 def stall_lines(metrics: dict) -> list[str]:
-    """The stall rule's verdict (eval.stall, eval/harness.py): requests re-timed, and those still disturbed, kept out
-    of every figure, with the overall speedups they would have given beside."""
+    """The stall rule's verdict (eval.stall, eval/harness.py retime_stalls)."""
     stalls = metrics.get("stalls")
     if not stalls:
         return []
@@ -184,20 +182,6 @@ def stall_lines(metrics: dict) -> list[str]:
     unfiltered = "; ".join(f"{method_label(m)} {speedup_text(v)}" for m, v in stalls["unfiltered"]["speedup"].items())
     return [head + f" ({names}): kept out of every figure above ({stalls['n_excluded']} requests). "
                    f"Overall with them: {unfiltered}."]
-
-
-def _control(metrics: dict) -> list[str]:
-    lines = control_lines(metrics)
-    control = ["## Control pair", "", *[f"- {line}" for line in lines], ""] if lines else []
-    stalls = stall_lines(metrics)
-    return control + (["## Timing checks", "", *[f"- {line}" for line in stalls], ""] if stalls else [])
-
-
-def write_report(path: Path, metrics: dict, plots: list[str]) -> None:
-    """report.md: the setup, per-domain and per-method tables, advice, comparisons, sweeps, fidelity, plots."""
-    lines = _setup_lines(metrics) + _result_lines(metrics) + _sweep_lines(metrics) + _fidelity(metrics)
-    lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
-    path.write_text("\n".join(lines))
 
 
 def _setup_lines(metrics: dict) -> list[str]:
@@ -250,8 +234,8 @@ def _result_lines(metrics: dict) -> list[str]:
         markdown_table(*method_rows(metrics)), "",
         _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
     ]
-    if slowdown_advice(metrics):
-        lines += [f"**Slower than plain decoding.** {slowdown_advice(metrics)}", ""]
+    if advice := slowdown_advice(metrics):
+        lines += [f"**Slower than plain decoding.** {advice}", ""]
     header, rows = latency_rows(metrics)
     if rows:
         lines += ["## Streaming latency", "", markdown_table(header, rows), "",
@@ -269,7 +253,12 @@ def _result_lines(metrics: dict) -> list[str]:
         lines += ["## Comparisons", "", "Ratio of the evaluated draft's speedup to each other method's on the same "
                   "requests (= ratio of their tokens/s), with a paired bootstrap 95% CI:", "",
                   *[f"- {c}" for c in comparisons], ""]
-    return lines + _control(metrics)
+    control, stalls = control_lines(metrics), stall_lines(metrics)
+    if control:
+        lines += ["## Control pair", "", *[f"- {line}" for line in control], ""]
+    if stalls:
+        lines += ["## Timing checks", "", *[f"- {line}" for line in stalls], ""]
+    return lines
 
 
 def _sweep_lines(metrics: dict) -> list[str]:
@@ -303,7 +292,8 @@ def _sweep_lines(metrics: dict) -> list[str]:
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str]:
-    """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md, in one atomic rename."""
+    """metrics.json, requests.jsonl (raw per-request numbers), plots and report.md (the setup, the tables, advice,
+    checks, sweeps, fidelity, plots), in one atomic rename."""
     stalls = metrics.get("stalls") or {}
     disturbed = {tuple(key) for key in stalls.get("disturbed", [])} if stalls.get("n_excluded") else set()
     with atomic_dir(out_dir) as tmp:
@@ -321,7 +311,9 @@ def write_outputs(out_dir: Path, metrics: dict, records: list[dict]) -> list[str
                     row["ttft_s"], row["itl_mean_s"] = r["stats"].ttft, r["stats"].mean_itl
                 f.write(json.dumps(row) + "\n")
         plots = write_plots(metrics, records, tmp)
-        write_report(tmp / "report.md", metrics, plots)
+        lines = _setup_lines(metrics) + _result_lines(metrics) + _sweep_lines(metrics) + _fidelity(metrics)
+        lines += ["## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in plots] + [""]
+        (tmp / "report.md").write_text("\n".join(lines))
     return plots
 
 

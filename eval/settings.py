@@ -1,12 +1,10 @@
-"""The eval stage's settings (`eval.*`), declared once: one frozen field per key of conf/eval/default.yaml (whose
-comments say what each does), built by `EvalSettings.from_config(cfg.eval)`, which refuses a missing or an unknown
-key, and checked in one place (`__post_init__`, TRL's `XConfig` pattern) before any model loads; what needs files or
-models is checked where the drafts load (eval/drafts.py). Validation also normalises to one shape per setting
-(name lists to tuples, true/false lists to the names they mean); it is idempotent, so `dataclasses.replace` works.
+"""The eval stage's settings (`eval.*`): one frozen field per key of conf/eval/default.yaml, checked and normalised
+in `__post_init__` (TRL's `XConfig` pattern) before any model loads; what needs files or models is checked where the
+drafts load (eval/drafts.py). Normalising is idempotent, so `dataclasses.replace` works.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -110,10 +108,6 @@ class EvalSettings:
     def sampling(self) -> Sampling:
         """The serving distribution every method samples from."""
         return Sampling(self.temperature, self.top_k, self.top_p)
-
-    def to_dict(self) -> dict:
-        """The normalised settings, for metrics.json's `setup.settings`."""
-        return asdict(self)
 
     def _normalise(self, key: str, value) -> None:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
@@ -225,6 +219,5 @@ class EvalSettings:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """`eval.*` checked as the stage builds them first, before any prompt or model loads (pipeline/__main__.py runs it
-    before any stage)."""
+    """`eval.*` checked before any stage runs (pipeline/__main__.py)."""
     EvalSettings.from_config(cfg.eval)

@@ -1,15 +1,12 @@
-"""Eval stage: the project's speculative decoder against plain target decoding, per domain.
+"""Eval stage: the project's speculative decoder against plain target decoding, per domain, timed by
+eval/harness.py; writes metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 
     python -m pipeline stage=eval [eval.draft=<dir>|derive] [eval.prompts_file=<jsonl>] [eval.drafting=...] ...
-
-Every held-out request is decoded by every method (metrics.json's names, docs/architecture.md "Eval output") back to
-back, in rotating order, after a warm-up (eval/harness.py), so machine drift hits all methods alike. Writes
-metrics.json, report.md, requests.jsonl and PNG plots to ${paths.eval} in one atomic rename.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -72,7 +69,7 @@ HELDOUT = "heldout"  # eval.prompts_file: the prompts the calibration's predicti
 
 def heldout_prompt_ids(draft: Path) -> set[str]:
     """The prompts of the reporting part the draft's calibration predicted on (evidence.json heldout.prompt_ids)."""
-    spec = SpeculativeSpec.read(draft) if draft.is_dir() else None
+    spec = SpeculativeSpec.read(draft)
     ids = ((spec.heldout if spec else {}).get("prompt_ids") or {}).get("reporting")
     if not ids:
         raise PipelineError(f"eval.prompts_file={HELDOUT}: {draft} records no held-out prompts (a calibration from "
@@ -123,8 +120,7 @@ def drafting_shape(wanted, spec, domain: str, sampling: Sampling):
 
 
 def fixed_gamma(draft: Draft, domain: str, settings: EvalSettings) -> int:
-    """The fixed γ a chain-only peer (HF assisted generation's fixed γ) runs: eval.drafting's int, else the
-    calibrated one, else DraftLength's default."""
+    """The fixed γ HF assisted generation's `hf_assisted_fixed` runs."""
     if isinstance(settings.drafting, int):
         return settings.drafting
     spec = draft.spec if settings.drafting != "uncalibrated" else None
@@ -153,16 +149,15 @@ def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
 # ---------------------------------------------------------------- timed decoding
 
 def _hf_methods(evaluation: Evaluation) -> dict:
-    """The eval.baselines of HF generate, and HF assisted generation with HF's defaults, with a fixed γ and with our
-    calibration, each domain's γ and policy taken from the assistant draft's plan."""
+    """The eval.baselines (eval/baselines.py), each domain's γ and policy taken from the assistant draft's plan."""
     settings, sampling = evaluation.settings, evaluation.sampling
     assistant_name = settings.baselines_draft
     if assistant_name not in evaluation.drafts:
         raise PipelineError(f"eval.baselines_draft={assistant_name} is not loaded here (drafts: "
                             f"{', '.join(evaluation.drafts)}): use speculative, or speculative_init when an "
                             "undistilled draft exists")
-    assistant = evaluation.drafts[assistant_name].model
     draft = evaluation.drafts[assistant_name]
+    assistant = draft.model
     configs = {domain: assistant_configs(assistant, fixed_gamma(draft, domain, settings),
                                          plan.as_chain().hf_generation_config())
                for domain, plan in evaluation.plans[assistant_name].items()}
@@ -185,12 +180,9 @@ def make_methods(evaluation: Evaluation) -> dict:
         return hf_engine_methods(evaluation)
     target, sampling, stop = evaluation.target, evaluation.sampling, evaluation.stop
 
-    def generator(seed: int):
-        return torch.Generator(device=evaluation.device).manual_seed(seed)
-
     def autoregressive(ids, domain, n, seed):
         out = autoregressive_generate(target, ids, sampling=sampling, max_new_tokens=n, eos_token_id=stop,
-                                      generator=generator(seed))
+                                      generator=evaluation.generator(seed))
         return out.tokens.tolist(), out.stats
 
     def speculative(name, draft_name=None):
@@ -201,7 +193,7 @@ def make_methods(evaluation: Evaluation) -> dict:
             if gamma or tree:  # the sweeps measure each shape as it is: drafting, never switched down
                 plan = replace(plan, drafting=tree or gamma, guard=None)
             out = speculative_generate(target, draft.model, ids, plan=plan, sampling=sampling, max_new_tokens=n,
-                                       eos_token_id=stop, generator=generator(seed))
+                                       eos_token_id=stop, generator=evaluation.generator(seed))
             return out.tokens.tolist(), out.stats
         return generate
 
@@ -282,7 +274,7 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
         "draft": tuned.identity | {"vocab_subset": None if tuned.vocab is None else len(tuned.vocab)},
         "draft_init": init.identity if init else None,
         "calibrated": bool(calibrated),
-        "prompt_source": source, "settings": settings.to_dict(),
+        "prompt_source": source, "settings": asdict(settings),
         "prompts": {domain: {"n_prompts": len(ps), "n_turns": sum(len(p["turns"]) for p in ps)}
                     for domain, ps in prompts.items()},
     }
@@ -295,7 +287,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     sampling = settings.sampling
     out_dir = output_dir(cfg)
     if settings.engine == "vllm":
-        from eval.engine_vllm import require_vllm
+        from eval.engine_vllm import require_vllm, run_vllm  # imports vLLM only when asked for
 
         require_vllm()  # before any prompt or model is read
     prompts, source = load_eval_prompts(cfg, settings)
@@ -304,8 +296,6 @@ def run(cfg: DictConfig, tracker) -> dict:
 
         return run_llamacpp(cfg, tracker, settings, prompts, source, out_dir)
     if settings.engine == "vllm":
-        from eval.engine_vllm import run_vllm  # imports vLLM only when asked for
-
         return run_vllm(cfg, tracker, settings, prompts, source, out_dir)
     evaluation = load_models(cfg, settings, sampling)
     evaluation.plans = make_plans(evaluation, list(prompts))
@@ -347,8 +337,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     if (metrics.get("batch_sweep") or {}).get("by_batch"):
         print(text_table(*batch_rows(metrics["batch_sweep"])) + "\n" + batch_verdict(metrics["batch_sweep"]))
     print("\n".join(comparison_lines(metrics) + control_lines(metrics) + stall_lines(metrics)))
-    if slowdown_advice(metrics):
-        print(f"[eval] {slowdown_advice(metrics)}")
+    if advice := slowdown_advice(metrics):
+        print(f"[eval] {advice}")
     print(f"[eval] wrote {out_dir}/metrics.json, report.md and {len(plots)} plots; {laps.summary()}")
     log_to_tracker(tracker, metrics, out_dir)
     overall = metrics["overall"]

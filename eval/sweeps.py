@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
 from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
@@ -43,8 +41,7 @@ def _against_plain(methods: dict, points: dict) -> dict:
 
 
 def gamma_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed: int) -> dict:
-    """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain,
-    each γ interleaved with an autoregressive run of the same request."""
+    """Acceptance and speedup vs γ (tuned draft) on the first eval.sweep_prompts_per_domain prompts per domain."""
     settings = evaluation.settings
     requests = first_prompts(contexts, settings.sweep_prompts_per_domain)
     runs = _interleaved_runs(requests, _against_plain(methods, {g: {"gamma": g} for g in settings.gammas}),
@@ -81,29 +78,24 @@ def tree_sweep(contexts: list[dict], methods: dict, evaluation: Evaluation, seed
 # ---------------------------------------------------------------- batch sizes
 
 def batch_methods(evaluation: Evaluation, plan: DraftPlan) -> dict:
-    """Batched plain and speculative decoding (pipeline/decoding/batch.py) as the sweep calls a method,
-    fn(rows, domain, n, seed) -> (tokens per row, stats per row), each from a generator of the batch's seed."""
+    """Batched plain and speculative decoding as fn(rows, domain, n, seed) -> (tokens per row, stats per row)."""
     common = {"sampling": evaluation.sampling, "eos_token_id": evaluation.stop}
 
-    def generator(seed: int) -> torch.Generator:
-        return torch.Generator(device=evaluation.device).manual_seed(seed)
-
     def plain(rows, _domain, n, seed):
-        out = autoregressive_generate_batch(evaluation.target, rows, max_new_tokens=n, generator=generator(seed),
-                                            **common)
+        out = autoregressive_generate_batch(evaluation.target, rows, max_new_tokens=n,
+                                            generator=evaluation.generator(seed), **common)
         return [t.tolist() for t in out.tokens], out.stats
 
     def speculative(rows, _domain, n, seed):
         out = speculative_generate_batch(evaluation.target, evaluation.drafts[M.SPECULATIVE].model, rows, plan=plan,
-                                         max_new_tokens=n, generator=generator(seed), **common)
+                                         max_new_tokens=n, generator=evaluation.generator(seed), **common)
         return [t.tolist() for t in out.tokens], out.stats
 
     return {"plain": plain, "speculative": speculative}
 
 
 def batch_point(runs: dict, greedy: bool) -> dict:
-    """{plain, speculative: [(tokens, seconds) per batch], acceptance, identical (greedy), accepted, drafting
-    passes}."""
+    """{plain, speculative: [(tokens, seconds) per batch], acceptance, identical, accepted, drafting_passes}."""
     stats = [s for r in runs["speculative"] for s in r["stats"]]
     accepted, drafted = sum(s.n_accepted for s in stats), sum(s.n_drafted for s in stats)
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["speculative"]))
@@ -113,8 +105,7 @@ def batch_point(runs: dict, greedy: bool) -> dict:
 
 
 def predict_calibrated(batching: dict, sizes) -> dict:
-    """{B: {c, r, gamma, policy_gamma, predicted, no_host}} as a per-batch-size calibration (speculative.json
-    `batching`, domain `default`) priced them."""
+    """{B: {c, r, gamma, policy_gamma, predicted, no_host}} as speculative.json `batching` priced them."""
     name, out = "default", {}
     for size in sizes:
         key = str(size)
@@ -149,8 +140,8 @@ def within_one_step(sizes: list[int], predicted, measured) -> bool:
 
 
 def summarize_batches(measured: dict, predicted: dict | None = None) -> dict:
-    """Per B the tokens/s of both, the speedup with its paired CI over the batches, acceptance and identity; the
-    measured break-even batch, the smallest B whose CI lies below 1 and, with `predicted`, the predicted one."""
+    """Per B the speedup with its paired CI over the batches; the measured and (with `predicted`) predicted
+    break-even batch, and the smallest B whose CI lies below 1."""
     rows = {}
     for size, m in measured.items():
         (tok_s, sec_s), (tok_p, sec_p) = (list(zip(*m[k])) for k in ("speculative", "plain"))

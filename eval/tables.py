@@ -47,10 +47,7 @@ def _drafting(m: dict) -> str:
     """What drafted for a method: its token tree when it ran one, else its draft-length policy."""
     if m.get("tree"):
         return "tree (" + ", ".join(map(str, m["tree"])) + ")"
-    return _policy(m.get("draft_length"))
-
-
-def _policy(entry: dict | None) -> str:
+    entry = m.get("draft_length")
     if not entry:
         return "–"
     if entry["policy"] == "confidence":
@@ -104,8 +101,7 @@ def method_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def latency_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Streaming latency per domain and own method: TTFT and inter-token latency percentiles, TTFT over plain
-    decoding's, and the inter-token-latency speedup beside the end-to-end one (both with their intervals)."""
+    """Streaming latency per domain and own method, the ratios to plain decoding with their intervals."""
     header = ["domain", "method", "TTFT p50 (ms)", "TTFT p95 (ms)", "ITL mean (ms)", "ITL p50 (ms)", "ITL p95 (ms)",
               "TTFT / AR", "ITL speedup", "speedup"]
     rows = []
@@ -145,8 +141,7 @@ def _method_order(method: str) -> int:
 
 
 def draft_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Per domain, every own-decoder method (several drafts side by side: eval.extra_drafts): tokens/s, speedup
-    with its interval, acceptance, mean accepted length and c (draft step / target step, as measured)."""
+    """Per domain, every method, several drafts side by side (eval.extra_drafts); c = draft step / target step."""
     header = ["domain", "method", "tok/s", "speedup", "acceptance", "mean acc. len", "c", "drafting"]
     own = [m for m in sorted(metrics["methods"], key=_method_order) if m.startswith("speculative")]
     rows = []
@@ -171,8 +166,7 @@ def draft_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def policy_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
-    """Per domain and draft-length policy (eval.compare_draft_lengths): mean accepted length, drafts per pass,
-    drafts wasted (proposed − accepted, per pass) and speedup with its interval."""
+    """Per domain and draft-length policy (eval.compare_draft_lengths); wasted = proposed − accepted drafts."""
     header = ["domain", "policy", "drafting", "mean acc. len", "drafts/pass", "wasted/pass", "speedup"]
     rows = []
     for name, d in [*metrics["domains"].items(), ("overall", metrics["overall"])]:
@@ -222,8 +216,7 @@ BATCH_PREDICTIONS = {"calibration": "the draft's per-batch-size calibration (spe
 
 
 def batch_rows(sweep: dict) -> tuple[list[str], list[list[str]]]:
-    """Per batch size: γ, tokens/s of both, the speedup with its CI over the batches, acceptance, whether greedy rows
-    were identical (they must be), c and r at that B and the predicted speedup with and without host work."""
+    """Per batch size (the speedup's CI is over the batches); greedy rows must be identical."""
     header = ["B", "γ", "tok/s plain", "tok/s spec", "speedup", "batches", "acceptance", "identical", "c(B)", "r(B)",
               "predicted", "no host"]
     rows = [[str(size), str(r["gamma"]), num(r["plain_tok_s"], ".1f"), num(r["spec_tok_s"], ".1f"),
