@@ -200,23 +200,16 @@ def tiny_tokenizer(words: list[str] | None = None):
 
 class RecordingTracker:
     """Records what a stage logs (stands in for MLflow): the latest value of every metric, every
-    `log_metrics` call with its step, params, tags and artifact paths. Given the params already logged
-    (pipeline/tracking.py logs the flattened config before the stage runs), it refuses to change one, as
-    MLflow does."""
+    `log_metrics` call with its step, tags and artifact paths. Stages log no params: pipeline/tracking.py logs
+    the flattened config when it opens the run."""
 
-    def __init__(self, params: dict | None = None):
+    def __init__(self):
         self.metrics, self.steps = {}, []
-        self.params, self.tags, self.artifacts = dict(params or {}), {}, []
-        self.strict = params is not None
+        self.tags, self.artifacts = {}, []
 
     def log_metrics(self, metrics, step=None):
         self.metrics.update(metrics)
         self.steps.append((step, dict(metrics)))
-
-    def log_params(self, params):
-        changed = [k for k, v in params.items() if self.strict and k in self.params and self.params[k] != str(v)]
-        assert not changed, f"MLflow would refuse to change params {changed}"
-        self.params.update({k: str(v) for k, v in params.items()})
 
     def log_artifact(self, path, artifact_path=None):
         self.artifacts.append(path)

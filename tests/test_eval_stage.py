@@ -72,15 +72,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "bad_draft": save(derive_draft(target, [0]), tiny_tokenizer(bad_words), root / "bad_draft")}
 
 
-def Tracker(cfg) -> RecordingTracker:
-    """A tracker that, like MLflow, refuses to change a param of the config logged before the stage ran."""
-    from omegaconf import OmegaConf
-
-    from pipeline.tracking import flatten
-
-    return RecordingTracker(flatten(OmegaConf.to_container(cfg, resolve=True)))
-
-
 def compose_cfg(root: Path, target: Path, *overrides: str):
     from hydra import compose, initialize_config_dir
 
@@ -102,7 +93,7 @@ def run_stage(tmp_path: Path, models: dict, *overrides: str, prompts: list[dict]
 
     prompts_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
     cfg = compose_cfg(tmp_path / "artifacts", models["target"], f"eval.prompts_file={prompts_file}", *overrides)
-    tracker = Tracker(cfg)
+    tracker = RecordingTracker()
     run(cfg, tracker)
     out = Path(cfg.paths.eval)
     return json.loads((out / "metrics.json").read_text()), out, tracker
@@ -284,7 +275,7 @@ def test_smoke_real_model_greedy_speculative_matches_autoregressive(tmp_path, re
     cfg = compose_cfg(tmp_path / "artifacts", real_target_path, f"eval.prompts_file={prompts_file}",
                       "eval.draft=derive", "eval.temperature=0", "eval.max_new_tokens=16", "eval.baselines=false",
                       "eval.gammas=[]")
-    run(cfg, Tracker(cfg))
+    run(cfg, RecordingTracker())
     metrics = json.loads((Path(cfg.paths.eval) / "metrics.json").read_text())
     assert set(metrics["domains"]) == {"chat", "code"}
     assert metrics["overall"]["greedy_match"] == 1.0

@@ -59,7 +59,7 @@ def test_greedy_speculative_stream_equals_greedy_plain(target, drafts, name, dra
 
 
 class ForwardCounter:
-    """Counts the base-model forwards of a model (what `loop.forward` and `tree.tree_forward` call)."""
+    """Counts the base-model forwards of a model (what `loop.forward` calls, for chains and trees)."""
 
     def __init__(self, model):
         self.calls = 0
