@@ -153,7 +153,7 @@ def calibrate_draft(job: Inputs, split: Split, heldouts: HeldOuts, before: dict,
                     calibration: Calibration | None = None) -> tuple[SpeculativeSpec, Calibration]:
     """The draft's calibration on the calibration part (or `calibration`, already chosen for the same weights)
     and its speculative.json, every number on the reporting part."""
-    calibration = calibration or calibrate(job, split, heldouts.calibration, profile)
+    calibration = calibration or calibrate(job, split, heldouts.calibration, profile, str(source.out))
     after = serving_acceptance(job, heldouts.reporting, split.vocab)
     return build_spec(job, split, heldouts, before, after, source, calibration), calibration
 

@@ -15,10 +15,10 @@ from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
 
 
-def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: dict) -> Calibration:
+def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: dict, name: str) -> Calibration:
     """Draft temperature τ per domain, the cost summary of `cost_profile` (c and r(N) for every chain and tree
     considered), the best fixed γ and the best draft-length policy per domain, chosen on `heldout` (the
-    calibration part)."""
+    calibration part). `name` (the draft's export) heads the "off" line: the stage calibrates two drafts."""
     settings, draft, vocab = inputs.settings.calibration, inputs.draft, split.vocab
     taus = cal.calibrate_temperature(draft, heldout, list(settings.tau_ratios), vocab,
                                      int(settings.tau_refine))["temperature"]
@@ -42,8 +42,9 @@ def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: 
     speculate = {domain: speedup >= 1 + settings.speculate_margin for domain, speedup in best_speedup.items()}
     off = [domain for domain, on in speculate.items() if not on]
     if off:
-        log(f"plain decoding (off) for {', '.join(off)}: no drafting predicted ≥ {1 + settings.speculate_margin:.2f}× "
-            f"on the calibration part ({', '.join(f'{d} {best_speedup[d]:.2f}×' for d in off)})")
+        predicted = ", ".join(f"{d} {best_speedup[d]:.2f}×" for d in off)
+        log(f"{name}: plain decoding (off) for {', '.join(off)}: no drafting predicted "
+            f"≥ {1 + settings.speculate_margin:.2f}× on the calibration part ({predicted})")
     return Calibration(temperature=taus, gamma=best, cost=cost, tree=trees, speculate=speculate,
                        draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()},
                        head_fill=cal.out_of_subset_fill(draft, heldout, vocab))

@@ -63,6 +63,16 @@ def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
         run_calibrate_stage(setup, tmp_path / "bad", f"distill.calibration.draft={tmp_path}")
 
 
+def test_the_off_line_names_the_draft_it_is_about(setup, distilled, tmp_path, capsys):
+    """The stage calibrates two drafts one after the other: a domain's "off" must say whose it is. A margin no
+    drafting can reach turns every domain off for both."""
+    out = tmp_path / "off"
+    run_calibrate_stage(setup, out, f"paths.trained={distilled[2] / 'trained'}",
+                        "distill.calibration.speculate_margin=1000")
+    off = [line for line in capsys.readouterr().out.splitlines() if "plain decoding (off) for" in line]
+    assert [line.split("] ", 1)[1].split(": plain", 1)[0] for line in off] == [str(out / "draft"), str(out / "draft_init")]
+
+
 def test_each_calibrated_export_carries_a_speculation_profile_that_reproduces_its_mean_accepted_length(distilled):
     run = distilled[2]
     for name in ("draft", "draft_init"):
