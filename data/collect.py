@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, summed_counts
+from data.collect_text import label_text_shard, read_documents, text_rows, text_shards
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
 from pipeline.deadline import would_overrun
@@ -33,7 +34,7 @@ def _save_shard(final: Path, rows: list[dict], settings: CollectSettings, meta: 
 
     with atomic_dir(final) as tmp, quiet_datasets():
         if rows:  # a shard whose every request was skipped (collect.backend=server) is its meta.json alone
-            columns = features(settings.label_topk, settings.stores_hidden, bool(settings.onpolicy.share))
+            columns = features(settings.label_topk, settings.stores_hidden, "origin" in rows[0])
             Dataset.from_list(rows, features=columns).save_to_disk(str(tmp / "data"))
         write_json(tmp / "meta.json", meta)
 
@@ -72,6 +73,7 @@ class CollectJob:
     plan: list[Shard]
     state: Any                       # accelerate.PartialState: process index and count
     started: float                   # time.time() at the start of the run
+    text_plan: list[tuple[str, list[dict]]]  # collect.text's shards: (name, rows to label)
 
     @property
     def out_dir(self) -> Path:
@@ -81,15 +83,16 @@ class CollectJob:
     def shard_dir(self) -> Path:
         return self.out_dir / "shards" / self.fingerprint
 
-    def finished(self, shard: Shard) -> bool:
-        return (self.shard_dir / shard.name / "meta.json").exists()
+    def finished(self, shard: Shard | str) -> bool:
+        return (self.shard_dir / getattr(shard, "name", shard) / "meta.json").exists()
 
 
 # ----------------------------------------------------------------------------- the stage
 
 def check_settings(cfg: DictConfig) -> None:
-    """`collect.*` checked as run() builds them, before any stage runs (targets and prompts: where they load)."""
-    CollectSettings.from_config(cfg.collect, cfg.seed)
+    """`collect.*` checked as run() builds them, before any stage runs (targets and prompts: where they load), and
+    every file of collect.text read, so a malformed row fails the run before anything is written."""
+    read_documents(CollectSettings.from_config(cfg.collect, cfg.seed).text)
 
 
 def run(cfg: DictConfig, tracker) -> dict:
@@ -142,8 +145,9 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
                                else str(dtype).removeprefix("torch."))
+    text = text_rows(read_documents(settings.text), settings.text, tokenizer, identity["stop_token_ids"])
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
-                      _plan(prompts, settings.shard_size), state, started)
+                      _plan(prompts, settings.shard_size), state, started, text_shards(text, settings.shard_size))
 
 
 def _target_identity(path: Path, tokenizer) -> dict:
@@ -193,6 +197,11 @@ def _announce(job: CollectJob) -> None:
     print(f"[collect] {sum(map(len, job.prompts.values()))} prompts in {len(job.prompts)} domain(s), "
           f"{len(job.plan)} shards ({done} already done) under {job.shard_dir}; "
           f"{job.state.num_processes} process(es)")
+    if job.text_plan:
+        rows = sum(len(rows) for _, rows in job.text_plan)
+        tokens = sum(len(row["completion_ids"]) for _, rows in job.text_plan for row in rows)
+        print(f"[collect] text to label: {rows} rows, {tokens} tokens from {list(job.settings.text.paths)} in "
+              f"{len(job.text_plan)} shards ({sum(job.finished(name) for name, _ in job.text_plan)} already done)")
     stale = sorted(p.name for p in job.shard_dir.parent.glob("*") if p.name != job.fingerprint)
     if stale:
         print(f"[collect] ignoring shards of other targets/settings (delete to free disk): {stale}")
@@ -208,7 +217,9 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
     state = job.state
     mine = [shard for shard in job.plan if shard.position % state.num_processes == state.process_index
             and not job.finished(shard)]
-    if not mine:
+    text = [(name, rows) for position, (name, rows) in enumerate(job.text_plan)
+            if position % state.num_processes == state.process_index and not job.finished(name)]
+    if not mine and not text:
         return
     # Written by a process whose budget stopped it, so the merge knows its missing shards are meant.
     stop_marker = job.shard_dir / f"budget-stopped.{state.process_index}"
@@ -218,6 +229,11 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
         backend = _make_backend(job, stack)
         onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
                                     job.dtype) if job.settings.onpolicy.share else None
+        if text:
+            _label_text(job, backend, text)
+        generation_started = time.time()
+        budget = job.settings.max_minutes  # what text labelling spent is spent
+        budget = None if budget is None else budget - (generation_started - job.started) / 60
         bar = stack.enter_context(tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl",
                                        dynamic_ncols=True, disable=not state.is_local_main_process))
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
@@ -225,7 +241,7 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
         stop_marker.unlink(missing_ok=True)
         for done, shard in enumerate(mine):
             # the next shard would end past collect.max_minutes at this run's mean shard time; the first round runs
-            if would_overrun(job.started, done, job.settings.max_minutes, first_round):
+            if would_overrun(generation_started, done, budget, first_round):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
                 stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
@@ -280,6 +296,26 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=N
     return tokens / seconds
 
 
+def _label_text(job: CollectJob, backend, shards: list[tuple[str, list[dict]]]) -> None:
+    """collect.text's shards labelled by the target in one forward pass per batch, each written atomically with the
+    process CPU and wall seconds it cost (the manifest's label cost of origin "text")."""
+    from tqdm.auto import tqdm
+
+    settings = job.settings
+    with tqdm(total=sum(len(row["completion_ids"]) for _, rows in shards for row in rows), desc="label text",
+              unit="tok", dynamic_ncols=True, disable=not job.state.is_local_main_process) as bar:
+        for name, rows in shards:
+            cpu, wall = time.process_time(), time.perf_counter()
+            labelled = label_text_shard(backend.model, job.tokenizer.pad_token_id, rows, settings.topk,
+                                        settings.stores_hidden, settings.batch_size, job.tokenizer)
+            spent = {"text": {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}}
+            tokens = sum(len(row["completion_ids"]) for row in rows)
+            meta = {"domain": None, "index": None, "rows": len(rows), "tokens": tokens, "generate_s": 0.0,
+                    "label_s": spent["text"]["wall_s"], "process_index": job.state.process_index, "label_cost": spent}
+            _save_shard(job.shard_dir / name, labelled, settings, meta)
+            bar.update(tokens)
+
+
 # ----------------------------------------------------------------------------- merge, manifest, summary
 
 def _merge_shards(job: CollectJob):
@@ -298,6 +334,15 @@ def _merge_shards(job: CollectJob):
         metas.append(json.loads((shard_path / "meta.json").read_text()))
         if metas[-1]["rows"]:
             parts.append(load_from_disk(str(shard_path / "data")))
+    for name, _ in job.text_plan:
+        if not job.finished(name):
+            raise PipelineError(f"text shard {job.shard_dir / name} is missing after labelling: rerun stage=collect "
+                                "to finish it")
+        metas.append(json.loads((job.shard_dir / name / "meta.json").read_text()))
+        parts.append(load_from_disk(str(job.shard_dir / name / "data")))
+    if job.text_plan:  # the target's rows say so where a collect without on-policy rows left the column out
+        parts = [part if "origin" in part.column_names else part.add_column("origin", ["target"] * len(part))
+                 for part in parts]
     if not parts:
         raise PipelineError(f"every request of the collect was skipped ({summed_counts(metas, 'skipped')}): give "
                             "the servers more context (docs/architecture.md, collect from servers) or pass shorter "
@@ -352,6 +397,9 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "label_cost": label_cost(dataset, shard_metas),
         **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
                          "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
+        **({"text": {"paths": list(settings.text.paths), "domain": settings.text.domain,
+                     "max_tokens": settings.text.max_tokens, "chunk_tokens": settings.text.chunk_tokens,
+                     "shards": len(job.text_plan)}} if job.text_plan else {}),
         "disk_bytes": disk_bytes,
         "disk_bytes_per_million_tokens": round(disk_bytes / tokens * 1e6) if tokens else None,
         "columns": list(dataset.features),

@@ -139,27 +139,33 @@ class OnPolicyBackend(HFBackend):
         self.draft_cpu_s += time.process_time() - cpu
         return self._label(contexts, completions)
 
-    @torch.inference_mode()
     def _label(self, contexts: list[list[int]], completions: list[Completion]) -> list[Completion]:
-        """The target's top-k T = 1 log-probs (and final hidden states) at each completion position, as a
-        target-generated row carries them. Right padding: positions count from 0 in every row without position ids;
-        the head runs on the completion positions alone."""
-        sequences = [context + completion.ids[:-1] for context, completion in zip(contexts, completions)]
-        rows = [torch.tensor(sequence, dtype=torch.long) for sequence in sequences]
-        input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id)
-        attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
-        device = next(self.target.parameters()).device
-        hidden = self.target.get_decoder()(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                           use_cache=False).last_hidden_state
-        head = head_rows(self.target)
-        for row, (context, completion) in enumerate(zip(contexts, completions)):
-            states = hidden[row, len(context) - 1:len(context) - 1 + len(completion.ids)]  # state j predicts ids[j]
-            top = head_logits(states, head).log_softmax(-1).topk(self.label_topk, dim=-1)
-            completion.topk_ids = top.indices.to(torch.int32).cpu().numpy()
-            completion.topk_logprobs = top.values.to(torch.float16).cpu().numpy()
-            if self.label_hidden:
-                completion.final_hidden = states.to(torch.float16).cpu().numpy()
-        return completions
+        return label_completions(self.target, self.pad_id, contexts, completions, self.label_topk, self.label_hidden)
+
+
+@torch.inference_mode()
+def label_completions(target, pad_id: int, contexts: list[list[int]], completions: list[Completion], topk: int,
+                      hidden: bool) -> list[Completion]:
+    """Sets the target's top-k T = 1 log-probs (and final hidden states) at each completion position, as a
+    target-generated row carries them, from one forward pass over context + completion (on-policy and text rows).
+    Right padding: positions count from 0 in every row without position ids; the head runs on the completion
+    positions alone."""
+    sequences = [context + completion.ids[:-1] for context, completion in zip(contexts, completions)]
+    rows = [torch.tensor(sequence, dtype=torch.long) for sequence in sequences]
+    input_ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
+    device = next(target.parameters()).device
+    states_all = target.get_decoder()(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                      use_cache=False).last_hidden_state
+    head = head_rows(target)
+    for row, (context, completion) in enumerate(zip(contexts, completions)):
+        states = states_all[row, len(context) - 1:len(context) - 1 + len(completion.ids)]  # state j predicts ids[j]
+        top = head_logits(states, head).log_softmax(-1).topk(topk, dim=-1)
+        completion.topk_ids = top.indices.to(torch.int32).cpu().numpy()
+        completion.topk_logprobs = top.values.to(torch.float16).cpu().numpy()
+        if hidden:
+            completion.final_hidden = states.to(torch.float16).cpu().numpy()
+    return completions
 
 
 @contextlib.contextmanager

@@ -60,9 +60,10 @@ def onpolicy_backend(cfg: DictConfig, settings, target, tokenizer, stop_ids: lis
 
 
 def label_cost(dataset, shard_metas: list[dict]) -> dict[str, dict]:
-    """Per origin (target | onpolicy): rows, completion tokens and the process CPU and wall seconds spent producing
-    them, summed over the shards whichever run or process made each. Target rows cost the target's generation with
-    its labels; on-policy rows the draft's sampling (draft_cpu_s of it) plus the target's one labelling pass."""
+    """Per origin (target | onpolicy | text): rows, completion tokens, the process CPU and wall seconds spent producing
+    them, summed over the shards whichever run or process made each, and labelled tokens per CPU second. Target rows
+    cost the target's generation with its labels; on-policy rows the draft's sampling (draft_cpu_s of it) plus the
+    target's one labelling pass; text rows that pass alone."""
     columns = dataset.select_columns([c for c in ("origin", "completion_ids") if c in dataset.column_names])
     cost: dict[str, dict] = {}
     for row in columns:
@@ -74,4 +75,7 @@ def label_cost(dataset, shard_metas: list[dict]) -> dict[str, dict]:
             entry = cost.setdefault(origin, {"rows": 0, "tokens": 0})
             for key, value in seconds.items():
                 entry[key] = round(entry.get(key, 0.0) + value, 3)
+    for entry in cost.values():  # the measure collect.text and collect.onpolicy are chosen by (issue: labels per CPU-s)
+        if entry.get("cpu_s"):
+            entry["tokens_per_cpu_s"] = round(entry["tokens"] / entry["cpu_s"], 2)
     return cost

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from data.collect_text import TextSettings
 from pipeline.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
 from pipeline.settings import check_keys
@@ -26,8 +27,8 @@ _FIX = "fix the override or conf/collect/default.yaml"
 class CollectSettings:
     """`collect.*`, declared once and validated in one place (as eval/settings.py): one field per key of
     conf/collect/default.yaml, but `temperature`, `top_k` and `top_p` are the one `sampling`. Built by
-    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key (`server` and `onpolicy` alone have
-    defaults); what needs the target or the process group is checked where those are known. Validation also
+    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key (`server`, `onpolicy`,
+    `text` alone have defaults); what needs the target or the process group is checked where those are known. Validation also
     normalises (idempotent, so `dataclasses.replace` works)."""
     sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
     max_new_tokens: int                 # generation length per completion
@@ -47,6 +48,7 @@ class CollectSettings:
     # None = no servers / no on-policy rows, so code that builds settings for other uses need not name them
     server: "ServerSettings | Mapping | None" = None
     onpolicy: "OnPolicySettings | Mapping | None" = None  # the draft's samples labelled by the target
+    text: "TextSettings | Mapping | None" = None          # given text labelled by the target (data/collect_text.py)
 
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
 
@@ -67,6 +69,8 @@ class CollectSettings:
             self._normalise("server", ServerSettings.from_mapping(self.server))
         if not isinstance(self.onpolicy, OnPolicySettings):
             self._normalise("onpolicy", OnPolicySettings.from_mapping(self.onpolicy))
+        if not isinstance(self.text, TextSettings):
+            self._normalise("text", TextSettings.from_mapping(self.text))
         checks = [
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
@@ -94,7 +98,11 @@ class CollectSettings:
             (self.onpolicy.share and self.backend != "hf", f"collect.onpolicy.share={self.onpolicy.share} needs "
              "collect.backend=hf: the target labels the draft's samples in process"),
             (self.onpolicy.share and not self.topk, f"collect.onpolicy.share={self.onpolicy.share} needs "
-             "collect.topk > 0: on-policy rows are worth only the target's labels")]
+             "collect.topk > 0: on-policy rows are worth only the target's labels"),
+            (self.text.paths and self.backend != "hf", "collect.text.paths needs collect.backend=hf: the target "
+             "labels the text in process"),
+            (self.text.paths and not self.topk, "collect.text.paths needs collect.topk > 0: text rows are worth "
+             "only the target's labels")]
         for bad, message in checks:
             if bad:
                 raise PipelineError(message)

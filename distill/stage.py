@@ -129,10 +129,10 @@ def split_rows(inputs: Inputs) -> Split:
     seed = int(inputs.cfg.seed)
     train_idx, held_idx = split_collected(collected, split, seed)
     origins = collected.unique("origin") if "origin" in collected.column_names else ["target"]
-    if inputs.settings.objective.loss == "ce" and "onpolicy" in origins:
+    if inputs.settings.objective.loss == "ce" and {"onpolicy", "text"} & set(origins):
         raise PipelineError("distill.objective.loss=ce learns the target's sampled tokens, but this collect has "
-                            "on-policy rows (the draft's tokens, collect.onpolicy.share > 0): use a divergence loss "
-                            "(fkl, tvd, ...) or a collect with collect.onpolicy.share=0")
+                            "rows of other tokens (the draft's, collect.onpolicy.share > 0, or given text, "
+                            "collect.text.paths): use a divergence loss (fkl, tvd, ...) or a collect without them")
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")

@@ -12,11 +12,14 @@ def split_by_prompt(prompt_ids: list[str], domains: list[str], fraction: float, 
     """Row indices (train, held-out): per domain, the prompts with the smallest hash(seed, prompt_id) are
     held out (at least one where the domain has two or more prompts), so all turns and samples of a prompt
     stay on one side and the split does not depend on row order. A prompt with a row whose `origins` entry is not
-    "target" (the draft's tokens, collect.onpolicy) is never held out: held-out rows are the target's own; the count
-    is still a share of all the domain's prompts, so the held-out prompts are those of a collect without them."""
+    "target" (the draft's tokens, collect.onpolicy; given text, collect.text) is never held out: held-out rows are the
+    target's own; the count is still a share of the domain's collected prompts (text rows' aside), so the held-out
+    prompts are those of a collect without either."""
     drafted = {p for p, origin in zip(prompt_ids, origins or ()) if origin != "target"}
+    given = {p for p, origin in zip(prompt_ids, origins or ()) if origin == "text"}
     held = set()
     for order in _ordered_by_domain(prompt_ids, domains, seed):
+        order = [p for p in order if p not in given]
         n = 0 if len(order) < 2 else max(1, round(fraction * len(order)))
         n = min(n, int(max_heldout)) if max_heldout else n
         held.update([p for p in order if p not in drafted][:n])
