@@ -131,8 +131,8 @@ def split_rows(inputs: Inputs) -> Split:
     origins = collected.unique("origin") if "origin" in collected.column_names else ["target"]
     if inputs.settings.objective.loss == "ce" and {"onpolicy", "text"} & set(origins):
         raise PipelineError("distill.objective.loss=ce learns the target's sampled tokens, but this collect has "
-                            "rows of other tokens (the draft's, collect.onpolicy.share > 0, or given text, "
-                            "collect.text.paths): use a divergence loss (fkl, tvd, ...) or a collect without them")
+                            "on-policy rows or text rows (tokens the target did not sample: collect.onpolicy.share "
+                            "> 0, collect.text.paths): use a divergence loss (fkl, tvd, ...) or a collect without them")
     if not held_idx:
         raise PipelineError("no domain has two or more collected prompts, so nothing can be held out: "
                             "collect more prompts per domain")

@@ -198,3 +198,21 @@ def test_an_empty_folder_exits_2_in_one_line_before_any_stage_writes(tmp_path, t
                  f"collect.text.paths=[{tmp_path / 'empty'}]"])
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "holds no files" in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_ce_refuses_a_collect_with_text_rows(tmp_path, tiny_target):
+    """loss=ce learns the sampled tokens, which in text rows are the text's, not the target's samples."""
+    from types import SimpleNamespace
+
+    from datasets import load_from_disk
+
+    from distill.stage import split_rows
+    from tests.test_collect import compose
+
+    write_prompts(tmp_path)
+    collect(tmp_path, tiny_target, text(corpus(tmp_path)))
+    cfg = compose(tmp_path, tiny_target)
+    inputs = SimpleNamespace(collected=load_from_disk(str(tmp_path / "collect" / "dataset")), cfg=cfg,
+                             settings=SimpleNamespace(split=cfg.distill.split, objective=SimpleNamespace(loss="ce")))
+    with pytest.raises(PipelineError, match=r"loss=ce .* text rows"):
+        split_rows(inputs)
