@@ -368,6 +368,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
     summary = summarize(dataset)
     tokens = sum(domain["tokens"] for domain in summary.values())
     generate_s = sum(meta["generate_s"] for meta in shard_metas)  # whichever run or process made each shard
+    generated = tokens - sum(meta["tokens"] for meta in shard_metas if meta.get("label_s") is not None)  # not text's
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": job.fingerprint,
@@ -392,7 +393,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "rows": len(dataset),
         "total_tokens": tokens,
         "generate_s": round(generate_s, 3),
-        "tokens_per_s": round(tokens / generate_s, 2) if generate_s else None,
+        "tokens_per_s": round(generated / generate_s, 2) if generate_s else None,
         "wall_s": round(time.time() - job.started, 3),
         "label_cost": label_cost(dataset, shard_metas),
         **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,

@@ -65,8 +65,11 @@ def test_text_rows_carry_the_targets_labels_and_their_own_domain(tmp_path, tiny_
     assert {r["domain"] for r in by_source["text/corpus/log.jsonl:3"]} == {"text"}  # collect.text.domain
     assert by_source["text/corpus/log.jsonl:2"][0]["text"] == "sum this"
     assert_topk_matches_fresh_forward(load_model(tiny_target), given, 8)
-    cost = json.loads((tmp_path / "collect" / "manifest.json").read_text())["label_cost"]
+    manifest = json.loads((tmp_path / "collect" / "manifest.json").read_text())
+    cost = manifest["label_cost"]
     assert cost["text"]["tokens"] == sum(len(r["completion_ids"]) for r in given) and cost["text"]["cpu_s"] > 0
+    # the generation speed counts the generated tokens alone
+    assert manifest["tokens_per_s"] == pytest.approx(cost["target"]["tokens"] / manifest["generate_s"], rel=2e-2)  # all rows: +30%
     assert cost["text"]["tokens_per_cpu_s"] > 0 and cost["target"]["tokens_per_cpu_s"] > 0
 
 

@@ -128,3 +128,15 @@ def test_a_failure_while_writing_leaves_nothing_half_written(tmp_path, monkeypat
         main([*dirs, "--out", str(out)])
     assert [p.name for p in out.iterdir()] == ["learning_curve.md"] and (out / "learning_curve.md").read_text() == "an earlier report"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.tmp")]  # the staging directory is gone
+
+
+def test_label_cpu_is_priced_at_the_collects_mix_of_sources(tmp_path):
+    """Text rows at a tenth of a generated token's cost make the mix's rate (1000 x 0.3 + 1000 x 0.03) / 2000; the
+    wrong variant, the target rows' rate alone, would be 0.3."""
+    from pipeline.tools.learning_curve import label_rate
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"label_cost": {
+        "target": {"tokens": 1000, "cpu_s": 300.0}, "text": {"tokens": 1000, "cpu_s": 30.0},
+        "old": {"tokens": 50}}}))  # an origin without a recorded cost is left out, not priced at zero
+    assert label_rate(str(tmp_path)) == pytest.approx(0.165)
+    assert label_rate(str(tmp_path / "none")) is None

@@ -1,8 +1,8 @@
 """Learning curves from draft exports: held-out acceptance against target tokens and training minutes, one point
 per export (`training.data_tokens`; nested subsets of one collect, experiment=curve, give the data-size curve) and
 each export's in-run `learning_curve`. A distill stage's `${paths.trained}` (before calibration) is a point too.
-Target tokens are also priced in CPU-minutes of label work: the collect's (`paths.collect`) manifest gives the CPU
-seconds its target rows cost per token. Writes learning_curve.png, .md (with the gain per doubling) and .json.
+Tokens are also priced in CPU-minutes of label work: the collect's (`paths.collect`) manifest gives the CPU seconds
+its rows cost per token, over its mix of label sources. Writes learning_curve.png, .md (with the gain per doubling) and .json.
 
     python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir> [paths.collect=<collect>]
 """
@@ -20,13 +20,15 @@ OVERALL = "overall"
 
 
 def label_rate(collect: str | None) -> float | None:
-    """CPU seconds of label work per target token of the collect at `collect` (its manifest's `label_cost` for
-    target-generated rows), or None where it has no manifest or no cost recorded."""
+    """CPU seconds of label work per labelled token of the collect at `collect`: its manifest's `label_cost` summed
+    over the origins (target generations, the draft's samples, given text), so a collect with cheaper sources is
+    priced at its own mix; None where it has no manifest or no cost recorded."""
     manifest = Path(collect or "") / "manifest.json"
     if not collect or not manifest.is_file():
         return None
-    target = (json.loads(manifest.read_text()).get("label_cost") or {}).get("target") or {}
-    return target["cpu_s"] / target["tokens"] if target.get("cpu_s") and target.get("tokens") else None
+    origins = [o for o in (json.loads(manifest.read_text()).get("label_cost") or {}).values() if o.get("cpu_s")]
+    tokens = sum(o.get("tokens", 0) for o in origins)
+    return sum(o["cpu_s"] for o in origins) / tokens if tokens else None
 
 
 def label_minutes(tokens: int | None, rate: float | None) -> float | None:
