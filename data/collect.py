@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from data.collect_onpolicy import draft_identity, label_cost, mark_onpolicy, onpolicy_backend
 from data.collect_rows import CollectSettings, collect_shard, features, format_summary, quiet_datasets, summarize
 from data.collect_server import server_record, summed_counts
-from data.collect_text import label_text_shard, read_documents, text_rows, text_shards
+from data.collect_text import read_documents, text_rows, text_shards
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import stop_token_ids
 from pipeline.deadline import would_overrun
@@ -300,6 +300,8 @@ def _label_text(job: CollectJob, backend, shards: list[tuple[str, list[dict]]]) 
     """collect.text's shards labelled by the target in one forward pass per batch, each written atomically with the
     process CPU and wall seconds it cost (the manifest's label cost of origin "text")."""
     from tqdm.auto import tqdm
+
+    from data.collect_hf import label_text_shard
 
     settings = job.settings
     with tqdm(total=sum(len(row["completion_ids"]) for _, rows in shards for row in rows), desc="label text",

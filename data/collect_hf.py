@@ -168,6 +168,24 @@ def label_completions(target, pad_id: int, contexts: list[list[int]], completion
     return completions
 
 
+def label_text_shard(target, pad_id: int, rows: list[dict], topk: int, hidden: bool, batch_size: int,
+                     tokenizer) -> list[dict]:
+    """`rows` with the target's top-k T = 1 log-probs (and final hidden states) at every completion position, from one
+    forward pass per batch of similar lengths (`label_completions`)."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["prompt_ids"]) - len(rows[i]["completion_ids"]))
+    out = [dict(row) for row in rows]
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        completions = [Completion(rows[i]["completion_ids"], rows[i]["finish_reason"]) for i in batch]
+        label_completions(target, pad_id, [rows[i]["prompt_ids"] for i in batch], completions, topk, hidden)
+        for i, completion in zip(batch, completions):
+            out[i].update(topk_ids=completion.topk_ids, topk_logprobs=completion.topk_logprobs,
+                          text=tokenizer.decode(completion.ids, skip_special_tokens=True))
+            if hidden:
+                out[i]["final_hidden"] = completion.final_hidden
+    return out
+
+
 @contextlib.contextmanager
 def head_inputs(model, out: list):
     """Appends, per forward of `model`, its output head's input at the last position [B, H]: generate keeps one

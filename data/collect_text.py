@@ -225,24 +225,3 @@ def text_shards(rows: list[dict], shard_size: int) -> list[tuple[str, list[dict]
                                 .encode()).hexdigest()[:8]
         shards.append((f"text-{index:05d}-{digest}", part))
     return shards
-
-
-def label_text_shard(target, pad_id: int, rows: list[dict], topk: int, hidden: bool, batch_size: int,
-                     tokenizer) -> list[dict]:
-    """`rows` with the target's top-k T = 1 log-probs (and final hidden states) at every completion position, from one
-    forward pass per batch of similar lengths (data/collect_hf.label_completions)."""
-    from data.collect_hf import label_completions
-    from data.collect_rows import Completion
-
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["prompt_ids"]) - len(rows[i]["completion_ids"]))
-    out = [dict(row) for row in rows]
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        completions = [Completion(rows[i]["completion_ids"], rows[i]["finish_reason"]) for i in batch]
-        label_completions(target, pad_id, [rows[i]["prompt_ids"] for i in batch], completions, topk, hidden)
-        for i, completion in zip(batch, completions):
-            out[i].update(topk_ids=completion.topk_ids, topk_logprobs=completion.topk_logprobs,
-                          text=tokenizer.decode(completion.ids, skip_special_tokens=True))
-            if hidden:
-                out[i]["final_hidden"] = completion.final_hidden
-    return out
