@@ -19,6 +19,7 @@ SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tool
     "learning-curve": "pipeline.tools.learning_curve",
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
+    "layer-choice": "pipeline.tools.layer_choice",
     "sources": "pipeline.tools.sources",
     "gpu-check": "pipeline.tools.gpu_check",
 }

@@ -1,0 +1,105 @@
+"""Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a greedy search
+over the source model's layers (the target, for a derived draft; model.draft, for a pruned pretrained one), each
+candidate subset judged untrained by its held-out acceptance Σ min(p, q) at the serving temperature on the calibration
+part. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared on the
+reporting part with a paired bootstrap CI over rows, so the rows that choose never judge. Equal depth is equal cost
+on a device where a draft's cost follows its depth, so only the acceptance is compared.
+
+    python -m pipeline.tools layer-choice tool.keep=2 [tool.source=draft] [paths.collect=<collect>]
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from distill import calibrate as cal
+from distill.heldouts import build_heldouts, load_target_inputs, split_collected
+from pipeline.errors import PipelineError
+from pipeline.models import derive_draft
+from pipeline.tools.compare_drafts import compare, render
+
+SOURCES = ("target", "draft")
+
+
+def subset_acceptance(source, layers: list[int], heldout: cal.HeldOut) -> torch.Tensor:
+    """α per held-out position [N] of the draft made of `layers` of `source`, untrained, at the serving temperature."""
+    draft = derive_draft(source, layers)
+    return cal.acceptance(draft, heldout, [heldout.sampling.temperature])[0]
+
+
+def greedy_layers(source, keep: int, heldout: cal.HeldOut, log=print) -> list[dict]:
+    """The search path: from no layers upwards (keep ≤ half the layers) or from all downwards, one layer added or
+    removed per step, the one whose subset has the highest mean α. Returns [{"layers", "acceptance"}] per step."""
+    n = source.config.num_hidden_layers
+    if not 0 < keep < n:
+        raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
+    growing = keep <= n // 2
+    chosen, path = ([] if growing else list(range(n))), []
+    while len(chosen) != keep:
+        options = [sorted({*chosen, i}) for i in range(n) if i not in chosen] if growing else \
+            [[j for j in chosen if j != i] for i in chosen]
+        scores = [float(subset_acceptance(source, layers, heldout).mean()) for layers in options]
+        best = max(range(len(options)), key=lambda i: (scores[i], [-j for j in options[i]]))  # ties: earlier layers
+        chosen = options[best]
+        path.append({"layers": chosen, "acceptance": scores[best]})
+        log(f"[layer-choice] {len(chosen):>3} layers: {chosen}  held-out acceptance (calibration part) "
+            f"{scores[best]:.3f}")
+    return path
+
+
+def _source(cfg, inputs):
+    """The model whose layers are chosen from: the target, or model.draft's pretrained weights (all its layers)."""
+    if cfg.tool.source == "target":
+        return inputs.target
+    from pipeline.draft_init import build_draft
+
+    spec = OmegaConf.to_container(cfg.model.draft, resolve=True)
+    if (spec.get("init") or "derive") != "pretrained":
+        raise PipelineError("tool.source=draft prunes a pretrained draft: set model.draft.init=pretrained (and its "
+                            "path), or use tool.source=target for a draft derived from the target")
+    spec.pop("keep_layers", None)
+    draft, _, _ = build_draft(spec, inputs.target, inputs.tokenizer, cfg.paths, seed=int(cfg.seed))
+    return draft.to(next(inputs.target.parameters()).dtype).eval()
+
+
+def _baseline(cfg, keep: int) -> list[int]:
+    configured = cfg.tool.baseline
+    if configured is None:
+        draft = cfg.model.draft
+        configured = (draft.get("derive") or {}).get("layers") if cfg.tool.source == "target" else draft.get("keep_layers")
+    configured = [int(i) for i in configured or []]
+    return configured if len(configured) == keep else list(range(keep))
+
+
+def run(cfg) -> dict:
+    options = cfg.tool
+    if options.source not in SOURCES:
+        raise PipelineError(f"tool.source={options.source!r}: use target or draft")
+    keep = int(options.keep)
+    inputs = load_target_inputs(cfg, tracker=None)
+    _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
+    heldouts = build_heldouts(inputs, held_idx)
+    source = _source(cfg, inputs)
+    print(f"[layer-choice] {keep} of the {source.config.num_hidden_layers} layers of the {options.source}, judged "
+          f"on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
+    path = greedy_layers(source, keep, heldouts.calibration)
+    chosen, baseline = path[-1]["layers"], _baseline(cfg, keep)
+    names = [f"layers {baseline}", f"chosen {chosen}"] if chosen != baseline else [f"layers {baseline}"]
+    alphas = {name: subset_acceptance(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline,
+                                                                                                          chosen))}
+    print(f"reporting part: {len(heldouts.reporting.rows)} rows, {heldouts.reporting.n_positions} positions; "
+          f"untrained drafts; Δ = chosen − baseline [95% paired bootstrap over rows]")
+    table = compare(alphas, heldouts.reporting) if len(names) > 1 else None
+    if table:
+        print(render(table, names))
+    result = {"source": options.source, "keep": keep, "chosen": chosen, "baseline": baseline, "path": path,
+              "sampling": inputs.sampling.to_dict(), "reporting": table,
+              "set_it": (f"model.draft.derive.layers={chosen}" if options.source == "target"
+                         else f"model.draft.keep_layers={chosen}")}
+    print(f"[layer-choice] to train it: {result['set_it']}")
+    if options.json:
+        Path(options.json).write_text(json.dumps(result, indent=2))
+    return result

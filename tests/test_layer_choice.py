@@ -1,0 +1,66 @@
+"""`pipeline.tools layer-choice`: the layers a shallow draft keeps, found by held-out acceptance. A target whose
+layers 0 and 2 are planted as identities (their attention and MLP outputs zeroed) is exactly the model of layers
+[1, 3]: the search must find that subset (acceptance 1) where the first two layers, the configured baseline, fall
+short; a search that ignored the measurement would not."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.tools.__main__ import run
+from tests.conftest import peaked_target, tiny_tokenizer, write_collect_output
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict[str, Path]:
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("layer_choice")
+    target = peaked_target(seed=3)
+    with torch.no_grad():
+        for i in (0, 2):  # a residual layer with zero outputs passes its input through unchanged
+            target.model.layers[i].self_attn.o_proj.weight.zero_()
+            target.model.layers[i].mlp.down_proj.weight.zero_()
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    return {"target": root / "target", "collect": write_collect_output(target, root / "collect")}
+
+
+def layer_choice(planted, tmp_path, *extra: str) -> dict:
+    return run(["layer-choice", f"paths.artifacts={tmp_path}", f"model.target.path={planted['target']}",
+                f"paths.collect={planted['collect']}", "runtime.device=cpu", "runtime.dtype=float32",
+                "model.draft.derive.layers=[0,1]", "distill.split.heldout_fraction=0.5", *extra])
+
+
+def test_the_search_finds_the_layers_that_make_the_target(planted, tmp_path):
+    result = layer_choice(planted, tmp_path, f"tool.json={tmp_path / 'choice.json'}")
+    assert result["chosen"] == [1, 3] and result["baseline"] == [0, 1]
+    assert result["path"][-1]["acceptance"] == pytest.approx(1.0, abs=1e-4)
+    overall = result["reporting"]["overall"]
+    chosen, baseline = f"chosen {[1, 3]}", f"layers {[0, 1]}"
+    assert overall["acceptance"][chosen] == pytest.approx(1.0, abs=1e-4)
+    assert overall["acceptance"][baseline] < 0.9
+    delta, (lo, _) = overall["difference"][chosen]
+    assert delta > 0 and lo > 0  # the reporting rows, which did not choose, confirm it
+    assert json.loads((tmp_path / "choice.json").read_text())["set_it"] == "model.draft.derive.layers=[1, 3]"
+
+
+def test_keeping_most_layers_searches_downwards_and_drops_the_identities(planted, tmp_path):
+    result = layer_choice(planted, tmp_path, "tool.keep=3")
+    assert [step["layers"] for step in result["path"]][0] in ([1, 2, 3], [0, 1, 3])  # one identity dropped first
+    assert 1 in result["chosen"] and 3 in result["chosen"]
+    assert result["path"][-1]["acceptance"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["tool.keep=4"], r"tool\.keep=4 must be between 1 and 3 for a 4-layer source"),
+    (["tool.source=teacher"], r"tool\.source='teacher': use target or draft"),
+    (["tool.source=draft"], r"tool\.source=draft prunes a pretrained draft"),
+])
+def test_bad_settings_are_one_line(planted, tmp_path, extra, message):
+    with pytest.raises(PipelineError, match=message) as e:
+        layer_choice(planted, tmp_path, *extra)
+    assert "\n" not in str(e.value)
