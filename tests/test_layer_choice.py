@@ -32,7 +32,8 @@ def planted(tmp_path_factory) -> dict[str, Path]:
 def layer_choice(planted, tmp_path, *extra: str) -> dict:
     return run(["layer-choice", f"paths.artifacts={tmp_path}", f"model.target.path={planted['target']}",
                 f"paths.collect={planted['collect']}", "runtime.device=cpu", "runtime.dtype=float32",
-                "model.draft.derive.layers=[0,1]", "distill.split.heldout_fraction=0.5", *extra])
+                "model.draft.derive.layers=[0,1]", "model.draft.vocab_subset=0", "distill.split.heldout_fraction=0.5",
+                *extra])
 
 
 def test_the_search_finds_the_layers_that_make_the_target(planted, tmp_path):
@@ -64,3 +65,25 @@ def test_bad_settings_are_one_line(planted, tmp_path, extra, message):
     with pytest.raises(PipelineError, match=message) as e:
         layer_choice(planted, tmp_path, *extra)
     assert "\n" not in str(e.value)
+
+
+def test_steps_judge_each_subset_after_training_it_by_distills_recipe(planted, tmp_path, monkeypatch):
+    """tool.steps: every subset trains that many steps (counted here) before it is judged; the planted subset is
+    still found, and the result says how it was judged."""
+    from distill.trainer import DistillTrainer
+
+    trained = []
+    real_train = DistillTrainer.train
+    monkeypatch.setattr(DistillTrainer, "train", lambda self, *a, **k: (trained.append(self.args.max_steps),
+                                                                         real_train(self, *a, **k))[1])
+    result = layer_choice(planted, tmp_path, "tool.steps=2", "distill.trainer.per_device_train_batch_size=4",
+                          "distill.trainer.learning_rate=1e-4")
+    assert result["chosen"] == [1, 3] and result["steps"] == 2
+    assert trained == [2] * (4 + 3 + 2)  # 4 single layers, 3 pairs with the best, then baseline and choice reported
+    delta, (lo, _) = result["reporting"]["overall"]["difference"][f"chosen {[1, 3]}"]
+    assert delta > 0 and lo > 0
+
+
+def test_negative_steps_are_refused(planted, tmp_path):
+    with pytest.raises(PipelineError, match=r"tool\.steps=-1 must be ≥ 0"):
+        layer_choice(planted, tmp_path, "tool.steps=-1")

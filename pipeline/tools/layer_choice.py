@@ -1,11 +1,11 @@
 """Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a greedy search
 over the source model's layers (the target, for a derived draft; model.draft, for a pruned pretrained one), each
 candidate subset judged untrained by its held-out acceptance Σ min(p, q) at the serving temperature on the calibration
-part. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared on the
+part, or after `tool.steps` training steps of distill's recipe each. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared on the
 reporting part with a paired bootstrap CI over rows, so the rows that choose never judge. Equal depth is equal cost
 on a device where a draft's cost follows its depth, so only the acceptance is compared.
 
-    python -m pipeline.tools layer-choice tool.keep=2 [tool.source=draft] [paths.collect=<collect>]
+    python -m pipeline.tools layer-choice tool.keep=2 [tool.steps=10] [tool.source=draft] [paths.collect=<collect>]
 """
 from __future__ import annotations
 
@@ -30,9 +30,40 @@ def subset_acceptance(source, layers: list[int], heldout: cal.HeldOut) -> torch.
     return cal.acceptance(draft, heldout, [heldout.sampling.temperature])[0]
 
 
-def greedy_layers(source, keep: int, heldout: cal.HeldOut, log=print) -> list[dict]:
+def after_steps(inputs, source, steps: int, out_dir: Path):
+    """A scorer like `subset_acceptance` that first trains each subset `steps` constant-rate steps by distill's own
+    recipe (distill.* settings, its train rows and labels, its FR-Spec head), as the learning-rate probe does: how fast
+    a start climbs, where an untrained shallow subset's acceptance cannot tell starts apart."""
+    from dataclasses import replace
+
+    from distill.labels import attach_teacher_labels
+    from distill.stage import split_rows
+    from distill.trainer import DistillTrainer
+    from distill.training import training_arguments
+
+    # distill's split logs its draft: here the source the candidates are cut from
+    split = split_rows(replace(inputs, draft=source, draft_info={"layer-choice": "the source of the candidates"}))
+    split = attach_teacher_labels(inputs, split, lambda message: None)
+    rate = float(inputs.settings.trainer["learning_rate"])
+
+    def score(source, layers: list[int], heldout: cal.HeldOut) -> torch.Tensor:
+        job = replace(inputs, draft=derive_draft(source, layers).float().train())
+        arguments = training_arguments(job, len(split.train), out_dir, learning_rate=rate, max_steps=steps,
+                                       warmup_steps=0, lr_scheduler_type="constant", save_strategy="no",
+                                       logging_strategy="no", disable_tqdm=True)
+        DistillTrainer(job.draft, arguments, split.train, teacher_model=job.target, vocab=split.vocab,
+                       stop_ids=job.stops, processing_class=job.tokenizer, callbacks=[]).train()
+        draft = job.draft.to(next(source.parameters()).dtype).eval()
+        return cal.acceptance(draft, heldout, [heldout.sampling.temperature], split.vocab)[0]
+
+    return score
+
+
+def greedy_layers(source, keep: int, heldout: cal.HeldOut, log=print, score=None) -> list[dict]:
     """The search path: from no layers upwards (keep ≤ half the layers) or from all downwards, one layer added or
-    removed per step, the one whose subset has the highest mean α. Returns [{"layers", "acceptance"}] per step."""
+    removed per step, the one whose subset has the highest mean α (`score`: untrained by default). Returns
+    [{"layers", "acceptance"}] per step."""
+    score = score or (lambda model, layers, rows: subset_acceptance(model, layers, rows))
     n = source.config.num_hidden_layers
     if not 0 < keep < n:
         raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
@@ -41,7 +72,7 @@ def greedy_layers(source, keep: int, heldout: cal.HeldOut, log=print) -> list[di
     while len(chosen) != keep:
         options = [sorted({*chosen, i}) for i in range(n) if i not in chosen] if growing else \
             [[j for j in chosen if j != i] for i in chosen]
-        scores = [float(subset_acceptance(source, layers, heldout).mean()) for layers in options]
+        scores = [float(score(source, layers, heldout).mean()) for layers in options]
         best = max(range(len(options)), key=lambda i: (scores[i], [-j for j in options[i]]))  # ties: earlier layers
         chosen = options[best]
         path.append({"layers": chosen, "acceptance": scores[best]})
@@ -83,19 +114,24 @@ def run(cfg) -> dict:
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
     heldouts = build_heldouts(inputs, held_idx)
     source = _source(cfg, inputs)
+    steps = int(options.steps)
+    if steps < 0:
+        raise PipelineError(f"tool.steps={steps} must be ≥ 0 (0 = judge the subsets untrained)")
+    score = after_steps(inputs, source, steps, Path(cfg.paths.artifacts) / "layer_choice") if steps else None
+    judged = f"after {steps} training steps" if steps else "untrained"
     print(f"[layer-choice] {keep} of the {source.config.num_hidden_layers} layers of the {options.source}, judged "
-          f"on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
-    path = greedy_layers(source, keep, heldouts.calibration)
+          f"{judged} on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
+    path = greedy_layers(source, keep, heldouts.calibration, score=score)
     chosen, baseline = path[-1]["layers"], _baseline(cfg, keep)
     names = [f"layers {baseline}", f"chosen {chosen}"] if chosen != baseline else [f"layers {baseline}"]
-    alphas = {name: subset_acceptance(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline,
-                                                                                                          chosen))}
+    score = score or subset_acceptance
+    alphas = {name: score(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline, chosen))}
     print(f"reporting part: {len(heldouts.reporting.rows)} rows, {heldouts.reporting.n_positions} positions; "
-          f"untrained drafts; Δ = chosen − baseline [95% paired bootstrap over rows]")
+          f"drafts {judged}; Δ = chosen − baseline [95% paired bootstrap over rows]")
     table = compare(alphas, heldouts.reporting) if len(names) > 1 else None
     if table:
         print(render(table, names))
-    result = {"source": options.source, "keep": keep, "chosen": chosen, "baseline": baseline, "path": path,
+    result = {"source": options.source, "keep": keep, "steps": steps, "chosen": chosen, "baseline": baseline, "path": path,
               "sampling": inputs.sampling.to_dict(), "reporting": table,
               "set_it": (f"model.draft.derive.layers={chosen}" if options.source == "target"
                          else f"model.draft.keep_layers={chosen}")}
