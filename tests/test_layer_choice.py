@@ -67,7 +67,8 @@ def test_bad_settings_are_one_line(planted, tmp_path, extra, message):
     assert "\n" not in str(e.value)
 
 
-def test_steps_judge_each_subset_after_training_it_by_distills_recipe(planted, tmp_path, monkeypatch):
+@pytest.mark.parametrize("subset", [0, 48])  # 48 of 96 ids: the draft trains and is judged through distill's FR-Spec head
+def test_steps_judge_each_subset_after_training_it_by_distills_recipe(planted, tmp_path, monkeypatch, subset):
     """tool.steps: every subset trains that many steps (counted here) before it is judged; the planted subset is
     still found, and the result says how it was judged."""
     from distill.trainer import DistillTrainer
@@ -77,11 +78,14 @@ def test_steps_judge_each_subset_after_training_it_by_distills_recipe(planted, t
     monkeypatch.setattr(DistillTrainer, "train", lambda self, *a, **k: (trained.append(self.args.max_steps),
                                                                          real_train(self, *a, **k))[1])
     result = layer_choice(planted, tmp_path, "tool.steps=2", "distill.trainer.per_device_train_batch_size=4",
-                          "distill.trainer.learning_rate=1e-4")
+                          "distill.trainer.learning_rate=1e-4", f"model.draft.vocab_subset={subset}")
     assert result["chosen"] == [1, 3] and result["steps"] == 2
     assert trained == [2] * (4 + 3 + 2)  # 4 single layers, 3 pairs with the best, then baseline and choice reported
     delta, (lo, _) = result["reporting"]["overall"]["difference"][f"chosen {[1, 3]}"]
     assert delta > 0 and lo > 0
+    # two small steps barely move the exact subset (a draft trained without the FR-Spec head it is judged through
+    # would not keep this)
+    assert result["reporting"]["overall"]["acceptance"][f"chosen {[1, 3]}"] > 0.8
 
 
 def test_negative_steps_are_refused(planted, tmp_path):

@@ -36,10 +36,12 @@ def after_steps(inputs, source, steps: int, out_dir: Path):
     a start climbs, where an untrained shallow subset's acceptance cannot tell starts apart."""
     from dataclasses import replace
 
+    from distill.heldouts import served_acceptance
     from distill.labels import attach_teacher_labels
     from distill.stage import split_rows
     from distill.trainer import DistillTrainer
     from distill.training import training_arguments
+    from pipeline.heads import use_subset_head
 
     # distill's split logs its draft: here the source the candidates are cut from
     split = split_rows(replace(inputs, draft=source, draft_info={"layer-choice": "the source of the candidates"}))
@@ -47,14 +49,16 @@ def after_steps(inputs, source, steps: int, out_dir: Path):
     rate = float(inputs.settings.trainer["learning_rate"])
 
     def score(source, layers: list[int], heldout: cal.HeldOut) -> torch.Tensor:
-        job = replace(inputs, draft=derive_draft(source, layers).float().train())
+        job = replace(inputs, draft=derive_draft(source, layers).float())
+        use_subset_head(job.draft, split.vocab)  # the trainer's draft carries the FR-Spec head, as distill's does
+        job.draft.train()
         arguments = training_arguments(job, len(split.train), out_dir, learning_rate=rate, max_steps=steps,
                                        warmup_steps=0, lr_scheduler_type="constant", save_strategy="no",
                                        logging_strategy="no", disable_tqdm=True)
         DistillTrainer(job.draft, arguments, split.train, teacher_model=job.target, vocab=split.vocab,
                        stop_ids=job.stops, processing_class=job.tokenizer, callbacks=[]).train()
-        draft = job.draft.to(next(source.parameters()).dtype).eval()
-        return cal.acceptance(draft, heldout, [heldout.sampling.temperature], split.vocab)[0]
+        return served_acceptance(job.draft, job.serving_dtype, heldout, [heldout.sampling.temperature],
+                                 split.vocab)[0]
 
     return score
 
