@@ -63,11 +63,10 @@ def after_steps(inputs, source, steps: int, out_dir: Path):
     return score
 
 
-def greedy_layers(source, keep: int, heldout: cal.HeldOut, log=print, score=None) -> list[dict]:
+def greedy_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
     """The search path: from no layers upwards (keep ≤ half the layers) or from all downwards, one layer added or
     removed per step, the one whose subset has the highest mean α (`score`: untrained by default). Returns
     [{"layers", "acceptance"}] per step."""
-    score = score or (lambda model, layers, rows: subset_acceptance(model, layers, rows))
     n = source.config.num_hidden_layers
     if not 0 < keep < n:
         raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
@@ -121,14 +120,14 @@ def run(cfg) -> dict:
     steps = int(options.steps)
     if steps < 0:
         raise PipelineError(f"tool.steps={steps} must be ≥ 0 (0 = judge the subsets untrained)")
-    score = after_steps(inputs, source, steps, Path(cfg.paths.artifacts) / "layer_choice") if steps else None
+    score = after_steps(inputs, source, steps, Path(cfg.paths.artifacts) / "layer_choice") if steps \
+        else subset_acceptance
     judged = f"after {steps} training steps" if steps else "untrained"
     print(f"[layer-choice] {keep} of the {source.config.num_hidden_layers} layers of the {options.source}, judged "
           f"{judged} on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
     path = greedy_layers(source, keep, heldouts.calibration, score=score)
     chosen, baseline = path[-1]["layers"], _baseline(cfg, keep)
     names = [f"layers {baseline}", f"chosen {chosen}"] if chosen != baseline else [f"layers {baseline}"]
-    score = score or subset_acceptance
     alphas = {name: score(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline, chosen))}
     print(f"reporting part: {len(heldouts.reporting.rows)} rows, {heldouts.reporting.n_positions} positions; "
           f"drafts {judged}; Δ = chosen − baseline [95% paired bootstrap over rows]")
