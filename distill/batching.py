@@ -103,7 +103,7 @@ def with_engine_schedules(engines: dict, block: dict) -> dict:
 def with_batching(spec: SpeculativeSpec, profile: dict, gammas, margin: float) -> SpeculativeSpec:
     """The spec with its `batching` block and the vLLM schedule it implies."""
     if not spec.per_position_acceptance:
-        raise PipelineError("speculative.json has no per_position_acceptance: re-export the draft with stage=distill")
+        raise PipelineError("speculative.json has no per_position_acceptance: re-export the draft with stage=calibrate")
     block = choose(spec.per_position_acceptance, profile, gammas, margin)
     return replace(spec, batching=block, engines=with_engine_schedules(spec.engines, block))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from distill.batch import batches, completion_hidden
+from pipeline.errors import PipelineError
 from distill.job import Inputs, Split
 from pipeline.atomic import atomic_dir
 from pipeline.heads import head_logits, head_rows
@@ -113,8 +114,11 @@ def attach_teacher_labels(inputs: Inputs, split: Split, log) -> Split:
             if feature is not None:
                 train = train.remove_columns(name)
             train = train.add_column(name, values, feature=feature)
-    if "final_hidden" in train.column_names:
-        train = train.remove_columns("final_hidden")  # labels made: the trainer never reads the hidden states
+    if float(objective.hidden_weight) > 0 and "final_hidden" not in train.column_names:
+        raise PipelineError(f"distill.objective.hidden_weight={objective.hidden_weight} needs the target's final hidden "
+                            "states in the rows: collect with collect.hidden_states=true (backend=hf), or set it to 0")
+    if "final_hidden" in train.column_names and not float(objective.hidden_weight) > 0:
+        train = train.remove_columns("final_hidden")  # labels made: only the recovery loss reads the hidden states
     truncate = inputs.truncation
     train = train.add_column("length", [sum(map(len, truncate(row))) for row in
                                         train.select_columns(["prompt_ids", "completion_ids"])])

@@ -64,6 +64,7 @@ class ObjectiveSettings:
     lmbda: float                       # on-policy share of batches (GKD's λ)
     temperature: float                 # sampling temperature of on-policy and seq-KD generation
     seq_kd: bool                       # off-policy batches are the target's own continuations
+    hidden_weight: float               # weight of the final-hidden-state recovery loss; 0 = logits only
     freeze_shared: bool                # freeze the embeddings and the (tied) head
     max_prompt_length: int             # prompt tokens kept (the last ones)
     max_completion_length: int         # completion tokens trained on (the first ones)
@@ -78,6 +79,9 @@ class ObjectiveSettings:
         if float(self.lmbda) > 0 and self.loss == "ce":
             raise PipelineError("on-policy batches (distill.objective.lmbda > 0) are labelled by the target's "
                                 "distribution, which loss=ce does not use: pick loss=fkl|rkl|jsd|tvd or set lmbda=0")
+        if not float(self.hidden_weight) >= 0.0:
+            raise PipelineError(f"distill.objective.hidden_weight={self.hidden_weight} is negative: use 0 (off) or a "
+                                "weight > 0 such as 1.0")
         if self.loss_temperature != SERVING and not _positive(self.loss_temperature):
             raise PipelineError(f"distill.objective.loss_temperature={self.loss_temperature!r} is neither "
                                 f"a temperature > 0 nor {SERVING!r}: use e.g. 1.0 or serving")
@@ -273,6 +277,7 @@ class DistillSettings:
         if not self.trainer["max_steps"] and not self.trainer["max_epochs"]:
             raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: "
                                 "set at least one")
+        _check_trainer_numbers(self.trainer)
         _check_lr_probe(self.trainer["lr_probe"])
         patience = self.trainer["stop_patience"]
         if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
@@ -282,6 +287,34 @@ class DistillSettings:
     def to_dict(self) -> dict:
         """The settings as plain containers, the shape of conf/distill/default.yaml."""
         return _plain(self)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# trainer keys TrainingArguments takes without a range check (a negative rate trains backwards, in silence):
+# (key, accepted, what to use); null passes where the stage gives null a meaning
+TRAINER_RANGES = (
+    ("learning_rate", lambda v: _number(v) and v > 0, "a step size > 0, e.g. 3e-3"),
+    ("per_device_train_batch_size", _count, "a count >= 1, e.g. 8"),
+    ("gradient_accumulation_steps", _count, "a count >= 1, e.g. 1"),
+    ("max_steps", lambda v: v is None or _count(v), "a count >= 1, or null to train max_epochs passes"),
+    ("max_epochs", lambda v: v is None or (_number(v) and v > 0), "a number of passes > 0, or null"),
+    ("warmup_steps", lambda v: _number(v) and v >= 0, "steps >= 0 (a share of the steps when < 1)"),
+    ("weight_decay", lambda v: _number(v) and v >= 0, "a decay >= 0, e.g. 0.0"),
+    ("max_grad_norm", lambda v: _number(v) and v > 0, "a norm > 0, e.g. 1.0"),
+)
+
+
+def _check_trainer_numbers(trainer: Mapping) -> None:
+    for key, accepted, hint in TRAINER_RANGES:
+        if key in trainer and not accepted(trainer[key]):
+            raise PipelineError(f"distill.trainer.{key}={trainer[key]!r} is out of range: use {hint}")
 
 
 def _check_lr_probe(probe) -> None:

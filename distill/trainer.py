@@ -15,11 +15,13 @@ makes the same draws, across a resume too.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +35,8 @@ with warnings.catch_warnings():  # the experimental-API warning: the TRL version
     warnings.simplefilter("ignore")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-ALIGNED_ONLY = ("position_ids", "prompt_length", "topk_ids", "topk_logprobs", "subset_logmass")
+ALIGNED_ONLY = ("position_ids", "prompt_length", "topk_ids", "topk_logprobs", "subset_logmass", "target_hidden",
+                "hidden_mask")
 CAUSAL = "causal"  # inputs["layout"] of a batch TRL generated
 
 
@@ -70,7 +73,24 @@ class DistillCollator:
             batch["topk_ids"], batch["topk_logprobs"] = ids, lps
             if all(r.get("subset_logmass") is not None for r in rows):
                 batch["subset_logmass"] = mass
+        if all(r.get("final_hidden") is not None for r in rows):
+            batch["target_hidden"], batch["hidden_mask"] = target_hidden(rows, prompts, completions)
         return batch
+
+
+def target_hidden(rows: list[dict], prompts: list, completions: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' stored final hidden states [B, Lc, H] at the completion positions, and where they hold [B, Lc]:
+    not on padding, nor on a row whose prompt the truncation cut (collect's states saw the whole prompt)."""
+    lc = max(map(len, completions))
+    width = len(rows[0]["final_hidden"][0])
+    states, mask = torch.zeros(len(rows), lc, width), torch.zeros(len(rows), lc, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if len(prompts[i]) < len(r["prompt_ids"]):
+            continue
+        n = len(completions[i])
+        states[i, :n] = torch.as_tensor(np.asarray(r["final_hidden"][:n], dtype=np.float32))
+        mask[i, :n] = True
+    return states, mask
 
 
 # ---------------------------------------------------------------- config
@@ -92,6 +112,7 @@ class DistillConfig(GKDConfig):
     lmbda: float = _knob("GKDConfig.lmbda: share of batches the draft continues itself (on-policy)")
     temperature: float = _knob("GKDConfig.temperature: sampling temperature of on-policy and seq-KD generation")
     seq_kd: bool = _knob("GKDConfig.seq_kd: off-policy batches are continuations the target generates")
+    hidden_weight: float = _knob("weight of the final hidden state's recovery loss against the target's")
     freeze_shared: bool = _knob("freeze the embeddings and the head")
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
     max_completion_length: int = _knob("completion tokens trained on")
@@ -250,9 +271,35 @@ class DistillTrainer(GKDTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         where, args = positions(inputs), self.args
         teacher = self.teacher_signal(inputs, where)
-        out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
+        recover = float(args.hidden_weight) > 0 and "target_hidden" in inputs
+        with head_input(self.accelerator.unwrap_model(model)) if recover else contextlib.nullcontext() as states:
+            out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
         per_token = distillation_loss(args.loss, where.at(out.logits)[where.mask], temperature=args.loss_temperature,
                                       beta=args.beta, tail=args.topk_tail, **teacher)
         self.train_tokens += int(where.mask.sum())
         loss = per_token.mean() if per_token.numel() else out.logits.sum() * 0.0
+        if recover:
+            loss = loss + args.hidden_weight * recovery_loss(where.at(states[0]), inputs, where.mask)
         return (loss, out) if return_outputs else loss
+
+
+@contextmanager
+def head_input(model):
+    """Yields a list that holds, after the forward, the input of `model`'s output head [B, keep, H]."""
+    seen: list[torch.Tensor] = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def recovery_loss(draft_hidden: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Mean relative squared error ‖h_q − h_p‖² / ‖h_p‖² of the draft's final hidden states [B, n, H] against the
+    target's (`target_hidden`) over the loss positions where those are known; 0 (with a gradient) where none is."""
+    known = mask & inputs["hidden_mask"]
+    target = inputs["target_hidden"][known].float()
+    if not len(target):
+        return draft_hidden.sum() * 0.0
+    error = (draft_hidden[known].float() - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-6)
+    return error.mean()

@@ -111,7 +111,7 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
         drafts["speculative_init"] = Path(settings.draft_init or cfg.paths.draft_init)
     for path in drafts.values():
         if not (path / "config.json").is_file():
-            raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir>")
+            raise PipelineError(f"no draft export at {path}: run stage=calibrate first or set eval.draft=<dir>")
     target = Path(resolve_model(cfg.model.target, "target", cfg.paths))
     tokenizer = load_tokenizer(target)
     stop = stop_token_ids(tokenizer)

@@ -19,19 +19,30 @@ def _save(fig, path: Path) -> str:
 
 
 def acceptance_by_domain(metrics: dict, path: Path) -> str:
-    """Acceptance rate per domain, undistilled vs tuned draft side by side."""
+    """Acceptance rate per domain as eval measured it, undistilled vs tuned draft side by side, with the held-out
+    acceptance each draft's calibration measured (speculative.json) as a marker; a domain calibrated off draws no
+    bar but the word "off", as the table says it."""
     domains = list(metrics["domains"])
     drafts = [m for m in DRAFTS if any(m in metrics["domains"][d] for d in domains)]
+    heldout = metrics.get("heldout_acceptance") or {}
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(domains) + 2), 3.6))
-    width = 0.8 / len(drafts)
+    width = 0.8 / max(len(drafts), 1)
     for i, method in enumerate(drafts):
-        values = [metrics["domains"][d].get(method, {}).get("acceptance_rate", 0.0) for d in domains]
         xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(domains))]
-        bars = ax.bar(xs, values, width, label=DRAFTS[method])
+        runs = [metrics["domains"][d].get(method) for d in domains]
+        on = [(x, r["acceptance_rate"]) for x, r in zip(xs, runs) if r and not r.get("off")]
+        bars = ax.bar([x for x, _ in on], [v for _, v in on], width, label=f"{DRAFTS[method]} (eval)", color=f"C{i}")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        for x, r in zip(xs, runs):
+            if r and r.get("off"):
+                ax.text(x, 0.02, "off", ha="center", va="bottom", fontsize=7, rotation=90, color=f"C{i}")
+        marks = [(x, heldout[method][d]) for x, d in zip(xs, domains) if d in heldout.get(method, {})]
+        if marks:
+            ax.plot([x for x, _ in marks], [v for _, v in marks], "_", ms=14, mew=2, color="k" if i else "grey",
+                    label=f"{DRAFTS[method]} (held-out, calibration)")
     ax.set_xticks(range(len(domains)), domains, rotation=30, ha="right")
     ax.set(ylim=(0, 1.05), ylabel="acceptance rate", title=f"Draft acceptance per domain (T={metrics['temperature']})")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 
@@ -109,16 +120,20 @@ def latency(records: list[dict], path: Path) -> str:
 
 def predicted_vs_measured(metrics: dict, path: Path) -> str:
     """Measured speedup per domain (95% CI) against the calibration's prediction for what ran there, with the
-    ±10% band the prediction should land in."""
+    ±10% band the prediction should land in. Domains at one point (those calibrated off: 1.0 predicted, plain
+    decoding measured) share one label."""
     predicted = metrics["predicted"]
     points = [(predicted[d]["speedup"], d, metrics["domains"][d]["speculative"]) for d in predicted
               if d in metrics["domains"] and "speculative" in metrics["domains"][d]]
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    labels: dict[tuple[float, float], list[str]] = {}
     for x, domain, m in points:
         lo, hi = m.get("speedup_ci95") or (m["speedup"], m["speedup"])
         ax.errorbar([x], [m["speedup"]], yerr=[[m["speedup"] - lo], [hi - m["speedup"]]], fmt="o", capsize=3)
-        ax.annotate(domain + ("" if predicted[domain]["speculate"] else " (off)"), (x, m["speedup"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+        labels.setdefault((round(x, 2), round(m["speedup"], 2)), []).append(
+            domain + ("" if predicted[domain]["speculate"] else " (off)"))
+    for (x, y), names in labels.items():
+        ax.annotate(", ".join(names), (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     values = [v for x, _, m in points for v in (x, *(m.get("speedup_ci95") or (m["speedup"],)))]
     low, high = min(values + [0.9]) - 0.05, max(values + [1.1]) + 0.05
     ax.plot([low, high], [low, high], "k-", lw=0.8)

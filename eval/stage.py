@@ -244,6 +244,13 @@ def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:
             for d, v in table.items() if v is not None}
 
 
+def heldout_acceptance(evaluation: Evaluation) -> dict:
+    """Per draft method, the held-out acceptance its calibration measured per domain (at its calibrated τ, on the
+    reporting part: speculative.json `acceptance.after_calibrated`), for the report's picture beside eval's own."""
+    return {name: dict(draft.spec.acceptance["after_calibrated"]) for name, draft in evaluation.drafts.items()
+            if draft.spec is not None and draft.spec.acceptance.get("after_calibrated")}
+
+
 def fidelity(metrics: dict, records: list[dict], contexts: list[dict], evaluation: Evaluation) -> dict | None:
     """Greedy speculative vs autoregressive output: a separate greedy run when sampling, the benchmark's own
     outputs when greedy; mismatches of the tuned draft in reduced precision are rerun in fp32."""
@@ -310,6 +317,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     predicted = predictions(evaluation, list(prompts))
     if predicted:
         metrics["predicted"] = predicted
+    metrics["heldout_acceptance"] = heldout_acceptance(evaluation)
     if settings.gammas:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)
         laps.lap("gamma_sweep")

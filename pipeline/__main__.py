@@ -39,7 +39,11 @@ def check_settings(cfg: DictConfig) -> None:
         raise PipelineError(f"unknown stage {cfg.stage!r}: use stage={'|'.join(STAGES)}|all|params")
     if cfg.stage == "all":
         DeadlineSettings.from_cfg(cfg)
-    for name in STAGES if cfg.stage in ("all", "params") else [cfg.stage]:
+    names = list(STAGES) if cfg.stage in ("all", "params") else [cfg.stage]
+    if set(names) - {"prepare"}:  # every later stage loads the models
+        from pipeline.models import check_model_settings
+        check_model_settings(cfg)
+    for name in names:
         importlib.import_module(STAGES[name][1]).check_settings(cfg)
 
 
@@ -124,10 +128,27 @@ def _task_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
+def _is_sweep(override: str) -> bool:
+    """A multirun sweep (`key=a,b`): a comma outside brackets and quotes; `key=[0,1]` is one list value."""
+    depth, quote = 0, None
+    for char in override.partition("=")[2]:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            return True
+    return False
+
+
 def _precheck_overrides(argv: list[str]) -> None:
     """Compose once before Hydra does, so an unknown preset, a bad override or a bad setting of any stage that will
     run is one line and nothing is written (Hydra makes its run directory before main); Hydra's own flags skip it."""
-    if any(a.startswith("-") or "," in a for a in argv) or _verbose():
+    if any(a.startswith("-") or _is_sweep(a) for a in argv) or _verbose():
         return
     try:
         cfg = compose_config(argv)

@@ -111,28 +111,22 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
     dtype = DTYPES[spec.get("convert_dtype") or "float32"]
     if path:
         path = os.path.expanduser(str(path))
-        if os.path.isdir(path):
-            if not os.path.exists(os.path.join(path, "config.json")):
-                raise PipelineError(f"{path} has no config.json: point {name}.path at a Hugging Face model directory")
+        kind = path_kind(path, name)
+        if kind == "dir":
             return Path(path)
-        if path.endswith(".gguf"):
-            if not os.path.isfile(path):
-                raise PipelineError(f"model file {path} does not exist: fix {name}.path")
+        if kind == "gguf":
             out = models_dir / f"{Path(path).stem}-{sha256_of(path)[:12]}"
             if not (out / "config.json").exists():
                 _convert(str(Path(path).parent), Path(path).name, out, dtype, {"gguf": os.path.abspath(path)})
             return out
-        if path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path):  # org/name
-            return _from_hub(path, name)
-        raise PipelineError(f"model path {path} does not exist: fix {name}.path (a local directory, "
-                            "a .gguf file, or a hub id like org/name)")
+        return _from_hub(path, name)
     package = spec.get("package")
     if not package:
         raise PipelineError(f"{name} has neither `path` nor `package`: set {name}.path=<dir|hub id> or pick a model preset")
     sha = package["sha256"]
     out = converted_dir(models_dir, spec, name)
     if (out / "config.json").exists():
-        return out
+        return _pinned_layers(out, package, name)
     parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package.get("chunks") or [package]]
     gguf_name = package.get("gguf_name") or Path(parts[0].file).name
     if not gguf_name.endswith(".gguf"):
@@ -145,7 +139,76 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
     _convert(str(gguf.parent), gguf.name, out, dtype, provenance)
     gguf.unlink()  # the wheels stay cached; the de-quantised directory is what later runs load
     print(f"[models] {name}: fetched, verified and converted in {time.time() - t0:.1f}s -> {out}")
-    return out
+    return _pinned_layers(out, package, name)
+
+
+def _pinned_layers(directory: Path, package: dict, name: str) -> Path:
+    """`directory`, once its layer count equals the one its preset pins (what the settings check relied on)."""
+    found = json.loads((directory / "config.json").read_text()).get("num_hidden_layers")
+    if package.get("layers") is not None and found != package["layers"]:
+        raise PipelineError(f"{name}.package.layers={package['layers']} but the pinned file holds {found} layers: "
+                            f"set {name}.package.layers={found}")
+    return directory
+
+
+def path_kind(path: str, name: str) -> str:
+    """What a model `path` names, "dir" (an HF directory), "gguf" (a file) or "hub" (org/name), looking only at the
+    file system; one line for a path that is none of them."""
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise PipelineError(f"{path} has no config.json: point {name}.path at a Hugging Face model directory")
+        return "dir"
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise PipelineError(f"model file {path} does not exist: fix {name}.path")
+        return "gguf"
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path):  # org/name
+        return "hub"
+    raise PipelineError(f"model path {path} does not exist: fix {name}.path (a local directory, "
+                        "a .gguf file, or a hub id like org/name)")
+
+
+def known_layers(spec: dict, name: str, paths: DictConfig | dict) -> int | None:
+    """A model's decoder layer count where it is known without fetching or loading weights: an HF directory's
+    config.json, a converted package's, or the count its preset pins beside the package's sha256; else None."""
+    path = spec.get("path")
+    directory = None
+    if path and path_kind(path, name) == "dir":
+        directory = Path(os.path.expanduser(str(path)))
+    elif not path and spec.get("package"):
+        if spec["package"].get("layers"):
+            return int(spec["package"]["layers"])
+        directory = converted_dir(paths["models"], spec, name)
+    config = directory / "config.json" if directory else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("num_hidden_layers")
+
+
+def check_model_settings(cfg: DictConfig) -> None:
+    """`model.*` checked before any stage writes (pipeline/__main__.py): every local path exists, and the layers a
+    draft keeps are distinct indices inside the model they come from, where its layer count is known."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    for role in ("target", "draft"):
+        if model[role].get("path"):
+            path_kind(model[role]["path"], f"model.{role}")
+    draft = model["draft"]
+    kept = {"derive": ("target", (draft.get("derive") or {}).get("layers"), "model.draft.derive.layers"),
+            "pretrained": ("draft", draft.get("keep_layers"), "model.draft.keep_layers")}.get(draft.get("init"))
+    if kept is None or kept[1] is None:
+        return
+    role, layers, key = kept
+    if (not isinstance(layers, list) or not layers
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise PipelineError(f"{key}={layers!r} is not a list of layer indices: use e.g. {key}=[0,1]")
+    n = known_layers(model[role], f"model.{role}", cfg.paths)
+    bad = [i for i in layers if n is not None and not -n <= i < n]
+    if bad:
+        raise PipelineError(f"{key}={layers} names layers {bad} outside the {n} of model.{role}: use indices in "
+                            f"[0, {n - 1}]")
+    if len({i % n if n else i for i in layers}) < len(layers):
+        raise PipelineError(f"{key}={layers} names a layer twice: use distinct indices")
 
 
 def _from_hub(repo_id: str, name: str) -> Path:

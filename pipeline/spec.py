@@ -175,13 +175,13 @@ class SpeculativeSpec:
         """speculative.json's content (format 3, with evidence.json's), or a format-2 file (one flat object), as
         a spec; one line naming the fix for anything else."""
         if not isinstance(data, dict):
-            raise PipelineError(f"{where} is not a JSON object: re-export the draft with stage=distill")
+            raise PipelineError(f"{where} is not a JSON object: re-export the draft with stage=calibrate")
         version = data.get("version")
         if version == 2:  # format 2 kept every field flat in one file: the constructor's own keywords
             return cls._checked(dict(data) | {"version": VERSION}, where)
         if version != VERSION:
             raise PipelineError(f"{where} has format version {version} (this code reads {VERSION} and 2): re-export "
-                                "the draft with `python -m pipeline stage=distill`, or delete the file to use the "
+                                "the draft with `python -m pipeline stage=calibrate`, or delete the file to use the "
                                 "draft uncalibrated")
         values = {k: v for k, v in data.items() if k != "recipes"}
         values |= _unpacked(data.get("recipes"), where)
@@ -198,7 +198,7 @@ class SpeculativeSpec:
             problem = ", ".join(filter(None, [f"unknown keys {unknown}" if unknown else "",
                                               f"missing keys {missing}" if missing else ""]))
             raise PipelineError(f"{where} does not match format version {VERSION} ({problem}): re-export the draft "
-                                "with `python -m pipeline stage=distill`")
+                                "with `python -m pipeline stage=calibrate`")
         for entry in (values.get("draft_length") or {}).values():
             try:
                 DraftLength.from_dict(entry)

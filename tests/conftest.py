@@ -446,6 +446,14 @@ def assert_headlines_match_requests(metrics: dict, out_dir: Path, methods=("spec
 
 
 # ---------------------------------------------------------------- llama.cpp on the embedded model
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs llama.cpp built from source (minutes on a fresh machine), through whichever fixture,
+    belongs to the second tier (`-m slow`), as the end-to-end runs do."""
+    for item in items:
+        if "llamacpp_build" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def llamacpp_build():
     """llama.cpp built from the pinned sdist (cached under artifacts/engines; a few minutes the first time)."""

@@ -391,7 +391,7 @@ def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, 
     (draft / "speculative.json").write_text(json.dumps(old))
     with pytest.raises(PipelineError, match="format version 1") as info:
         run_stage(tmp_path, models, f"eval.draft={draft}", "eval.baselines=false", "eval.gammas=[]")
-    assert "\n" not in str(info.value) and "stage=distill" in str(info.value)
+    assert "\n" not in str(info.value) and "stage=calibrate" in str(info.value)
     assert not (tmp_path / "artifacts" / "eval").exists()
 
 

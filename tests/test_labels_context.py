@@ -61,7 +61,8 @@ def collected(target, rows, topk: bool, hidden: bool):
 def stage_inputs(target, tmp_path):
     """What attach_teacher_labels reads of the stage's Inputs."""
     settings = OmegaConf.create({"objective": {"teacher": "topk", "loss": "fkl", "lmbda": 0.0, "seq_kd": False,
-                                               "loss_temperature": 1.0, "topk": K}, "heldout": {"batch_size": 2}})
+                                               "loss_temperature": 1.0, "topk": K, "hidden_weight": 0.0},
+                                 "heldout": {"batch_size": 2}})
     return types.SimpleNamespace(target=target, target_ident={"path": "tiny"}, truncation=TRUNCATION, is_main=True,
                                  settings=settings, tokenizer=types.SimpleNamespace(pad_token_id=0),
                                  cfg=OmegaConf.create({"paths": {"cache": str(tmp_path)}}))

@@ -12,14 +12,7 @@ from tests.conftest import REPO
 
 
 @pytest.fixture(scope="session")
-def llamacpp_root():
-    from pipeline.engines import llamacpp
-
-    return llamacpp.build(REPO / "artifacts/engines")
-
-
-@pytest.fixture(scope="session")
-def gguf_pair(llamacpp_root, real_target, tmp_path_factory):
+def gguf_pair(llamacpp_build, real_target, tmp_path_factory):
     """The embedded target's packaged GGUF and a two-layer derived draft exported with an FR-Spec head,
     converted and quantised by llama.cpp to the target's family."""
     from omegaconf import OmegaConf
@@ -37,7 +30,7 @@ def gguf_pair(llamacpp_root, real_target, tmp_path_factory):
     bake_subset(draft, torch.arange(4096))
     out = tmp_path_factory.mktemp("gguf") / "draft.gguf"
     kind = llamacpp.gguf_file_type(target_gguf)
-    return target_gguf, draft_gguf(llamacpp_root, draft, draft_tokenizer, out, kind), kind, tokenizer
+    return target_gguf, draft_gguf(llamacpp_build, draft, draft_tokenizer, out, kind), kind, tokenizer
 
 
 @pytest.mark.smoke
@@ -49,17 +42,17 @@ def test_the_draft_converts_to_the_targets_quantisation_family(gguf_pair):
 
 
 @pytest.mark.smoke
-def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llamacpp_root, gguf_pair, tmp_path):
+def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llamacpp_build, gguf_pair, tmp_path):
     from pipeline.chat import encode_chat, stop_token_ids
     from pipeline.engines import llamacpp
 
     target_gguf, draft, _, tokenizer = gguf_pair
     ids = encode_chat(tokenizer, [{"role": "user", "content": "Name three prime numbers."}])[0].tolist()
     stop = stop_token_ids(tokenizer)
-    with llamacpp.Server(llamacpp_root, target_gguf, log_path=tmp_path / "plain.log") as plain:
+    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "plain.log") as plain:
         reference = plain.complete(ids, 24, Sampling(), 0, stop)
     settings = llamacpp.DraftSettings(n_max=4, p_min=0.0)
-    with llamacpp.Server(llamacpp_root, target_gguf, draft, settings, log_path=tmp_path / "spec.log",
+    with llamacpp.Server(llamacpp_build, target_gguf, draft, settings, log_path=tmp_path / "spec.log",
                          trace=True) as server:
         speculative = server.complete(ids, 24, Sampling(), 0, stop)
         again = server.complete(ids, 24, Sampling(), 0, stop)  # the next request's passes are its own
@@ -78,26 +71,26 @@ def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llama
 
 
 @pytest.mark.smoke
-def test_llama_bench_prices_longer_forwards_no_cheaper_than_a_step(llamacpp_root, gguf_pair):
+def test_llama_bench_prices_longer_forwards_no_cheaper_than_a_step(llamacpp_build, gguf_pair):
     from distill.engines import engine_cost
 
     target_gguf, draft, _, _ = gguf_pair
-    cost = engine_cost(llamacpp_root, target_gguf, draft, max_draft=3, depth=32, repeats=2, threads=None)
+    cost = engine_cost(llamacpp_build, target_gguf, draft, max_draft=3, depth=32, repeats=2, threads=None)
     assert set(cost["verify_ratio"]) == {1, 2, 3} and cost["c"] > 0
     assert cost["target_forward_ms"] > 0 and cost["draft_forward_ms"] > 0
 
 
 @pytest.mark.smoke
-def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(llamacpp_root, gguf_pair):
+def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(llamacpp_build, gguf_pair):
     from distill.engines import HOST_SETTINGS, engine_cost, server_host
     from pipeline.chat import encode_chat
     from pipeline.decoding.cost import host_cost, pass_speedup
 
     target_gguf, draft, _, tokenizer = gguf_pair
-    cost = engine_cost(llamacpp_root, target_gguf, draft, max_draft=4, depth=32, repeats=2, threads=None)
+    cost = engine_cost(llamacpp_build, target_gguf, draft, max_draft=4, depth=32, repeats=2, threads=None)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0].tolist()
                for text in ("Name three prime numbers.", "Say hello in French.")]
-    host = server_host(llamacpp_root, target_gguf, draft, prompts, cost, None)
+    host = server_host(llamacpp_build, target_gguf, draft, prompts, cost, None)
     drafted = sorted(float(n) for n in host["chain"])
     assert len(drafted) == len(HOST_SETTINGS) and 0 < drafted[0] <= 1.0 < drafted[1] <= 4.0  # n_max 1 and 4
     assert host["plain"] >= 0 and all(h >= 0 for h in host["chain"].values())
@@ -108,13 +101,13 @@ def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(ll
     assert pass_speedup(0.5, drafted[0], drafted[0], priced) == pytest.approx(expected)
 
 
-def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_root, tmp_path):
+def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_build, tmp_path):
     from pipeline.engines import llamacpp
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
     with pytest.raises(PipelineError, match="llama-server exited at start") as info:
-        with llamacpp.Server(llamacpp_root, bad, log_path=tmp_path / "server.log", start_timeout=60):
+        with llamacpp.Server(llamacpp_build, bad, log_path=tmp_path / "server.log", start_timeout=60):
             pass
     assert "\n" not in str(info.value) and str(tmp_path / "server.log") in str(info.value)
 
@@ -144,7 +137,7 @@ def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
 
 
 @pytest.mark.smoke
-def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_losslessly(llamacpp_root, real_target,
+def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_losslessly(llamacpp_build, real_target,
                                                                                       real_target_path, tmp_path):
     """eval.engine=llamacpp on the real target: a domain calibrated "off" is served by the plain server, one
     calibrated on by the draft server; greedy tokens equal the plain server's; speedups recompute from the records."""
@@ -199,11 +192,11 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
 
 
 @pytest.mark.smoke
-def test_a_server_that_dies_mid_eval_is_one_line_not_a_hang(llamacpp_root, gguf_pair, tmp_path):
+def test_a_server_that_dies_mid_eval_is_one_line_not_a_hang(llamacpp_build, gguf_pair, tmp_path):
     from pipeline.engines import llamacpp
 
     target_gguf, _, _, _ = gguf_pair
-    with llamacpp.Server(llamacpp_root, target_gguf, log_path=tmp_path / "server.log") as server:
+    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "server.log") as server:
         server.process.kill()
         server.process.wait()
         with pytest.raises(PipelineError, match="llama-server died mid-request") as info:

@@ -24,6 +24,14 @@ BAD = [
     ("calibrate", "distill.calibration.engines=[nope]", "names unknown engines"),
     ("eval", "eval.temperature=-1", "eval.temperature"),
     ("all", "deadline.minutes=-1", "deadline.minutes=-1"),
+    # values TrainingArguments and the model loader took without a word, once (issue 54)
+    ("distill", "distill.trainer.learning_rate=-1", "distill.trainer.learning_rate=-1 is out of range"),
+    ("distill", "distill.trainer.per_device_train_batch_size=0", "per_device_train_batch_size=0 is out of range"),
+    ("distill", "distill.trainer.max_steps=-5", "distill.trainer.max_steps=-5 is out of range"),
+    ("distill", "distill.objective.hidden_weight=-1", "hidden_weight=-1 is negative"),
+    ("collect", "model.draft.derive.layers=[0,99]", "names layers [99] outside the 30 of model.target"),
+    ("collect", "model.draft.derive.layers=[1,1]", "names a layer twice"),
+    ("collect", "model.target.path=/nonexistent", "model path /nonexistent does not exist"),
 ]
 
 

@@ -156,3 +156,64 @@ def test_teacher_labels_in_length_sorted_batches_come_back_in_row_order():
         alone = teacher_labels(target, [row], truncation, 4, vocab, 1, 1)
         assert batched["topk_ids"][i] == alone["topk_ids"][0]
         assert batched["subset_logmass"][i] == pytest.approx(alone["subset_logmass"][0], abs=1e-4)
+
+
+# ---------------------------------------------------------------- the hidden-state recovery loss
+def with_states(model, rows, shift: int = 0):
+    """`rows` with `final_hidden`: `model`'s final hidden states at each completion position (`shift` > 0: the states
+    of the position `shift` later, the last repeated: a deliberately misaligned target)."""
+    from distill.batch import completion_hidden, layout
+
+    out = []
+    for row in rows:
+        with torch.no_grad():
+            states = completion_hidden(model, layout([row["prompt_ids"]], [row["completion_ids"]], 1))[0]
+        if shift:
+            states = torch.cat([states[shift:], states[-1:].repeat(shift, 1)])
+        out.append({**row, "final_hidden": states.numpy().astype("float16").tolist()})
+    return out
+
+
+def batch_loss(trainer) -> float:
+    """The loss over all of the trainer's rows in one batch."""
+    batch = trainer.data_collator(list(trainer.train_dataset))
+    with torch.no_grad():
+        return float(trainer.compute_loss(trainer.model, batch))
+
+
+def test_recovery_loss_vanishes_on_the_drafts_own_states_and_not_on_misaligned_ones(tmp_path):
+    target, draft, rows = rows_and_models()
+    logits_only = batch_loss(build(tmp_path / "a", target, draft, with_states(draft, rows)))
+    own = batch_loss(build(tmp_path / "b", target, draft, with_states(draft, rows), hidden_weight=1.0))
+    shifted = batch_loss(build(tmp_path / "c", target, draft, with_states(draft, rows, shift=1), hidden_weight=1.0))
+    assert own == pytest.approx(logits_only, abs=1e-3)  # fp16 rounding of the stored states
+    assert shifted > logits_only + 0.05  # the wrong variant: states one position off
+
+
+def test_recovery_training_brings_the_drafts_states_toward_the_targets(tmp_path):
+    from distill.trainer import head_input, positions, recovery_loss
+
+    errors = {}
+    for weight in (0.0, 1.0):
+        target, draft, rows = rows_and_models()
+        labelled = with_states(target, rows)
+        trainer = build(tmp_path / str(weight), target, draft, labelled, vocab=SUBSET, hidden_weight=weight)
+        trainer.args.max_steps, trainer.args.learning_rate = 30, 1e-2
+        trainer.train()
+        batch = trainer.data_collator(list(trainer.train_dataset))
+        where = positions(batch)
+        with torch.no_grad(), head_input(draft) as states:
+            draft(**where.forward, logits_to_keep=where.keep)
+        errors[weight] = float(recovery_loss(where.at(states[0]), batch, where.mask))
+    assert errors[1.0] < 0.5 * errors[0.0], errors
+
+
+def test_rows_whose_prompt_the_truncation_cuts_carry_no_hidden_target(tmp_path):
+    target, draft, rows = rows_and_models()
+    trainer = build(tmp_path, target, draft, with_states(target, rows), hidden_weight=1.0)
+    trainer.data_collator.truncation = type(trainer.data_collator.truncation)(9, 8)
+    batch = trainer.data_collator(list(trainer.train_dataset))
+    kept = [len(r["prompt_ids"]) <= 9 for r in rows]
+    assert 0 < sum(kept) < len(rows)
+    assert batch["hidden_mask"].any(1).tolist() == kept
+    assert torch.equal(batch["hidden_mask"], batch["hidden_mask"] & (batch["labels"] != -100))

@@ -59,7 +59,7 @@ def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
     missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
     if missing:
         raise PipelineError(f"building llama.cpp needs {', '.join(missing)} on PATH: install them (e.g. apt-get "
-                            "install cmake ninja-build g++) or point engines.llamacpp.home at a built tree")
+                            f"install cmake ninja-build g++), or put a built tree at {root} (paths.engines)")
     root.mkdir(parents=True, exist_ok=True)
     source = _source(root, version, log)
     log(f"[llamacpp] building {', '.join(BINARIES)} from llama-cpp-python {version} (a few minutes on 2 cores)")
