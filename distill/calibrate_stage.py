@@ -33,7 +33,7 @@ from distill.export import exported_weights, format_table, model_card, save_draf
 from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
-from distill.stage import read_record
+from pipeline.trained import read_record
 from pipeline import speculation_profile as sp
 from pipeline.cost_profile import FILENAME
 from pipeline.errors import PipelineError

@@ -38,6 +38,7 @@ from pipeline.errors import PipelineError
 from pipeline.models import check_compatible
 from pipeline.split import nested_subset
 from pipeline.timing import Laps
+from pipeline.trained import RECORD, RECORD_VERSION
 
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
@@ -47,8 +48,6 @@ ADDED_LATER = {("trainer", "lr_probe"): None, ("trainer", "stop_patience"): None
 # re-merges finished shards rewrites them (wall_s), and must not orphan the checkpoint of the distill run it resumes
 COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "budget", "disk_bytes",
                         "disk_bytes_per_million_tokens")
-RECORD = "training.json"  # in ${paths.trained}: what calibrate needs beside the weights (RECORD_VERSION's keys)
-RECORD_VERSION = 1
 
 
 # ---------------------------------------------------------------- the stage
@@ -242,16 +241,3 @@ def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: Tra
     if not inputs.settings.checkpoint.keep:
         shutil.rmtree(Path(paths.artifacts) / "distill_ckpt" / split.fingerprint, ignore_errors=True)
         shutil.rmtree(initial, ignore_errors=True)
-
-
-def read_record(trained: str | Path) -> dict:
-    """${paths.trained}/training.json, or a one-line error naming the fix."""
-    path = Path(trained) / RECORD
-    if not path.is_file():
-        raise PipelineError(f"no trained draft at {trained} (no {RECORD}): run `python -m pipeline stage=distill` "
-                            "first, or calibrate another draft with distill.calibration.draft=<dir>")
-    record = json.loads(path.read_text())
-    if record.get("version") != RECORD_VERSION:
-        raise PipelineError(f"{path} has version {record.get('version')} (this code reads {RECORD_VERSION}): rerun "
-                            "stage=distill")
-    return record

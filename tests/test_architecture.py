@@ -102,6 +102,40 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every project module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def stage_crossings(graph: dict[str, set[str]], stage_modules: dict[str, str]) -> dict[str, list[str]]:
+    """Per stage, the other stages' modules its code reaches: stages meet on disk, never through code."""
+    return {name: sorted(set(stage_modules.values()) - {module} & reachable(graph, module))
+            for name, module in stage_modules.items()}
+
+
+def test_no_stage_module_imports_another_stage():
+    from pipeline.__main__ import STAGES as STAGE_MODULES
+
+    crossings = stage_crossings(import_graph(REPO), {name: run for name, (run, _) in STAGE_MODULES.items()})
+    assert not {k: v for k, v in crossings.items() if v}, crossings
+
+
+def test_the_stage_crossing_check_sees_one_stage_reaching_another(tmp_path):
+    (tmp_path / "distill").mkdir()
+    (tmp_path / "distill" / "stage.py").write_text("def read():\n    pass\n")
+    (tmp_path / "distill" / "shared.py").write_text("from distill.stage import read\n")
+    (tmp_path / "distill" / "calibrate_stage.py").write_text("import distill.shared\n")
+    graph = import_graph(tmp_path, folders=("distill",))
+    crossings = stage_crossings(graph, {"distill": "distill.stage", "calibrate": "distill.calibrate_stage"})
+    assert crossings == {"distill": [], "calibrate": ["distill.stage"]}
+
+
 def test_no_folder_has_an_import_circle():
     assert import_cycles(import_graph(REPO)) == []
 

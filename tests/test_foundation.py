@@ -278,3 +278,31 @@ def test_auto_dtype_on_cpu_is_measured_on_the_target_once_and_cached(tmp_path, m
     monkeypatch.setattr(dtype_choice, "measure", no_second_measurement)
     assert models.resolve_device({"device": "cpu", "dtype": "auto"}, tmp_path / "model", tmp_path / "cache")[1] == dtype
     assert models.resolve_device({"device": "cpu", "dtype": "float32"}, tmp_path / "model")[1] == torch.float32
+
+
+def test_an_exclusive_lock_makes_a_second_holder_wait_for_the_first(tmp_path):
+    """Two holders of one cached path (two runs, or two test workers, fetching the same model) take turns."""
+    import threading
+
+    from pipeline.atomic import exclusive
+
+    order, held = [], threading.Event()
+
+    def first():
+        with exclusive(tmp_path / "model"):
+            order.append("first in")
+            held.set()
+            threading.Event().wait(0.3)  # long enough for the second to reach the lock
+            order.append("first out")
+
+    def second():
+        held.wait()
+        with exclusive(tmp_path / "model"):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order == ["first in", "first out", "second in"]

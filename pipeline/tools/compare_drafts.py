@@ -13,7 +13,7 @@ import torch
 
 from distill import calibrate as cal
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
-from distill.stage import RECORD, read_record
+from pipeline.trained import RECORD, read_record
 from pipeline.errors import PipelineError
 from pipeline.models import load_model
 from pipeline.spec import SpeculativeSpec

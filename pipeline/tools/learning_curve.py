@@ -51,7 +51,7 @@ def run_point(spec: SpeculativeSpec, source: str, rate: float | None = None) -> 
 def trained_as_spec(directory: Path) -> SpeculativeSpec:
     """A distill stage's ${paths.trained} (training.json) in an export's shape: the trained weights' held-out
     acceptance, the training record and the in-run curve; no calibration, so no predicted speedup."""
-    from distill.stage import read_record
+    from pipeline.trained import read_record
 
     record = read_record(directory)
     return SpeculativeSpec(target={}, sampling=None, draft={}, training=record["training"],
