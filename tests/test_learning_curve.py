@@ -140,3 +140,58 @@ def test_label_cpu_is_priced_at_the_collects_mix_of_sources(tmp_path):
         "old": {"tokens": 50}}}))  # an origin without a recorded cost is left out, not priced at zero
     assert label_rate(str(tmp_path)) == pytest.approx(0.165)
     assert label_rate(str(tmp_path / "none")) is None
+
+
+# ---------------------------------------------------------------- sizing by the window
+def _candidate(path, draft: dict, c: float, data_tokens: int, alpha: float, subset=None):
+    spec = SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.7), draft=draft, vocab_subset=subset,
+                           acceptance={"after": {"overall": alpha}, "after_training": {"overall": alpha}},
+                           predicted_speedup={"overall": 1.0}, cost={"c": c},
+                           training={"data_tokens": data_tokens, "train_fraction": 1.0, "train_tokens": data_tokens,
+                                     "minutes": 1.0})
+    path.mkdir()
+    spec.write(path)
+    return str(path)
+
+
+def test_the_chain_speedup_is_the_best_fixed_gamma_by_hand():
+    from pipeline.tools.learning_curve import chain_speedup
+
+    # c = 0.1, free verification: γ=1 (1 + .5)/1.1 = 1.3636; γ=2 (1 + .75)/1.2 = 1.4583; γ=3 (1 + .875)/1.3 = 1.4423
+    assert chain_speedup(0.5, {"c": 0.1}) == pytest.approx(1.75 / 1.2)
+    assert chain_speedup(0.0, {"c": 0.1}) == 1.0  # no γ pays: plain decoding
+
+
+def test_the_sizing_projects_each_draft_on_its_own_curve_and_finds_the_tokens_to_pass_the_reference(tmp_path):
+    from pipeline.tools.learning_curve import chain_speedup, load_exports, sizing
+
+    published = _candidate(tmp_path / "published", {"init": "pretrained"}, 0.30, 20000, 0.75)
+    shallow = [_candidate(tmp_path / f"shallow-{n}", {"init": "pretrained", "keep_layers": [0, 1, 2]}, 0.10, n, a,
+                          subset=list(range(64))) for n, a in ((10000, 0.40), (20000, 0.45))]
+    rows = sizing(load_exports([published, *shallow]))
+    assert [r["candidate"] for r in rows] == ["pretrained (all layers), full head",
+                                              "pretrained [0, 1, 2], head 64"]
+    ref, cand = rows
+    # its own two runs only: the published draft's point (0.75 at 20k) would bend a mixed curve
+    assert cand["gain_per_doubling"] == pytest.approx(0.05) and cand["runs"] == 2
+    assert cand["projected_acceptance"] == pytest.approx({1: 0.50, 2: 0.55})
+    assert cand["chain_speedup"] == pytest.approx(chain_speedup(0.45, {"c": 0.10}))
+    bar = chain_speedup(0.75, {"c": 0.30})
+    assert ref["chain_speedup"] == pytest.approx(bar)
+    tokens = cand["tokens_to_pass_reference"]
+    assert tokens is not None and tokens > 20000
+    doublings = round(10 * __import__("math").log2(tokens / 20000)) / 10
+    assert chain_speedup(0.45 + 0.05 * doublings, {"c": 0.10}) >= bar  # passes there ...
+    assert chain_speedup(0.45 + 0.05 * (doublings - 0.1), {"c": 0.10}) < bar  # ... and not a tenth of a doubling before
+
+
+def test_the_report_of_several_drafts_carries_the_sizing_table(tmp_path):
+    published = _candidate(tmp_path / "published", {"init": "pretrained"}, 0.30, 20000, 0.70)
+    shallow = _candidate(tmp_path / "shallow", {"init": "derive", "layers": [0, 1]}, 0.10, 20000, 0.40)
+    assert tool("learning-curve", [published, shallow], tmp_path / "report") == 0
+    data = json.loads((tmp_path / "report" / "learning_curve.json").read_text())
+    assert [r["candidate"] for r in data["sizing"]] == ["pretrained (all layers), full head", "derive [0, 1], full head"]
+    assert data["gains"] == [] and data["tokens_needed"] == {}  # no curve drawn through two different drafts
+    md = (tmp_path / "report" / "learning_curve.md").read_text()
+    assert "Sizing by the window" in md and "| derive [0, 1], full head | 0.100 | 1 | 20,000 | 0.400 |" in md
+    assert "no curve (one run)" in md

@@ -13,6 +13,7 @@ import math
 import tempfile
 from pathlib import Path
 
+from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.spec import SpeculativeSpec
 
@@ -120,6 +121,94 @@ def tokens_needed(points: list[dict], targets=(0.3, 0.35, 0.4, 0.5), last: int =
                 need[str(t)] = {"tokens": None, "how": "out of reach"}
         out[d] = {"gain_per_doubling": slope, "tokens": need}
     return out
+
+
+# ---------------------------------------------------------------- sizing by the window
+ALPHA_CAP = 0.95  # a projected acceptance is capped here: the log-line has no ceiling, a draft has
+GAMMAS = range(1, 9)
+DOUBLINGS = (1, 2)  # the sizing projects each candidate this many doublings of labels past its largest run
+
+
+def candidate(spec: SpeculativeSpec) -> str:
+    """A draft's architecture as the sizing table names it: how it was made, the layers it keeps, its head rows."""
+    draft = spec.draft or {}
+    layers = draft.get("layers") or draft.get("keep_layers")
+    kept = f" {layers}" if layers else ("" if draft.get("init") != "pretrained" else " (all layers)")
+    head = f", head {len(spec.vocab_subset):,}" if spec.vocab_subset else ", full head"
+    return f"{draft.get('init', 'draft')}{kept}{head}"
+
+
+def chain_speedup(alpha: float, cost: dict) -> float:
+    """The best fixed-γ chain's predicted speedup at a per-token acceptance α (Leviathan et al. 2023: α i.i.d. per
+    position, E[accepted] = α(1 − α^γ)/(1 − α)), priced by the export's own cost profile (pipeline/decoding/cost.py),
+    or 1 (plain decoding) where no γ pays."""
+    alpha = min(max(alpha, 0.0), ALPHA_CAP)
+    return max([1.0] + [pass_speedup(alpha * (1 - alpha ** g) / (1 - alpha), g, g, cost) for g in GAMMAS])
+
+
+def sizing(exports: list[tuple[str, SpeculativeSpec]], doublings=DOUBLINGS) -> list[dict]:
+    """One row per candidate draft (exports grouped by `candidate`, in the order first named; the first is the
+    reference): its measured c, held-out acceptance at its largest run, gain per doubling of labels (≥ 2 runs),
+    acceptance and chain speedup projected `doublings` further, the calibration's predicted speedup, and the labelled
+    tokens at which its projected chain speedup reaches the reference's now (within REACH× its largest run)."""
+    groups: dict[str, list[dict]] = {}
+    costs = {}
+    for src, spec in exports:
+        if not spec.cost.get("c"):
+            continue  # a trained directory: no calibration, no cost profile
+        groups.setdefault(candidate(spec), []).append(run_point(spec, src))
+        costs[candidate(spec)] = spec.cost
+    rows = []
+    for name, points in groups.items():
+        points.sort(key=lambda p: p["data_tokens"] or 0)
+        last, cost = points[-1], costs[name]
+        alpha = last["acceptance"].get(OVERALL)
+        gain = tokens_needed(points).get(OVERALL, {}).get("gain_per_doubling")
+        ahead = {k: alpha + gain * k for k in doublings} if gain is not None and alpha is not None else {}
+        rows.append({"candidate": name, "c": cost["c"], "runs": len(points), "data_tokens": last["data_tokens"],
+                     "acceptance": alpha, "gain_per_doubling": gain, "projected_acceptance": ahead,
+                     "predicted_speedup": last["predicted_speedup"],
+                     "chain_speedup": chain_speedup(alpha, cost) if alpha is not None else None,
+                     "projected_chain_speedup": {k: chain_speedup(a, cost) for k, a in ahead.items()}})
+    for row in rows[1:]:
+        row["tokens_to_pass_reference"] = tokens_to_pass(row, costs[row["candidate"]], rows[0]["chain_speedup"])
+    return rows
+
+
+def tokens_to_pass(row: dict, cost: dict, bar: float | None) -> int | None:
+    """Labelled tokens at which `row`'s projected chain speedup first reaches `bar` (its own tokens if it already
+    does), stepping a tenth of a doubling up to REACH× its largest run; None beyond that or without a curve."""
+    if bar is None or row["acceptance"] is None or not row["data_tokens"]:
+        return None
+    for tenth in range(int(10 * math.log2(REACH)) + 1):
+        alpha = row["acceptance"] + (row["gain_per_doubling"] or 0.0) * tenth / 10
+        if chain_speedup(alpha, cost) >= bar:
+            return round(row["data_tokens"] * 2 ** (tenth / 10))
+        if not row["gain_per_doubling"] or row["gain_per_doubling"] <= 0:
+            return None
+    return None
+
+
+def sizing_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    ks = DOUBLINGS
+    lines = ["", "Sizing by the window: each candidate's cost c and held-out acceptance α at its largest run, α and the "
+             "best chain's speedup (α i.i.d., the export's cost profile) projected along its curve per doubling of "
+             f"labels, and the labelled tokens at which it reaches the reference ({rows[0]['candidate']}) now:", "",
+             "| candidate | c | runs | tokens | α | gain / doubling | " + " | ".join(f"α at {2 ** k}×" for k in ks)
+             + " | predicted (calibrated) | chain now | " + " | ".join(f"chain at {2 ** k}×" for k in ks)
+             + " | tokens to pass the reference |", "|" + "---|" * (9 + 2 * len(ks))]
+    for r in rows:
+        passing = "reference" if r is rows[0] else _f(r.get("tokens_to_pass_reference"), ",")
+        if r is not rows[0] and r.get("tokens_to_pass_reference") is None:
+            passing = f"> {REACH}× its largest run" if r["gain_per_doubling"] else "no curve (one run)"
+        lines.append(f"| {r['candidate']} | {r['c']:.3f} | {r['runs']} | {_f(r['data_tokens'], ',')} | "
+                     f"{_f(r['acceptance'])} | {_f(r['gain_per_doubling'], '+.3f')} | "
+                     + " | ".join(_f(r["projected_acceptance"].get(k)) for k in ks)
+                     + f" | {_f(r['predicted_speedup'], '.3f')} | {_f(r['chain_speedup'], '.3f')} | "
+                     + " | ".join(_f(r["projected_chain_speedup"].get(k), ".3f") for k in ks) + f" | {passing} |")
+    return lines
 
 
 def _need(entry: dict) -> str:
@@ -239,16 +328,20 @@ def drafts_and_out(tool) -> tuple[list[str], Path]:
 def run(cfg) -> dict:
     drafts, out = drafts_and_out(cfg.tool)
     exports = load_exports(drafts)
+    load_order = list(exports)  # the sizing's reference is the first draft named
     rate = label_rate(cfg.paths.get("collect"))
     points = sorted((run_point(spec, src, rate) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
     exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
     curves = [(Path(src).name if len(exports) > 1 else "run", _with_epochs(spec, rate)) for src, spec in exports
               if spec.learning_curve]
-    gains = doubling_gains(points)
-    needed = tokens_needed(points)
-    md = markdown(points, gains, curves, needed)
+    table = sizing(load_order)
+    if len({candidate(spec) for _, spec in exports}) > 1:  # curves of different drafts: one per draft, in the sizing
+        gains, needed = [], {}
+    else:
+        gains, needed = doubling_gains(points), tokens_needed(points)
+    md = markdown(points, gains, curves, needed) + "\n".join(sizing_markdown(table)) + ("\n" if table else "")
     result = {"runs": points, "gains": gains, "tokens_needed": needed, "in_run": dict(curves),
-              "label_cpu_s_per_token": rate}
+              "label_cpu_s_per_token": rate, "sizing": table}
     write_files(out, {"learning_curve.png": lambda path: plot(points, curves, path),
                       "learning_curve.md": lambda path: path.write_text(md),
                       "learning_curve.json": lambda path: path.write_text(json.dumps(result, indent=1))})
