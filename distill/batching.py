@@ -2,7 +2,7 @@
 docs/architecture.md says how it is measured and priced).
 
 Per domain and measured batch size B, the γ predicted fastest under that B's cost (pipeline/batch_profile.py) is kept
-when it beats plain decoding by `distill.calibration.speculate_margin`, else 0 ("off"). A batch size between two
+when it beats plain decoding by `calibrate.speculate_margin`, else 0 ("off"). A batch size between two
 measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour would
 not. Where the export has engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that
 engine's draft length per batch size.
@@ -110,7 +110,7 @@ def with_batching(spec: SpeculativeSpec, profile: dict, gammas, margin: float) -
 
 def calibrate_batching(inputs, split, spec: SpeculativeSpec, log) -> SpeculativeSpec:
     """The distill stage's optional step: the batch profile of the target and the draft as served, then
-    with_batching; the spec unchanged when distill.calibration.batch_sizes is empty."""
+    with_batching; the spec unchanged when calibrate.batch_sizes is empty."""
     settings = inputs.settings.calibration
     if not settings.batch_sizes:
         return spec

@@ -2,12 +2,12 @@
 profile into the draft's serving recipe, and writes the exports eval and users read.
 
     inputs      = load_target_inputs(cfg)          settings, collected rows, target
-    drafts      = trained_drafts | given_draft     ${paths.trained}'s draft and draft_init, or distill.calibration.draft
+    drafts      = trained_drafts | given_draft     ${paths.trained}'s draft and draft_init, or calibrate.draft
     heldouts    = build_heldouts(inputs, ...)      the rows distill held out (training.json), same parts
     profile     = cost_profile(...)                this device's pass costs (or a given profile)
     spec        = calibrate_draft(...)             τ, γ, policy and tree per domain; speculative.json's numbers
     spec, files = calibrate_engines(...)           + the engines asked for (llama.cpp) and draft.gguf
-    spec        = calibrate_batching(...)          + γ per batch size (distill.calibration.batch_sizes)
+    spec        = calibrate_batching(...)          + γ per batch size (calibrate.batch_sizes)
     save_calibrated(...)                           ${paths.draft}, its card and speculation_profile.json
     and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
 
@@ -64,7 +64,7 @@ class DraftSource:
 # ---------------------------------------------------------------- the stage
 def run(cfg: DictConfig, tracker) -> dict:
     t_start, laps = time.time(), Laps()
-    given = cfg.distill.calibration.get("draft")
+    given = cfg.calibrate.get("draft")
     record = check_draft_dir(Path(given)) if given else read_record(cfg.paths.trained)  # before loading anything
     inputs = load_target_inputs(cfg, tracker)
     main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs, record)
@@ -114,7 +114,7 @@ def trained_drafts(inputs: Inputs, record: dict) -> tuple[DraftSource, DraftSour
 
 
 def given_draft(inputs: Inputs, weights: Path) -> tuple[DraftSource, None, Split]:
-    """distill.calibration.draft=<dir> (a published draft, another run's export) to ${paths.draft}, alone, on the
+    """calibrate.draft=<dir> (a published draft, another run's export) to ${paths.draft}, alone, on the
     held-out rows distill.split chooses; its FR-Spec head and provenance from its speculative.json if it has one."""
     own = SpeculativeSpec.read(weights)
     _, heldout_idx = split_collected(inputs.collected, inputs.settings.split, int(inputs.cfg.seed))
@@ -135,7 +135,7 @@ def engine_rival(init_job: Inputs | None, main: DraftSource, keep_best: bool):
 
 def check_draft_dir(weights: Path) -> None:
     if not (weights / "config.json").is_file():
-        raise PipelineError(f"distill.calibration.draft={weights} is not a model directory (no config.json): point it "
+        raise PipelineError(f"calibrate.draft={weights} is not a model directory (no config.json): point it "
                             "at a draft's weights or export")
 
 
@@ -188,7 +188,7 @@ def export_init(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, pro
                 calibration: Calibration | None) -> None:
     """${paths.draft_init} with its own serving calibration (τ, γ, policy, tree for the same cost profile):
     comparing the distilled draft against an uncalibrated one would credit distillation with what calibration
-    alone buys. distill.calibration.calibrate_init=false: the weights with their held-out acceptance alone."""
+    alone buys. calibrate.calibrate_init=false: the weights with their held-out acceptance alone."""
     if not job.settings.calibration.calibrate_init:
         spec = SpeculativeSpec(job.target_ident, job.sampling, source.info, split.vocab_list, distilled=False,
                                selected="init", acceptance={"before": acceptances(before)}, heldout=heldouts.sizes)

@@ -1,5 +1,5 @@
 """Calibration for the engines that serve the export (speculative.json `engines`), beside our decoder's own
-(`distill.calibration.engines`), each planned under the draft sampling and verification it runs at the version named
+(`calibrate.engines`), each planned under the draft sampling and verification it runs at the version named
 (pipeline/engines/rules.py), recorded per engine (`rules`) and per domain (`rule`).
 
 llama.cpp drafts greedily, at most n_max tokens, and stops *before* a token whose draft probability (softmax over the
@@ -189,7 +189,7 @@ def typical_context(heldout: cal.HeldOut) -> int:
 
 def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill, log,
                       initial=None) -> tuple[SpeculativeSpec, dict[str, Path]]:
-    """speculative.json `engines` for the engines distill.calibration.engines names, and the files the export
+    """speculative.json `engines` for the engines calibrate.engines names, and the files the export
     ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for. `initial`: the draft's weights before
     training, which llama.cpp's draft.gguf is made from where they accept more under its rule (weights_for_rule)."""
     settings = inputs.settings.calibration
@@ -256,12 +256,12 @@ def weights_read_per_step(model) -> int:
 
 def gpu_cost(exported_draft, target, settings) -> dict:
     """The cost summary the GPU engines are planned with: measured on the GPU that serves them when the user gives
-    `distill.calibration.gpu.c`, else the memory-bound model of batch-1 GPU decoding (a step costs the weights it
+    `calibrate.gpu.c`, else the memory-bound model of batch-1 GPU decoding (a step costs the weights it
     reads; a verify of a few tokens costs one step, Leviathan et al. 2023 §3.4)."""
     measured = settings.c is not None
     c = float(settings.c) if measured else weights_read_per_step(exported_draft) / weights_read_per_step(target)
     return {"engine": "gpu", "c": c, "verify_ratio": {n: float(settings.verify_ratio) for n in settings.gammas},
-            "source": "given (distill.calibration.gpu)" if measured else
+            "source": "given (calibrate.gpu)" if measured else
             "assumed: memory-bound batch-1 decoding (c = weights read per step, draft / target; verify = 1 step)"}
 
 

@@ -164,12 +164,12 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
               "drafted tokens (a tree: all its nodes)"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += _engine_lines(spec)
-    if spec.batching:  # distill.calibration.batch_sizes: γ per batch size (distill/batching.py)
+    if spec.batching:  # calibrate.batch_sizes: γ per batch size (distill/batching.py)
         lines += ["", "```", format_batching(spec.batching), "```"]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "
               "with vLLM, SGLang or TensorRT-LLM: each domain's config in speculative.json `engines` "
-              "(distill.calibration.engines; \".\" = <dir>).", ""]
+              "(calibrate.engines; \".\" = <dir>).", ""]
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
     """Checked settings, the collected rows and the target; no draft yet (each stage loads its own)."""
     from accelerate import PartialState
 
-    settings = DistillSettings.from_config(cfg.distill)
+    settings = DistillSettings.from_config(cfg)
     state = PartialState()
     dataset, manifest = load_collected(cfg.paths.collect)
     sampling = serving_sampling(settings.serving, manifest)

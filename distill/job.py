@@ -21,7 +21,7 @@ from pipeline.sampling import Sampling
 class Inputs:
     """Checked settings, the collected rows, the target and the initial draft."""
     cfg: DictConfig
-    settings: DistillSettings  # `cfg.distill`, checked (distill/settings.py)
+    settings: DistillSettings  # `cfg.distill` and `cfg.calibrate`, checked (distill/settings.py)
     tracker: object
     state: object  # accelerate.PartialState
     collected: object  # datasets.Dataset from the collect stage

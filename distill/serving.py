@@ -86,7 +86,7 @@ def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibrat
 
 
 def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
-    """The cost profile γ and the policy are chosen for: distill.calibration.cost.profile when given (another
+    """The cost profile γ and the policy are chosen for: calibrate.cost.profile when given (another
     device's, checked against these models' shapes), else measured here in the serving dtype, with the decoder's
     host work per pass at the serving sampling. The draft's shape, not its weights, sets it."""
     settings = inputs.settings.calibration.cost

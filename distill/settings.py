@@ -1,5 +1,6 @@
 """The distill stage's settings (`distill.*`): one frozen dataclass per group of conf/distill/default.yaml (whose
-comments say what each key does), built by `DistillSettings.from_config(cfg.distill)`, which refuses a missing or an
+comments say what each key does) and of conf/calibrate/default.yaml (the calibrate stage's group, the `calibration`
+field), built by `DistillSettings.from_config(cfg)`, which refuses a missing or an
 unknown key, and checked before anything loads (as eval/settings.py); what needs files or models is checked where they
 load. `trainer` goes to `transformers.TrainingArguments` by name (which validates it), so it stays a read-only
 mapping of which only the keys the stage reads must be there (`TRAINER_READ`). The checkpoint fingerprint
@@ -129,17 +130,17 @@ class HeldoutSettings:
 
 @dataclass(frozen=True)
 class DraftLengthSettings:
-    """`distill.calibration.draft_length`: the confidence-policy settings compared against fixed γ."""
+    """`calibrate.draft_length`: the confidence-policy settings compared against fixed γ."""
     thresholds: tuple[float, ...]      # stop thresholds
     max_lengths: tuple[int, ...]       # most drafts per target pass
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration.draft_length", "thresholds", "max_lengths")
+        _tuple(self, "calibrate.draft_length", "thresholds", "max_lengths")
 
 
 @dataclass(frozen=True)
 class CostSettings:
-    """`distill.calibration.cost`: the device's cost profile (pipeline/cost_profile.py)."""
+    """`calibrate.cost`: the device's cost profile (pipeline/cost_profile.py)."""
     profile: str | None                # a cost_profile.json to calibrate for; null = measure one here
     tokens_fed: tuple[int, ...]        # target forward widths timed
     contexts: tuple[int, ...]          # KV-cache lengths they are timed at
@@ -147,51 +148,51 @@ class CostSettings:
     warmup: int                        # untimed rounds first
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration.cost", "tokens_fed", "contexts")
+        _tuple(self, "calibrate.cost", "tokens_fed", "contexts")
 
 
 @dataclass(frozen=True)
 class LlamaCppCalibrationSettings:
-    """`distill.calibration.llamacpp`: the llama.cpp settings compared per domain (distill/engines.py)."""
+    """`calibrate.llamacpp`: the llama.cpp settings compared per domain (distill/engines.py)."""
     n_max: tuple[int, ...]             # --spec-draft-n-max values compared
     p_min: tuple[float, ...]           # --spec-draft-p-min values compared
     margin: float                      # "off" unless the best is predicted above 1 + margin
     repeats: int                       # llama-bench repetitions per measured forward
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration.llamacpp", "n_max", "p_min")
+        _tuple(self, "calibrate.llamacpp", "n_max", "p_min")
         if not self.n_max or min(self.n_max) < 1 or not all(0.0 <= p < 1.0 for p in self.p_min) or not self.p_min:
-            raise PipelineError(f"distill.calibration.llamacpp: n_max={list(self.n_max)} must be integers >= 1 and "
+            raise PipelineError(f"calibrate.llamacpp: n_max={list(self.n_max)} must be integers >= 1 and "
                                 f"p_min={list(self.p_min)} shares in [0, 1): use e.g. n_max=[1,2,4] p_min=[0.0,0.5]")
 
 
 @dataclass(frozen=True)
 class GpuCalibrationSettings:
-    """`distill.calibration.gpu`: how vLLM, SGLang and TensorRT-LLM are planned (distill/engines.py calibrate_gpu_engines)."""
+    """`calibrate.gpu`: how vLLM, SGLang and TensorRT-LLM are planned (distill/engines.py calibrate_gpu_engines)."""
     gammas: tuple[int, ...]            # num_speculative_tokens values compared
     margin: float                      # "off" unless the best is predicted above 1 + margin
     c: float | None                    # draft step / target step measured on the serving GPU; null = weights ratio
     verify_ratio: float                # a verify pass of up to max(gammas) drafts, in target steps
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration.gpu", "gammas")
+        _tuple(self, "calibrate.gpu", "gammas")
         if not self.gammas or min(self.gammas) < 1 or (self.c is not None and self.c <= 0) or self.verify_ratio < 1:
-            raise PipelineError(f"distill.calibration.gpu: gammas={list(self.gammas)} must be integers >= 1, c={self.c} "
+            raise PipelineError(f"calibrate.gpu: gammas={list(self.gammas)} must be integers >= 1, c={self.c} "
                                 f"> 0 or null, verify_ratio={self.verify_ratio} >= 1: use e.g. gammas=[1,2,4] c=null")
 
 
 @dataclass(frozen=True)
 class HfCalibrationSettings:
-    """`distill.calibration.hf`: HF assisted generation's settings compared and how its passes are timed."""
+    """`calibrate.hf`: HF assisted generation's settings compared and how its passes are timed."""
     gammas: tuple[int, ...]            # num_assistant_tokens values compared (constant schedule)
     margin: float                      # "off" unless the best is predicted above 1 + margin
     prompts: int                       # calibration prompts HF's passes are timed on
     max_new_tokens: int                # tokens per timed request
 
     def __post_init__(self):
-        _tuple(self, "distill.calibration.hf", "gammas")
+        _tuple(self, "calibrate.hf", "gammas")
         if not self.gammas or min(self.gammas) < 1 or self.prompts < 1 or self.max_new_tokens < 2:
-            raise PipelineError(f"distill.calibration.hf: gammas={list(self.gammas)} must be integers >= 1, prompts="
+            raise PipelineError(f"calibrate.hf: gammas={list(self.gammas)} must be integers >= 1, prompts="
                                 f"{self.prompts} >= 1, max_new_tokens={self.max_new_tokens} >= 2: use e.g. gammas=[1,2,4]")
 
 
@@ -201,7 +202,7 @@ ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can 
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """`distill.calibration`: keep_best (distill) and the serving settings the calibrate stage gives a draft
+    """`calibrate.*`: keep_best (both stages) and the serving settings the calibrate stage gives a draft
     (distill/calibrate_stage.py, distill/serving.py)."""
     keep_best: bool                    # export the initial draft unless training raised held-out acceptance
     keep_best_rule: str                # what "raised" means: KEEP_BEST_RULES (distill/calibrate.py keep_best)
@@ -223,20 +224,20 @@ class CalibrationSettings:
     def __post_init__(self):
         if self.batch_sizes is None:  # null = skip, as an empty list
             object.__setattr__(self, "batch_sizes", ())
-        _tuple(self, "distill.calibration", "tau_ratios", "gammas", "engines", "batch_sizes")
+        _tuple(self, "calibrate", "tau_ratios", "gammas", "engines", "batch_sizes")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
-            raise PipelineError(f"distill.calibration.batch_sizes={list(self.batch_sizes)} must be integers >= 1: use "
+            raise PipelineError(f"calibrate.batch_sizes={list(self.batch_sizes)} must be integers >= 1: use "
                                 "e.g. [1,2,4,8,16], or [] to skip the per-batch-size calibration")
         if self.keep_best_rule not in KEEP_BEST_RULES:
-            raise PipelineError(f"distill.calibration.keep_best_rule={self.keep_best_rule!r}: use one of "
+            raise PipelineError(f"calibrate.keep_best_rule={self.keep_best_rule!r}: use one of "
                                 f"{', '.join(KEEP_BEST_RULES)}")
         unknown = sorted(set(self.engines) - set(ENGINES))
         if unknown:
-            raise PipelineError(f"distill.calibration.engines={list(self.engines)} names unknown engines {unknown}: "
+            raise PipelineError(f"calibrate.engines={list(self.engines)} names unknown engines {unknown}: "
                                 f"use a list from {', '.join(ENGINES)} (our decoder is always calibrated)")
         samples = self.tree_samples
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise PipelineError(f"distill.calibration.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
+            raise PipelineError(f"calibrate.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "
                                 "for chains only when sampling")
 
 
@@ -256,14 +257,16 @@ class DistillSettings:
     split: SplitSettings               # held-out prompts and the train share (fingerprinted)
     checkpoint: CheckpointSettings     # checkpoint cadence, resume, time budget
     heldout: HeldoutSettings           # the held-out acceptance simulator
-    calibration: CalibrationSettings   # keep_best and the serving calibration
     serving: ServingSettings           # the serving sampling tuned for
+    calibration: CalibrationSettings   # `calibrate.*`: keep_best and the serving calibration
 
     @classmethod
-    def from_config(cls, distill_cfg: DictConfig) -> DistillSettings:
-        """The settings of `cfg.distill` (interpolations resolved); every key of conf/distill/default.yaml, no
-        other (`trainer` aside: any TrainingArguments name)."""
-        return _build(cls, OmegaConf.to_container(distill_cfg, resolve=True), "distill")
+    def from_config(cls, cfg: DictConfig) -> DistillSettings:
+        """The settings of `cfg.distill` and `cfg.calibrate` (interpolations resolved): every key of
+        conf/distill/default.yaml and conf/calibrate/default.yaml, no other (`trainer` aside: any TrainingArguments
+        name). Calibrate's group is the `calibration` field: both stages read keep_best."""
+        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate", "conf/calibrate/default.yaml")
+        return _build(cls, _group(cfg, "distill"), "distill", built={"calibration": calibration})
 
     def __post_init__(self):
         if not isinstance(self.trainer, Mapping):
@@ -330,17 +333,24 @@ def _check_lr_probe(probe) -> None:
                             "(0, 1], steps: >= 1}: use e.g. distill.trainer.lr_probe.factors=[1.0,0.1,0.01]")
 
 
-def _build(cls, values, where: str):
-    """`cls` from the mapping `values` at `where` (e.g. distill.calibration): every field's key, no other; a
-    dataclass-typed field from its own sub-mapping."""
+def _group(cfg: DictConfig, name: str):
+    if name not in cfg:
+        raise PipelineError(f"the composed config has no `{name}` group: restore conf/{name}/default.yaml and its line "
+                            "in conf/config.yaml's defaults")
+    return OmegaConf.to_container(cfg[name], resolve=True)
+
+
+def _build(cls, values, where: str, source: str = "conf/distill/default.yaml", built: dict | None = None):
+    """`cls` from the mapping `values` at `where` (e.g. calibrate.cost), declared in `source`: every field's key, no
+    other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping."""
     if not isinstance(values, dict):
-        raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from "
-                            "conf/distill/default.yaml")
-    names = [f.name for f in fields(cls)]
-    check_keys(values, names, where, "conf/distill/default.yaml")
+        raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from {source}")
+    built = built or {}
+    names = [f.name for f in fields(cls) if f.name not in built]
+    check_keys(values, names, where, source)
     types = get_type_hints(cls)
-    return cls(**{name: _build(types[name], values[name], f"{where}.{name}") if is_dataclass(types[name])
-                  else values[name] for name in names})
+    return cls(**built, **{name: _build(types[name], values[name], f"{where}.{name}", source)
+                           if is_dataclass(types[name]) else values[name] for name in names})
 
 
 def _plain(value):
@@ -354,6 +364,6 @@ def _plain(value):
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """`distill.*` checked as the stage builds them first, before any row or model loads (pipeline/__main__.py runs it
-    before any stage)."""
-    DistillSettings.from_config(cfg.distill)
+    """`distill.*` and `calibrate.*` checked as the stages build them first, before any row or model loads
+    (pipeline/__main__.py runs it before any stage)."""
+    DistillSettings.from_config(cfg)

@@ -193,7 +193,7 @@ def select_weights(inputs: Inputs, heldouts: HeldOuts, vocab: torch.Tensor | Non
     log(f"keep_best ({calibration.keep_best_rule}): the trained weights {verdict['difference']:+.3f} {ci or ''} over "
         f"the initial ones on the calibration part ({verdict['initial']:.3f} → {verdict['trained']:.3f})")
     if calibration.keep_best and verdict["selected"] == "init":
-        log("keeping the initial draft (distill.calibration.keep_best=false ships the trained one)")
+        log("keeping the initial draft (calibrate.keep_best=false ships the trained one)")
         return {"selected": "init", "verdict": verdict, "after_training": trained, "after": before["reporting"]}
     return {"selected": "distilled", "verdict": verdict, "after_training": trained, "after": trained_summary}
 

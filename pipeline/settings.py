@@ -6,7 +6,7 @@ from pipeline.errors import PipelineError
 
 
 def check_keys(values: dict, names: list[str], where: str, conf_file: str) -> None:
-    """One-line errors for keys of `values` (the group at `where`, e.g. distill.calibration) that `names` does
+    """One-line errors for keys of `values` (the group at `where`, e.g. calibrate) that `names` does
     not declare, and for declared names the group lacks."""
     unknown = [key for key in values if key not in names]
     if unknown:

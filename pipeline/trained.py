@@ -17,7 +17,7 @@ def read_record(trained: str | Path) -> dict:
     path = Path(trained) / RECORD
     if not path.is_file():
         raise PipelineError(f"no trained draft at {trained} (no {RECORD}): run `python -m pipeline stage=distill` "
-                            "first, or calibrate another draft with distill.calibration.draft=<dir>")
+                            "first, or calibrate another draft with calibrate.draft=<dir>")
     record = json.loads(path.read_text())
     if record.get("version") != RECORD_VERSION:
         raise PipelineError(f"{path} has version {record.get('version')} (this code reads {RECORD_VERSION}): rerun "

@@ -293,7 +293,7 @@ def distill_overrides(setup, out: Path, *extra: str) -> list[str]:
             "tracking.enabled=false", "runtime.device=cpu", "runtime.dtype=float32", "model.draft.derive.layers=[0]",
             "model.draft.vocab_subset=0", "distill.trainer.max_steps=40", "distill.trainer.max_epochs=null", "distill.trainer.per_device_train_batch_size=4",
             "distill.heldout.eval_steps=20", "distill.checkpoint.save_steps=20", "distill.trainer.learning_rate=3e-3", "distill.split.heldout_fraction=0.25",
-            "distill.calibration.cost.repeats=2", "distill.calibration.cost.contexts=[16]", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
+            "calibrate.cost.repeats=2", "calibrate.cost.contexts=[16]", "distill.checkpoint.max_train_minutes=null", "seed=0", *extra]
 
 
 def compose_distill(setup, out: Path, *extra: str):
@@ -314,7 +314,7 @@ def run_distill_stage(setup, out: Path, *extra: str):
 
 
 def run_calibrate_stage(setup, out: Path, *extra: str, tracker=None):
-    """Runs the calibrate stage alone on `out`'s trained draft (or distill.calibration.draft=<dir>)."""
+    """Runs the calibrate stage alone on `out`'s trained draft (or calibrate.draft=<dir>)."""
     from distill.calibrate_stage import run
 
     tracker = tracker or RecordingTracker()

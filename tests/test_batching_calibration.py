@@ -140,12 +140,13 @@ def test_settings_take_batch_sizes_from_conf_and_refuse_a_size_below_one(sizes, 
     from distill.settings import DistillSettings
     from tests.conftest import REPO
 
-    cfg = OmegaConf.load(REPO / "conf/distill/default.yaml")
-    cfg.calibration.batch_sizes = sizes
+    cfg = OmegaConf.create({"distill": OmegaConf.load(REPO / "conf/distill/default.yaml"),
+                            "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")})
+    cfg.calibrate.batch_sizes = sizes
     if ok:
         assert DistillSettings.from_config(cfg).calibration.batch_sizes == tuple(sizes or ())
     else:
-        with pytest.raises(PipelineError, match="distill.calibration.batch_sizes"):
+        with pytest.raises(PipelineError, match="calibrate.batch_sizes"):
             DistillSettings.from_config(cfg)
 
 

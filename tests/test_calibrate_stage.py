@@ -32,14 +32,14 @@ def test_calibrate_alone_reproduces_the_runs_recipe_and_a_changed_setting_leaves
     trained, profile = run / "trained", run / "draft" / "cost_profile.json"  # the run's own measured costs
     before = digest(trained)
     same = tmp_path / "same"
-    run_calibrate_stage(setup, same, f"paths.trained={trained}", f"distill.calibration.cost.profile={profile}")
+    run_calibrate_stage(setup, same, f"paths.trained={trained}", f"calibrate.cost.profile={profile}")
     for name in ("draft", "draft_init"):
         ours, theirs = spec_of(same / name), spec_of(run / name)
         assert {k: ours[k] for k in RECIPE} == {k: theirs[k] for k in RECIPE}, name
     # the deliberately changed setting: τ may only be the serving temperature; the recipe differs, the weights do not
     changed = tmp_path / "changed"
-    run_calibrate_stage(setup, changed, f"paths.trained={trained}", f"distill.calibration.cost.profile={profile}",
-                        "distill.calibration.tau_ratios=[1.0]", "distill.calibration.tau_refine=0")
+    run_calibrate_stage(setup, changed, f"paths.trained={trained}", f"calibrate.cost.profile={profile}",
+                        "calibrate.tau_ratios=[1.0]", "calibrate.tau_refine=0")
     serving = spec_of(run / "draft")["sampling"]["temperature"]
     assert set(spec_of(changed / "draft")["draft_temperature"].values()) == {serving}
     assert set(spec_of(run / "draft")["draft_temperature"].values()) != {serving}
@@ -50,17 +50,17 @@ def test_calibrate_alone_reproduces_the_runs_recipe_and_a_changed_setting_leaves
 def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
     run = distilled[2]
     plain = tmp_path / "plain"  # weights alone (distill's draft_init): no speculative.json to read provenance from
-    run_calibrate_stage(setup, plain, f"distill.calibration.draft={run / 'trained' / 'draft_init'}")
+    run_calibrate_stage(setup, plain, f"calibrate.draft={run / 'trained' / 'draft_init'}")
     spec = spec_of(plain / "draft")
     assert spec["distilled"] is False and spec["draft"]["init"] == "pretrained" and spec["gamma"]
     assert spec["acceptance"]["before"] == spec["acceptance"]["after"]  # its own numbers: nothing to compare with
     assert not (plain / "draft_init").exists()  # a given draft is calibrated alone
     published = tmp_path / "published"  # an export: its FR-Spec head and provenance travel with it
-    run_calibrate_stage(setup, published, f"distill.calibration.draft={run / 'draft'}")
+    run_calibrate_stage(setup, published, f"calibrate.draft={run / 'draft'}")
     spec, own = spec_of(published / "draft"), spec_of(run / "draft")
     assert spec["distilled"] is True and spec["training"] == own["training"] and spec["vocab_subset"] == own["vocab_subset"]
     with pytest.raises(PipelineError, match="not a model directory"):
-        run_calibrate_stage(setup, tmp_path / "bad", f"distill.calibration.draft={tmp_path}")
+        run_calibrate_stage(setup, tmp_path / "bad", f"calibrate.draft={tmp_path}")
 
 
 def test_the_off_line_names_the_draft_it_is_about(setup, distilled, tmp_path, capsys):
@@ -68,7 +68,7 @@ def test_the_off_line_names_the_draft_it_is_about(setup, distilled, tmp_path, ca
     drafting can reach turns every domain off for both."""
     out = tmp_path / "off"
     run_calibrate_stage(setup, out, f"paths.trained={distilled[2] / 'trained'}",
-                        "distill.calibration.speculate_margin=1000")
+                        "calibrate.speculate_margin=1000")
     off = [line for line in capsys.readouterr().out.splitlines() if "plain decoding (off) for" in line]
     assert [line.split("] ", 1)[1].split(": plain", 1)[0] for line in off] == [str(out / "draft"), str(out / "draft_init")]
 
@@ -111,8 +111,8 @@ def reads(params: list[str], key: str) -> bool:
 
 
 def calibration_keys_rerunning(params: dict[str, list[str]], stage: str) -> list[str]:
-    distill = yaml.safe_load((REPO / "params.yaml").read_text())["distill"]
-    keys = [k for k in leaf_keys(distill["calibration"], "distill.calibration") if k != "distill.calibration.keep_best"]
+    calibrate = yaml.safe_load((REPO / "params.yaml").read_text())["calibrate"]
+    keys = [k for k in leaf_keys(calibrate, "calibrate") if k not in ("calibrate.keep_best", "calibrate.keep_best_rule")]
     return [k for k in keys if reads(params[stage], k)]
 
 
@@ -121,8 +121,8 @@ def test_a_calibration_setting_reruns_calibrate_and_not_distill_under_dvc():
     assert calibration_keys_rerunning(params, "distill") == []
     assert len(calibration_keys_rerunning(params, "calibrate")) > 20  # every one of them
     assert reads(params["distill"], "distill.trainer.max_steps") and reads(params["distill"], "distill.objective.loss")
-    # the deliberately wrong dvc.yaml (before the split): distill read the whole group, so every knob retrained
-    assert calibration_keys_rerunning({**params, "distill": ["distill"]}, "distill")
+    # the deliberately wrong dvc.yaml: distill reading calibrate's whole group, so every knob would retrain
+    assert calibration_keys_rerunning({**params, "distill": ["distill", "calibrate"]}, "distill")
 
 
 def test_an_engine_judges_the_trained_weights_only_where_keep_best_may_choose():

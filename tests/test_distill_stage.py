@@ -22,7 +22,7 @@ from tests.conftest import (read_spec, REPO, WORD_SPECIALS as SPECIALS, WORD_VOC
 
 # ---------------------------------------------------------------- the stage
 def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distilled, tmp_path):
-    """distill.calibration.cost.profile: γ and the policy are chosen for that profile's costs, which travel with
+    """calibrate.cost.profile: γ and the policy are chosen for that profile's costs, which travel with
     the export; a profile for other model shapes is refused with one line."""
     from pipeline.cost_profile import read_profile, write_profile
 
@@ -31,7 +31,7 @@ def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distill
     slow_draft = json.loads(json.dumps(measured))
     slow_draft["draft"]["ms"] = measured["target"][str(min(map(int, measured["target"])))]["1"]["ms"] * 0.9
     write_profile(tmp_path / "slow_draft.json", slow_draft)
-    run_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow_draft.json'}")
+    run_stage(setup, tmp_path / "out", f"calibrate.cost.profile={tmp_path / 'slow_draft.json'}")
     spec = read_spec(tmp_path / "out" / "draft")
     assert spec["cost"]["c"] == pytest.approx(0.9, rel=0.01)
     fast = read_spec(distilled[2] / "draft")["predicted_speedup"]
@@ -41,7 +41,7 @@ def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distill
     other["shapes"]["target"]["hidden_size"] += 1
     write_profile(tmp_path / "other.json", other)
     with pytest.raises(PipelineError, match="hidden_size"):
-        run_stage(setup, tmp_path / "out2", f"distill.calibration.cost.profile={tmp_path / 'other.json'}")
+        run_stage(setup, tmp_path / "out2", f"calibrate.cost.profile={tmp_path / 'other.json'}")
 
 
 def test_short_distillation_raises_heldout_acceptance(distilled):
@@ -260,11 +260,11 @@ def assert_trees_are_candidates_with_their_predicted_speedup(spec):
 def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp_path):
     from pipeline.spec import SpeculativeSpec
 
-    run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "distill.calibration.tree_samples=4")
+    run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "calibrate.tree_samples=4")
     spec = SpeculativeSpec.read(tmp_path / "draft")
     assert not spec.sampling.greedy and set(spec.tree) == {"chat", "code", "default"}
     assert_trees_are_candidates_with_their_predicted_speedup(spec)
-    run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "distill.calibration.tree_samples=0")
+    run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "calibrate.tree_samples=0")
     assert set(SpeculativeSpec.read(tmp_path / "chains" / "draft").tree.values()) == {None}
 
 
@@ -301,7 +301,7 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     (("distill.objective.lmbda=0.5", "distill.objective.loss=ce"), "loss=ce does not use"),
     (("distill.split.heldout_fraction=1.5",), r"distill\.split\.heldout_fraction=1\.5 must be in \(0, 1\)"),
     (("distill.trainer.max_steps=null", "distill.trainer.max_epochs=null"), "both null"),
-    (("distill.calibration.tree_samples=null",), r"distill\.calibration\.tree_samples=None is not a count"),
+    (("calibrate.tree_samples=null",), r"calibrate\.tree_samples=None is not a count"),
     (("distill.trainer.lr_probe={factors:[1.0,2.0],steps:10}",), r"distill\.trainer\.lr_probe=.* must be null or"),
     (("distill.trainer.stop_patience=0",), r"distill\.trainer\.stop_patience=0 is not a count"),
     (("+distill.objective.no_such_knob=1",), r"unknown setting\(s\) distill\.objective\.no_such_knob"),
@@ -324,7 +324,10 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
     from distill.settings import DistillSettings
 
     yaml = OmegaConf.load(REPO / "conf/distill/default.yaml")
-    settings = DistillSettings.from_config(yaml)
+    calibrate = OmegaConf.load(REPO / "conf/calibrate/default.yaml")
+    settings = DistillSettings.from_config(OmegaConf.create({"distill": yaml, "calibrate": calibrate}))
+    with open_dict(yaml):
+        yaml.calibration = calibrate  # the shape of the settings: calibrate's group is their `calibration` field
 
     def same_keys(value, tree, where="distill"):
         if dataclasses.is_dataclass(value):
@@ -353,14 +356,15 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
         settings, split=dataclasses.replace(settings.split, calibration_share=1)))
     one_line("is outside \\(0, 1\\)", lambda: dataclasses.replace(
         settings, objective=dataclasses.replace(settings.objective, loss="jsd", beta=1.0)))
-    unknown, missing, unread = (copy.deepcopy(yaml) for _ in range(3))
+    unknown, missing, unread = (OmegaConf.create({"distill": OmegaConf.load(REPO / "conf/distill/default.yaml"),
+                                                  "calibrate": copy.deepcopy(calibrate)}) for _ in range(3))
     with open_dict(unknown), open_dict(missing), open_dict(unread):
-        unknown.heldout.no_such_knob = 1
-        del missing.calibration.cost.repeats
-        del unread.trainer.bf16  # a key the stage reads itself; any other TrainingArguments name may come and go
+        unknown.distill.heldout.no_such_knob = 1
+        del missing.calibrate.cost.repeats
+        del unread.distill.trainer.bf16  # a key the stage reads itself; any other TrainingArguments name may come and go
     one_line(r"unknown setting\(s\) distill\.heldout\.no_such_knob",
              lambda: DistillSettings.from_config(unknown))
-    one_line(r"distill\.calibration\.cost\.repeats missing", lambda: DistillSettings.from_config(missing))
+    one_line(r"calibrate\.cost\.repeats missing", lambda: DistillSettings.from_config(missing))
     one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread))
 
 

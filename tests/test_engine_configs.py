@@ -41,7 +41,7 @@ def test_a_wrong_key_or_value_fails_the_check():
 
 
 def test_llama_server_gets_only_flags_of_the_pinned_version():
-    chosen = OmegaConf.load(REPO / "conf/distill/default.yaml").calibration.llamacpp
+    chosen = OmegaConf.load(REPO / "conf/calibrate/default.yaml").llamacpp
     for n_max in chosen.n_max:
         for p_min in chosen.p_min:
             assert unknown_keys("llamacpp", llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(n_max, p_min))) == []

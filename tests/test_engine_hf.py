@@ -70,8 +70,8 @@ def test_distill_calibrates_hf_assisted_with_the_passes_hf_runs(setup, tmp_path)
 
     from tests.conftest import run_distill_stage
 
-    run_distill_stage(setup, tmp_path / "out", "distill.calibration.engines=[hf]", "distill.calibration.hf.prompts=2",
-                      "distill.calibration.hf.max_new_tokens=8", "distill.calibration.hf.gammas=[1,2]")
+    run_distill_stage(setup, tmp_path / "out", "calibrate.engines=[hf]", "calibrate.hf.prompts=2",
+                      "calibrate.hf.max_new_tokens=8", "calibrate.hf.gammas=[1,2]")
     export = tmp_path / "out" / "draft"
     entry = read_spec(export)["engines"]["hf"]
     assert set(entry["cost"]["verify_ratio"]) == {"1", "2"} and entry["cost"]["c"] == 0.0

@@ -28,10 +28,10 @@ def test_weights_read_per_step_count_a_tied_head_once_and_skip_an_untied_input_e
 def gpu_calibrated(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
     cheap, dear = out / "cheap", out / "dear"
-    run_distill_stage(setup, cheap, "distill.calibration.engines=[hf,vllm,sglang,trtllm]", "distill.calibration.gpu.c=0.01",
-                      "distill.calibration.batch_sizes=[1,2]", "distill.calibration.hf.prompts=2",
-                      "distill.calibration.hf.max_new_tokens=8", "distill.calibration.hf.gammas=[1,2]")
-    run_distill_stage(setup, dear, "distill.calibration.engines=[vllm]", "distill.calibration.gpu.c=1.5")
+    run_distill_stage(setup, cheap, "calibrate.engines=[hf,vllm,sglang,trtllm]", "calibrate.gpu.c=0.01",
+                      "calibrate.batch_sizes=[1,2]", "calibrate.hf.prompts=2",
+                      "calibrate.hf.max_new_tokens=8", "calibrate.hf.gammas=[1,2]")
+    run_distill_stage(setup, dear, "calibrate.engines=[vllm]", "calibrate.gpu.c=1.5")
     return (read_spec(cheap / "draft"), cheap / "draft",
             read_spec(dear / "draft"))
 

@@ -37,7 +37,7 @@ def quick_run(tmp_path_factory, real_target_path):
     rerun."""
     artifacts = tmp_path_factory.mktemp("e2e") / "artifacts"
     common = ["experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache()]
-    crashed = _pipeline(*common, f"distill.calibration.draft={artifacts.parent / 'no_such_draft'}")
+    crashed = _pipeline(*common, f"calibrate.draft={artifacts.parent / 'no_such_draft'}")
     resumed = _pipeline(*common)
     return artifacts, crashed, resumed
 
@@ -166,7 +166,7 @@ def test_dvc_repro_follows_the_params_file_of_a_preset(tmp_path, real_target_pat
     assert exp.returncode == 0, (exp.stdout + exp.stderr)[-3000:]
     assert _ran(exp.stdout) == ["distill", "calibrate", "eval"], exp.stdout[-2000:]
     # a calibration setting: calibrate and eval rerun, training does not
-    exp = run("exp", "run", "-S", "distill.calibration.speculate_margin=0.1")
+    exp = run("exp", "run", "-S", "calibrate.speculate_margin=0.1")
     assert exp.returncode == 0, (exp.stdout + exp.stderr)[-3000:]
     assert _ran(exp.stdout) == ["calibrate", "eval"], exp.stdout[-2000:]
     # a collect param of the preset: only collect reads it (its outputs then flow downstream)
@@ -181,12 +181,12 @@ def _ran(dvc_stdout: str) -> list[str]:
 
 
 def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(quick_run):
-    """distill.calibration.engines=[llamacpp] on the quick run's data: llama-bench prices the engine's passes,
+    """calibrate.engines=[llamacpp] on the quick run's data: llama-bench prices the engine's passes,
     every domain gets a llama-server setting or "off", and the export ships the draft as GGUF."""
     artifacts, _, resumed = quick_run
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = _pipeline("experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache(),
-                    f"paths.engines={REPO / 'artifacts/engines'}", "stage=calibrate", "distill.calibration.engines=[llamacpp]")
+                    f"paths.engines={REPO / 'artifacts/engines'}", "stage=calibrate", "calibrate.engines=[llamacpp]")
     assert out.returncode == 0, out.stderr[-3000:]
     spec = read_spec(artifacts / "draft")
     llama = spec["engines"]["llamacpp"]

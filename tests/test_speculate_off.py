@@ -15,7 +15,7 @@ def test_a_draft_as_slow_as_the_target_is_calibrated_off_in_every_domain(setup, 
     step = measured["target"][str(min(map(int, measured["target"])))]["1"]["ms"]
     slow["draft"]["ms"] = step * 1.5  # c = 1.5: a pass costs more than the 2 tokens it can yield at γ = 1
     write_profile(tmp_path / "slow.json", slow)
-    run_distill_stage(setup, tmp_path / "out", f"distill.calibration.cost.profile={tmp_path / 'slow.json'}")
+    run_distill_stage(setup, tmp_path / "out", f"calibrate.cost.profile={tmp_path / 'slow.json'}")
     spec = read_spec(tmp_path / "out" / "draft")
     assert spec["speculate"] and not any(spec["speculate"].values()), spec["speculate"]
     assert all(v < 1.0 for v in spec["predicted_speedup"].values())  # the if-on prediction, kept for the record

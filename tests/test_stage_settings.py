@@ -21,7 +21,7 @@ BAD = [
     ("collect", "collect.batch_size=0", "collect.batch_size=0"),
     ("distill", "distill.objective.loss=nope", "unknown distillation loss 'nope'"),
     ("distill", "distill.objective.loss_temperature=hot", "loss_temperature='hot'"),
-    ("calibrate", "distill.calibration.engines=[nope]", "names unknown engines"),
+    ("calibrate", "calibrate.engines=[nope]", "names unknown engines"),
     ("eval", "eval.temperature=-1", "eval.temperature"),
     ("all", "deadline.minutes=-1", "deadline.minutes=-1"),
     # values TrainingArguments and the model loader took without a word, once (issue 54)

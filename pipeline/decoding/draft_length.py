@@ -100,5 +100,5 @@ class HeuristicPolicy(Policy):
 
 
 # The confidence policy where no calibration chose one: HF assisted generation's default threshold (0.4), so the
-# two decoders stop alike, and the largest cap distill calibrates (distill.calibration.draft_length.max_lengths).
+# two decoders stop alike, and the largest cap distill calibrates (calibrate.draft_length.max_lengths).
 UNCALIBRATED_CONFIDENCE = DraftLength("confidence", 16, 0.4)

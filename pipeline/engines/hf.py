@@ -1,6 +1,6 @@
 """Hugging Face `generate` as a serving engine: plain and assisted generation, with the drafted/accepted tokens of
 every target pass counted and HF's per-pass costs on this device (eval.engine=hf, eval.baselines,
-distill.calibration.engines=[hf]). HF reads the draft length from the *draft's* generation_config
+calibrate.engines=[hf]). HF reads the draft length from the *draft's* generation_config
 (candidate_generator.py AssistedCandidateGenerator), defaulting to 20 tokens, schedule "constant" and confidence
 threshold 0.4 (re-fitted during generation when scikit-learn is installed).
 """

@@ -1,5 +1,5 @@
 """Measure a cost profile on this machine (pipeline/cost_profile.py), at the points distill times
-(distill.calibration.cost). Step times depend on shapes, dtype and hardware, not on weight values, so
+(calibrate.cost). Step times depend on shapes, dtype and hardware, not on weight values, so
 `tool.*_config` builds random weights and a serving machine can be profiled before any training.
 
     python -m pipeline.tools cost-profile tool.target_config=<config.json|dir|preset> tool.draft_config=<...>
