@@ -152,16 +152,17 @@ def sizing(exports: list[tuple[str, SpeculativeSpec]], doublings=DOUBLINGS) -> l
     acceptance and chain speedup projected `doublings` further, the calibration's predicted speedup, and the labelled
     tokens at which its projected chain speedup reaches the reference's now (within REACH× its largest run)."""
     groups: dict[str, list[dict]] = {}
-    costs = {}
     for src, spec in exports:
         if not spec.cost.get("c"):
             continue  # a trained directory: no calibration, no cost profile
-        groups.setdefault(candidate(spec), []).append(run_point(spec, src))
-        costs[candidate(spec)] = spec.cost
-    rows = []
+        groups.setdefault(candidate(spec), []).append(run_point(spec, src) | {"cost": spec.cost})
+    rows, costs = [], {}
     for name, points in groups.items():
         points.sort(key=lambda p: p["data_tokens"] or 0)
-        last, cost = points[-1], costs[name]
+        last = points[-1]
+        cost = costs[name] = last.pop("cost")  # the largest run's profile, as its acceptance
+        for point in points[:-1]:
+            point.pop("cost")
         alpha = last["acceptance"].get(OVERALL)
         gain = tokens_needed(points).get(OVERALL, {}).get("gain_per_doubling")
         ahead = {k: alpha + gain * k for k in doublings} if gain is not None and alpha is not None else {}
