@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from distill import calibrate as cal
 from distill.batching import calibrate_batching
 from distill.engines import calibrate_engines
-from distill.export import exported_weights, format_table, model_card, save_draft
+from distill.export import ExportParts, exported_weights, format_table, model_card, save_draft
 from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
@@ -192,9 +192,9 @@ def export_init(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, pro
     if not job.settings.calibration.calibrate_init:
         spec = SpeculativeSpec(job.target_ident, job.sampling, source.info, split.vocab_list, distilled=False,
                                selected="init", acceptance={"before": acceptances(before)}, heldout=heldouts.sizes)
-        save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, spec, None,
+        save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out,
                    job.target.generation_config,
-                   head_fill=cal.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab))
+                   ExportParts(spec, head_fill=cal.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab)))
         return
     spec, calibration = calibrate_draft(job, split, heldouts, before, profile, source, calibration)
     save_calibrated(job, spec, profile, calibration.head_fill, source,
@@ -214,10 +214,10 @@ def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill
     # calibrated "off" keeps our decoder's; the card says to serve without the draft there)
     for key, value in (hf_setting or spec.draft_length_for(DEFAULT).hf_generation_config()).items():
         setattr(generation_config, key, value)
-    save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, spec,
-               model_card(spec, f"{job.cfg.model.draft.name} ({source.label})"), generation_config,
-               extra={FILENAME: profile, sp.FILENAME: speculation and sp.check(speculation, sp.FILENAME)},
-               head_fill=head_fill, files=files)
+    card = model_card(spec, f"{job.cfg.model.draft.name} ({source.label})")
+    save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, generation_config,
+               ExportParts(spec, card, {FILENAME: profile, sp.FILENAME: speculation and sp.check(speculation, sp.FILENAME)},
+                           head_fill, files))
 
 
 def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,12 +18,21 @@ from pipeline.heads import bake_subset
 from pipeline.spec import DEFAULT, SpeculativeSpec
 
 
-def save_draft(draft, tokenizer, out_dir: str | Path, spec: SpeculativeSpec | None, card: str | None,
-               generation_config=None, extra: dict[str, dict] | None = None, head_fill: torch.Tensor | None = None,
-               files: dict[str, Path] | None = None) -> Path:
-    """save_pretrained + tokenizer (+ speculative.json, README.md, `extra` JSON files such as the cost profile,
-    `files` copied in by name such as draft.gguf) into `out_dir`, replacing it atomically; a subset draft's head
-    rows outside the subset are `head_fill`. (Nine parameters: each is one part of the export directory.)"""
+@dataclass(frozen=True)
+class ExportParts:
+    """What an export directory holds beside the weights, tokenizer and generation config: speculative.json, the
+    model card (README.md), `extra` JSON files such as the cost profile, `files` copied in by name such as
+    draft.gguf, and `head_fill`, a subset draft's head rows outside its subset."""
+    spec: SpeculativeSpec | None = None
+    card: str | None = None
+    extra: dict[str, dict] | None = None
+    head_fill: torch.Tensor | None = None
+    files: dict[str, Path] | None = None
+
+
+def save_draft(draft, tokenizer, out_dir: str | Path, generation_config=None, parts: ExportParts = ExportParts()) -> Path:
+    """save_pretrained + tokenizer (+ `parts`) into `out_dir`, replacing it atomically."""
+    spec, card, extra, head_fill, files = parts.spec, parts.card, parts.extra, parts.head_fill, parts.files
     out_dir = Path(out_dir)
     if spec is not None and spec.vocab_subset:
         draft = exported_weights(draft, spec.vocab_subset, head_fill)

@@ -10,7 +10,7 @@ from distill import tree_choice
 from distill.heldouts import log
 from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
-from pipeline.cost_profile import canary_warning, measure_cost_profile, read_profile, summary
+from pipeline.cost_profile import CostPlan, canary_warning, measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
 
@@ -98,10 +98,9 @@ def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
                                                      "; it has no host block: the decoder's work between forwards "
                                                      "is priced at 0"))
     else:
-        profile = measure_cost_profile(inputs.target, inputs.draft, vocab, tuple(settings.tokens_fed),
-                                       tuple(settings.contexts), repeats=int(settings.repeats),
-                                       warmup=int(settings.warmup), seed=int(inputs.cfg.seed),
-                                       host_sampling=inputs.sampling)
+        plan = CostPlan(tuple(settings.tokens_fed), tuple(settings.contexts), int(settings.repeats),
+                        int(settings.warmup), seed=int(inputs.cfg.seed))
+        profile = measure_cost_profile(inputs.target, inputs.draft, vocab, plan, host_sampling=inputs.sampling)
     if "host" in profile:
         host = profile["host"]
         log(f"decoder host work per pass (target steps): plain {host['plain']:.3f}, chain "

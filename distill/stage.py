@@ -215,7 +215,7 @@ def save_initial(inputs: Inputs, split: Split) -> Path:
     draft_init/, and what keep_best ships when training gains nothing. Saved again on a resume: build_draft makes the
     same weights. Beside the run's checkpoints, not inside them (a run without `checkpoint.resume` clears those)."""
     path = Path(inputs.cfg.paths.artifacts) / "distill_ckpt" / f"{split.fingerprint}.draft_init"
-    save_draft(inputs.draft, inputs.draft_tokenizer, path, None, None, inputs.target.generation_config)
+    save_draft(inputs.draft, inputs.draft_tokenizer, path, inputs.target.generation_config)
     return path
 
 
@@ -235,7 +235,7 @@ def save_trained(inputs: Inputs, split: Split, heldouts: HeldOuts, training: Tra
         if selected["selected"] == "init":
             shutil.copytree(initial, tmp / "draft")
         else:
-            save_draft(inputs.draft, inputs.draft_tokenizer, tmp / "draft", None, None, inputs.target.generation_config)
+            save_draft(inputs.draft, inputs.draft_tokenizer, tmp / "draft", inputs.target.generation_config)
         shutil.copytree(initial, tmp / "draft_init")
         write_json(tmp / RECORD, record)
     if not inputs.settings.checkpoint.keep:

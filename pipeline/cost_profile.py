@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -101,15 +102,28 @@ def _row(by_k: dict[int, list[tuple[float, float]]]) -> dict:
             for k, pairs in by_k.items()}
 
 
+@dataclass(frozen=True)
+class CostPlan:
+    """How a cost profile is timed: the target forwards of each count in `tokens_fed` at each context length in
+    `contexts`, `repeats` paired rounds after `warmup` untimed ones, the draft's step at `draft_context`. conf's
+    calibrate.cost is the declaration of the first four (no defaults here)."""
+    tokens_fed: tuple[int, ...]
+    contexts: tuple[int, ...]
+    repeats: int
+    warmup: int
+    draft_context: int = 64
+    seed: int = 0
+
+
 @torch.no_grad()
-def measure_cost_profile(target, draft, vocab: torch.Tensor | None, tokens_fed, contexts, *, repeats: int, warmup: int,
-                         draft_context: int = 64, seed: int = 0, host_sampling: Sampling | None = None) -> dict:
-    """Time the target's forward of each count in `tokens_fed` at each context length and the draft's 1-token step
-    through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
+def measure_cost_profile(target, draft, vocab: torch.Tensor | None, plan: CostPlan,
+                         host_sampling: Sampling | None = None) -> dict:
+    """Time the target's forward of each count in `plan.tokens_fed` at each context length and the draft's 1-token
+    step through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
     `host_sampling` the decoder's host work per pass too (pipeline/pass_overhead.py); the 1-token step again before and
-    after everything (`canary`: a ratio far from 1 means other load). The timing plan is conf's calibration.cost (its
-    only declaration: no defaults here)."""
-    tokens_fed, contexts = sorted({int(k) for k in tokens_fed}), sorted({int(n) for n in contexts})
+    after everything (`canary`: a ratio far from 1 means other load)."""
+    tokens_fed, contexts = sorted({int(k) for k in plan.tokens_fed}), sorted({int(n) for n in plan.contexts})
+    repeats, warmup, draft_context, seed = int(plan.repeats), int(plan.warmup), int(plan.draft_context), int(plan.seed)
     if 1 not in tokens_fed or not contexts or min(contexts + [draft_context]) < 1 or repeats < 1:
         raise PipelineError("a cost profile needs 1 in tokens_fed, context lengths ≥ 1 and repeats ≥ 1: got "
                             f"tokens_fed={tokens_fed}, contexts={contexts}, draft_context={draft_context}, "

@@ -24,7 +24,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def profile(pair):
-    return cp.measure_cost_profile(*pair, torch.arange(16), **FAST)
+    return cp.measure_cost_profile(*pair, torch.arange(16), cp.CostPlan(**FAST))
 
 
 def test_profile_has_every_count_and_context_with_positive_times(profile):
@@ -54,7 +54,7 @@ def test_a_profile_times_the_decoders_own_passes_and_prices_their_host_work(pair
     from pipeline.decoding.cost import pass_speedup
     from pipeline.sampling import Sampling
 
-    profile = cp.measure_cost_profile(*pair, torch.arange(16), **FAST, host_sampling=Sampling(0.7))
+    profile = cp.measure_cost_profile(*pair, torch.arange(16), cp.CostPlan(**FAST), host_sampling=Sampling(0.7))
     host = profile["host"]
     assert host["sampling"]["temperature"] == 0.7 and host["step_ms"] > 0
     assert set(host["chain"]) == {"1", "4"} and set(host["tree"]) == {"3", "6"}

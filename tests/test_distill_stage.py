@@ -410,7 +410,7 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     from transformers import AutoModelForCausalLM
 
     from pipeline.draft_init import build_draft
-    from distill.export import save_draft
+    from distill.export import ExportParts, save_draft
     from pipeline.heads import restore_full_head, use_subset_head
     from pipeline.sampling import Sampling
     from pipeline.spec import SpeculativeSpec
@@ -421,7 +421,7 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     assert draft(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 4096
     restore_full_head(draft, head)
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)))
-    save_draft(draft, draft_tok, tmp_path / "draft", spec, "# card", target.generation_config)
+    save_draft(draft, draft_tok, tmp_path / "draft", target.generation_config, ExportParts(spec, "# card"))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
                                          add_generation_prompt=True)

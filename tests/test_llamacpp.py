@@ -146,7 +146,7 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
     from hydra import compose, initialize_config_dir
 
     from pipeline.draft_init import build_draft
-    from distill.export import save_draft
+    from distill.export import ExportParts, save_draft
     from eval.stage import run
     from pipeline.decoding import DraftLength
     from pipeline.spec import SpeculativeSpec
@@ -158,7 +158,7 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
                            draft_length={"default": DraftLength("fixed", 2).to_dict()},
                            engines={"llamacpp": {"by_domain": {"code": on, "default": {**on, "speculate": False}}}})
-    save_draft(draft, draft_tokenizer, tmp_path / "draft", spec, "# card", model.generation_config)
+    save_draft(draft, draft_tokenizer, tmp_path / "draft", model.generation_config, ExportParts(spec, "# card"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"{d}-{i}", "domain": d, "turns": [text]}) + "\n"
                                for i, (d, text) in enumerate([("code", "Write a Python function that adds two numbers."),

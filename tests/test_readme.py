@@ -19,7 +19,7 @@ def serving_snippet() -> str:
 def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target, real_target_path, tmp_path,
                                                                       capsys):
     from pipeline.draft_init import build_draft
-    from distill.export import save_draft
+    from distill.export import ExportParts, save_draft
     from pipeline.decoding import DraftLength, autoregressive_generate
     from pipeline.sampling import Sampling
     from pipeline.spec import SpeculativeSpec
@@ -29,7 +29,7 @@ def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
                            draft_length={"default": DraftLength("fixed", 3).to_dict()}, tree={"default": None},
                            draft_temperature={"default": 0.0})
-    save_draft(draft, draft_tokenizer, tmp_path / "draft", spec, "# card", target.generation_config)
+    save_draft(draft, draft_tokenizer, tmp_path / "draft", target.generation_config, ExportParts(spec, "# card"))
     code = serving_snippet()
     paths = 'target_dir, draft_dir = "artifacts/models/SmolLM2-135M-Instruct-b179c9523d0e", "artifacts/draft"'
     assert paths in code, "the snippet's paths line changed: update this test"

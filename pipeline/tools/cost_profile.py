@@ -77,8 +77,8 @@ def run(cfg) -> dict:
     args = options(cfg)
     device, dtype = resolve_device(cfg.runtime)
     target, draft = load(args, "target", device, dtype), load(args, "draft", device, dtype)
-    profile = cp.measure_cost_profile(target, draft, draft_vocab(args, draft), list(args.tokens_fed),
-                                      list(args.contexts), repeats=args.repeats, warmup=args.warmup)
+    plan = cp.CostPlan(tuple(args.tokens_fed), tuple(args.contexts), args.repeats, args.warmup)
+    profile = cp.measure_cost_profile(target, draft, draft_vocab(args, draft), plan)
     cp.write_profile(args.out, profile)
     print(table(profile, args.max_gamma))
     print(f"wrote {args.out}")

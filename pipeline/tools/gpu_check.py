@@ -153,7 +153,7 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     started = time.time()
     steps_done = trainer.train().global_step
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    export = save_draft(draft.eval(), m.tokenizer, out / "draft", None, None, m.target.generation_config)
+    export = save_draft(draft.eval(), m.tokenizer, out / "draft", m.target.generation_config)
     return export, {"steps": steps_done, "seconds": time.time() - started, "train_tokens": trainer.train_tokens,
                     "first_loss": losses[0], "last_loss": losses[-1], "bf16_autocast": bool(args.bf16),
                     "loss": objective["loss"], "teacher": objective["teacher"]}
