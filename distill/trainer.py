@@ -15,10 +15,9 @@ makes the same draws, across a resume too.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -272,7 +271,7 @@ class DistillTrainer(GKDTrainer):
         where, args = positions(inputs), self.args
         teacher = self.teacher_signal(inputs, where)
         recover = float(args.hidden_weight) > 0 and "target_hidden" in inputs
-        with head_input(self.accelerator.unwrap_model(model)) if recover else contextlib.nullcontext() as states:
+        with head_input(self.accelerator.unwrap_model(model)) if recover else nullcontext() as states:
             out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
         per_token = distillation_loss(args.loss, where.at(out.logits)[where.mask], temperature=args.loss_temperature,
                                       beta=args.beta, tail=args.topk_tail, **teacher)
