@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from data.collect_rows import CollectSettings, Completion
 from pipeline.errors import PipelineError
-from pipeline.heads import head_logits, head_rows
+from pipeline.heads import head_inputs, head_logits, head_rows
 
 
 class HFBackend:
@@ -95,7 +95,7 @@ class HFBackend:
         attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
         width = input_ids.shape[1]
         steps_hidden: list[torch.Tensor] = []
-        with head_inputs(self.model, steps_hidden) if self.hidden else contextlib.nullcontext():
+        with head_inputs(self.model, steps_hidden, last_only=True) if self.hidden else contextlib.nullcontext():
             result = self.model.generate(input_ids=input_ids.to(self.device),
                                          attention_mask=attention_mask.to(self.device),
                                          generation_config=self.gen_config)
@@ -184,17 +184,3 @@ def label_text_shard(target, pad_id: int, rows: list[dict], topk: int, hidden: b
             if hidden:
                 out[i]["final_hidden"] = completion.final_hidden
     return out
-
-
-@contextlib.contextmanager
-def head_inputs(model, out: list):
-    """Appends, per forward of `model`, its output head's input at the last position [B, H]: generate keeps one
-    position per step (logits_to_keep=1), so step t's entry is the state that produced generated token t."""
-    def keep(_module, args):
-        out.append(args[0][:, -1].detach())
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
-    try:
-        yield out
-    finally:
-        handle.remove()

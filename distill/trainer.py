@@ -28,7 +28,7 @@ from torch import nn
 from distill.batch import Truncation, layout
 from distill.losses import check_loss, distillation_loss, sparse_teacher
 from distill.settings import ObjectiveSettings
-from pipeline.heads import SubsetHead, column_map, head_logits, head_rows
+from pipeline.heads import SubsetHead, column_map, head_inputs, head_logits, head_rows
 
 with warnings.catch_warnings():  # the experimental-API warning: the TRL version is pinned in pyproject.toml
     warnings.simplefilter("ignore")
@@ -271,7 +271,7 @@ class DistillTrainer(GKDTrainer):
         where, args = positions(inputs), self.args
         teacher = self.teacher_signal(inputs, where)
         recover = float(args.hidden_weight) > 0 and "target_hidden" in inputs
-        with head_input(self.accelerator.unwrap_model(model)) if recover else nullcontext() as states:
+        with head_inputs(self.accelerator.unwrap_model(model), []) if recover else nullcontext() as states:
             out = model(**where.forward, logits_to_keep=where.keep, use_cache=False)
         per_token = distillation_loss(args.loss, where.at(out.logits)[where.mask], temperature=args.loss_temperature,
                                       beta=args.beta, tail=args.topk_tail, **teacher)
@@ -280,17 +280,6 @@ class DistillTrainer(GKDTrainer):
         if recover:
             loss = loss + args.hidden_weight * recovery_loss(where.at(states[0]), inputs, where.mask)
         return (loss, out) if return_outputs else loss
-
-
-@contextmanager
-def head_input(model):
-    """Yields a list that holds, after the forward, the input of `model`'s output head [B, keep, H]."""
-    seen: list[torch.Tensor] = []
-    handle = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 def recovery_loss(draft_hidden: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:

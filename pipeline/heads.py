@@ -6,6 +6,8 @@ weights keep the full vocabulary, so the id list travels in speculative.json and
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,3 +94,18 @@ def bake_subset(model, vocab: torch.Tensor | None, fill: torch.Tensor | None = N
     model.config.get_text_config().tie_word_embeddings = False
     head.weight = nn.Parameter(weight, requires_grad=head.weight.requires_grad)
     return model
+
+
+@contextmanager
+def head_inputs(model, out: list, last_only: bool = False):
+    """Appends to `out`, per forward of `model`, its output head's input [B, L, H] (`last_only`: at the last position,
+    [B, H]: generate keeps one position per step, so step t's entry is the state that produced generated token t);
+    yields `out`."""
+    def keep(_module, args):
+        out.append(args[0][:, -1] if last_only else args[0])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
+    try:
+        yield out
+    finally:
+        handle.remove()

@@ -244,7 +244,7 @@ def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: in
     `hidden`, the final hidden state per completion token, as collect.hidden_states stores it)."""
     from datasets import Dataset
 
-    from data.collect_hf import head_inputs
+    from pipeline.heads import head_inputs
 
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -253,7 +253,7 @@ def write_collect_output(target, path: Path, n_prompts: int = 24, new_tokens: in
         prompt = [2, 4] + torch.randint(6, WORD_VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() + [3, 2, 5]
         ids = torch.tensor([prompt])
         completion, ids_k, lps_k, states = [], [], [], []
-        with torch.no_grad(), head_inputs(target, states):
+        with torch.no_grad(), head_inputs(target, states, last_only=True):
             for _ in range(new_tokens):
                 logp = target(ids).logits[0, -1].float().log_softmax(-1)
                 top = logp.topk(topk)

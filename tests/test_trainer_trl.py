@@ -191,7 +191,8 @@ def test_recovery_loss_vanishes_on_the_drafts_own_states_and_not_on_misaligned_o
 
 
 def test_recovery_training_brings_the_drafts_states_toward_the_targets(tmp_path):
-    from distill.trainer import head_input, positions, recovery_loss
+    from distill.trainer import positions, recovery_loss
+    from pipeline.heads import head_inputs
 
     errors = {}
     for weight in (0.0, 1.0):
@@ -202,7 +203,7 @@ def test_recovery_training_brings_the_drafts_states_toward_the_targets(tmp_path)
         trainer.train()
         batch = trainer.data_collator(list(trainer.train_dataset))
         where = positions(batch)
-        with torch.no_grad(), head_input(draft) as states:
+        with torch.no_grad(), head_inputs(draft, []) as states:
             draft(**where.forward, logits_to_keep=where.keep)
         errors[weight] = float(recovery_loss(where.at(states[0]), batch, where.mask))
     assert errors[1.0] < 0.5 * errors[0.0], errors

@@ -151,18 +151,16 @@ def sizing(exports: list[tuple[str, SpeculativeSpec]], doublings=DOUBLINGS) -> l
     reference): its measured c, held-out acceptance at its largest run, gain per doubling of labels (≥ 2 runs),
     acceptance and chain speedup projected `doublings` further, the calibration's predicted speedup, and the labelled
     tokens at which its projected chain speedup reaches the reference's now (within REACH× its largest run)."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[tuple[dict, dict]]] = {}
     for src, spec in exports:
-        if not spec.cost.get("c"):
-            continue  # a trained directory: no calibration, no cost profile
-        groups.setdefault(candidate(spec), []).append(run_point(spec, src) | {"cost": spec.cost})
+        if spec.cost.get("c"):  # a trained directory has no calibration, no cost profile
+            groups.setdefault(candidate(spec), []).append((run_point(spec, src), spec.cost))
     rows, costs = [], {}
-    for name, points in groups.items():
-        points.sort(key=lambda p: p["data_tokens"] or 0)
-        last = points[-1]
-        cost = costs[name] = last.pop("cost")  # the largest run's profile, as its acceptance
-        for point in points[:-1]:
-            point.pop("cost")
+    for name, runs in groups.items():
+        runs.sort(key=lambda run: run[0]["data_tokens"] or 0)
+        points = [point for point, _ in runs]
+        last, cost = runs[-1]  # the largest run's acceptance, priced by its own cost profile
+        costs[name] = cost
         alpha = last["acceptance"].get(OVERALL)
         gain = tokens_needed(points).get(OVERALL, {}).get("gain_per_doubling")
         ahead = {k: alpha + gain * k for k in doublings} if gain is not None and alpha is not None else {}
