@@ -145,7 +145,9 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
         identity["onpolicy_draft"] = draft_identity(cfg, settings.onpolicy.draft)
     fingerprint = _fingerprint(identity, settings, "served" if settings.backend == "server"
                                else str(dtype).removeprefix("torch."))
-    text = text_rows(read_documents(settings.text), settings.text, tokenizer, identity["stop_token_ids"])
+    documents = read_documents(settings.text, cfg.paths.prompts if settings.labels_prepared_text else None,
+                               tuple(prompts))
+    text = text_rows(documents, settings.text, tokenizer, identity["stop_token_ids"])
     return CollectJob(cfg, settings, prompts, target_path, tokenizer, identity, device, dtype, fingerprint,
                       _plan(prompts, settings.shard_size), state, started, text_shards(text, settings.shard_size))
 
@@ -200,7 +202,8 @@ def _announce(job: CollectJob) -> None:
     if job.text_plan:
         rows = sum(len(rows) for _, rows in job.text_plan)
         tokens = sum(len(row["completion_ids"]) for _, rows in job.text_plan for row in rows)
-        print(f"[collect] text to label: {rows} rows, {tokens} tokens from {list(job.settings.text.paths)} in "
+        sources = [*(["the prepared text"] if job.settings.labels_prepared_text else []), *job.settings.text.paths]
+        print(f"[collect] text to label: {rows} rows, {tokens} tokens from {sources} in "
               f"{len(job.text_plan)} shards ({sum(job.finished(name) for name, _ in job.text_plan)} already done)")
     stale = sorted(p.name for p in job.shard_dir.parent.glob("*") if p.name != job.fingerprint)
     if stale:
@@ -400,7 +403,8 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "label_cost": label_cost(dataset, shard_metas),
         **({"onpolicy": {"share": settings.onpolicy.share, "draft": settings.onpolicy.draft,
                          "draft_identity": identity["onpolicy_draft"]}} if settings.onpolicy.share else {}),
-        **({"text": {"paths": list(settings.text.paths), "domain": settings.text.domain,
+        **({"text": {"paths": list(settings.text.paths), "prepared": settings.labels_prepared_text,
+                     "domain": settings.text.domain,
                      "max_tokens": settings.text.max_tokens, "chunk_tokens": settings.text.chunk_tokens,
                      "shards": len(job.text_plan)}} if job.text_plan else {}),
         "disk_bytes": disk_bytes,

@@ -107,6 +107,12 @@ class CollectSettings:
             if bad:
                 raise PipelineError(message)
 
+    @property
+    def labels_prepared_text(self) -> bool:
+        """collect.text.prepared where it can run: the target in process (hf) and labels kept (topk); a server or vLLM
+        collect skips the prepared text rather than fail on a default."""
+        return self.text.prepared and self.backend == "hf" and bool(self.topk)
+
     @classmethod
     def from_config(cls, collect_cfg: DictConfig, default_seed: int) -> "CollectSettings":
         """The settings in `cfg.collect` (interpolations resolved; a null collect.seed is `default_seed`, the

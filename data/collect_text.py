@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline.errors import PipelineError
+from pipeline.prompts import TEXT_FILE
 from pipeline.settings import check_keys
 
 _FIX = "fix the override or conf/collect/default.yaml"
@@ -28,6 +29,7 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "u
 class TextSettings:
     """`collect.text.*` (what each key does: conf/collect/default.yaml)."""
     paths: tuple[str, ...]      # files or folders; () = off
+    prepared: bool              # also the prepare stage's text (${paths.prompts}/text.jsonl, data.text)
     domain: str                 # the rows' domain where a row names none
     max_tokens: int | None      # label at most this many completion tokens, in file order; None = all
     chunk_tokens: int           # tokens per row of plain text, and the most of a conversation's answer
@@ -35,7 +37,7 @@ class TextSettings:
     @classmethod
     def from_mapping(cls, values) -> "TextSettings":
         if values is None:
-            return cls((), "text", None, 256)
+            return cls((), False, "text", None, 256)
         if not isinstance(values, Mapping):
             raise PipelineError(f"collect.text={values!r} is not a group of settings: {_FIX}")
         check_keys(dict(values), [f.name for f in fields(cls)], "collect.text", "conf/collect/default.yaml")
@@ -51,7 +53,9 @@ class TextSettings:
             numbers[key] = value
         if not isinstance(values["domain"], str) or not values["domain"]:
             raise PipelineError(f"collect.text.domain={values['domain']!r} must be a domain name: {_FIX}")
-        return cls(paths, values["domain"], **numbers)
+        if not isinstance(values["prepared"], bool):
+            raise PipelineError(f"collect.text.prepared={values['prepared']!r} must be true or false: {_FIX}")
+        return cls(paths, values["prepared"], values["domain"], **numbers)
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,11 @@ class Document:
 
 # ----------------------------------------------------------------------------- reading and checking
 
-def read_documents(settings: TextSettings) -> list[Document]:
-    """Every document under collect.text.paths in a fixed order, or one line naming the first bad file or row."""
-    documents = []
+def read_documents(settings: TextSettings, prompts_dir: str | Path | None = None,
+                   domains: tuple[str, ...] = ()) -> list[Document]:
+    """Every document under collect.text.paths in a fixed order, or one line naming the first bad file or row; then,
+    with collect.text.prepared and `prompts_dir`, the prepare stage's text rows (of `domains`, where given)."""
+    documents = _prepared(prompts_dir, domains) if settings.prepared and prompts_dir is not None else []
     for root in settings.paths:
         for path, name in _files(Path(root)):
             documents += _parse(path, f"{Path(root).name}/{name}" if name else Path(root).name, settings.domain)
@@ -75,6 +81,14 @@ def read_documents(settings: TextSettings) -> list[Document]:
         raise PipelineError(f"collect.text.paths={list(settings.paths)} hold no text to label: point them at "
                             "non-empty files")
     return documents
+
+
+def _prepared(prompts_dir: str | Path, domains: tuple[str, ...]) -> list[Document]:
+    path = Path(prompts_dir) / TEXT_FILE
+    if not path.is_file():  # prompts written by hand, or by a prepare stage older than data.text
+        print(f"[collect] collect.text.prepared: no {path} (stage=prepare writes it): no prepared text labelled")
+        return []
+    return [d for d in _parse(path, "prepared", "text") if not domains or d.domain in domains]
 
 
 def _files(root: Path) -> list[tuple[Path, str]]:

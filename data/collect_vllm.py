@@ -23,9 +23,9 @@ class VLLMBackend:
                                 "or use collect.backend=hf") from None
         self.settings, self.topk, self.stop_ids = settings, settings.topk, set(stop_ids)
         self.llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."),
-                       gpu_memory_utilization=float(options.get("gpu_memory_utilization", 0.85)),
-                       tensor_parallel_size=int(options.get("tensor_parallel_size", 1)),
-                       max_model_len=options.get("max_model_len"),
+                       gpu_memory_utilization=float(options["gpu_memory_utilization"]),
+                       tensor_parallel_size=int(options["tensor_parallel_size"]),
+                       max_model_len=options["max_model_len"],
                        max_logprobs=max(self.topk, 1), logprobs_mode="raw_logprobs")
 
     def generate(self, contexts: list[list[int]], seed: int, progress=None) -> list[Completion]:

@@ -3,6 +3,7 @@ manifest.json, SOURCES.md), replaced in one rename; deterministic given cfg.seed
 """
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data import sources
-from pipeline.prompts import SPLITS, load_prompts, normalized_text, write_prompts
+from pipeline.prompts import SPLITS, TEXT_FILE, load_prompts, normalized_text, write_prompts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.errors import PipelineError
 from pipeline.packaged import sha256_of
@@ -56,6 +57,12 @@ def check_settings(cfg) -> None:
             raise PipelineError(f"data.extra_files entry {entry!r} has no path: give a path or "
                                 "{path, split, domain_map}")
         _entry_split(entry, Path(entry.path))
+    shared = sorted(set(data.text.python_source.modules) & set(data.code.stdlib_modules))
+    if shared:
+        raise PipelineError(f"data.text.python_source.modules {shared} are code prompts' modules too (their source "
+                            "answers those prompts): drop them from one of the lists")
+    _count("text.python_source.max_chars", data.text.python_source.max_chars)
+    _count("text.python_docs.max_chars", data.text.python_docs.max_chars)
     if not data.extra_files:  # extra files may add domains: those are known once they are read
         unknown = [domain for domain in data.domains if domain not in BUILTIN_DOMAINS]
         if unknown:
@@ -164,12 +171,15 @@ def run(cfg, tracker=None) -> dict:
     """Build the prompt sets and write them atomically under cfg.paths.prompts; return counts (logged, with the
     manifest and SOURCES.md, by a tracker)."""
     splits, manifest = build(cfg)
+    text, provenance = sources.python_text(cfg.data)
+    manifest["text"] = {"rows": len(text), "chars": sum(len(r["text"]) for r in text), "sources": provenance}
     out = Path(cfg.paths.prompts)
     with atomic_dir(out) as tmp:
         for split, prompts in splits.items():
             write_prompts(tmp / f"{split}.jsonl", prompts)
-        manifest["files"] = {f"{s}.jsonl": {"rows": len(splits[s]), "sha256": sha256_of(tmp / f"{s}.jsonl")}
-                             for s in SPLITS}
+        (tmp / TEXT_FILE).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in text))
+        manifest["files"] = {name: {"rows": len(rows), "sha256": sha256_of(tmp / name)} for name, rows in
+                             [*((f"{s}.jsonl", splits[s]) for s in SPLITS), (TEXT_FILE, text)]}
         write_json(tmp / "manifest.json", manifest)
         if SOURCES_MD.is_file():
             shutil.copyfile(SOURCES_MD, tmp / "SOURCES.md")

@@ -183,6 +183,28 @@ def code(ctx: SourceContext) -> DomainPrompts:
          "files": sorted(by_module), "license": "PSF-2.0"}])
 
 
+def python_text(data) -> tuple[list[dict], list[dict]]:
+    """Rows {"text", "domain", "source"} of data.text (the running interpreter's stdlib source and reference), with
+    their provenance (prepare's check_settings has refused a module a code prompt comes from)."""
+    source, docs = data.text.python_source, data.text.python_docs
+    rows = [{"text": inspect.getsource(importlib.import_module(name))[:int(source.max_chars)], "domain": "code",
+             "source": f"python-stdlib/{name}"} for name in source.modules]
+    total = 0
+    if int(docs.max_chars) > 0:
+        from pydoc_data.topics import topics
+
+        for name in sorted(topics):
+            rows.append({"text": topics[name], "domain": "qa", "source": f"python-reference/{name}"})
+            total += len(topics[name])
+            if total > int(docs.max_chars):
+                break
+    version = ".".join(map(str, sys.version_info[:3]))
+    provenance = [{"role": "text", "origin": f"Python {version} standard library", "files": [
+        *(r["source"] for r in rows if r["domain"] == "code"), *(["pydoc_data/topics.py"] if total else [])],
+        "license": "PSF-2.0"}]
+    return rows, provenance
+
+
 # --------------------------------------------------------------------------------------- math
 def _gsm_symbolic_generators(ctx: SourceContext) -> tuple[dict[int, Any], list[int]]:
     """reasoning-gym's GSM-symbolic generators without installing it: utils.py and the two generator files (stdlib

@@ -51,7 +51,7 @@ def _device(model):
 
 @torch.no_grad()
 def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampling, truncation: Truncation,
-                  support: int = 128, batch_size: int = 8, pad_token_id: int = 0) -> HeldOut:
+                  support: int, batch_size: int, pad_token_id: int) -> HeldOut:
     """One target pass over the held-out rows (rows without a prompt or a completion are dropped)."""
     rows = [dict(zip(("prompt_ids", "completion_ids"), truncation(r))) for r in rows]
     keep = [i for i, r in enumerate(rows) if r["prompt_ids"] and r["completion_ids"]]
@@ -206,7 +206,7 @@ def per_position_acceptance(alpha: torch.Tensor, heldout: HeldOut, positions: to
     return result
 
 
-def summarize(alpha: torch.Tensor, heldout: HeldOut, gamma: int = 4, gamma_max: int = 8) -> dict[str, dict]:
+def summarize(alpha: torch.Tensor, heldout: HeldOut, gamma: int, gamma_max: int = 8) -> dict[str, dict]:
     """Per domain (+ overall): expected acceptance, per-position acceptance, mean accepted length at γ (expected
     tokens per target pass)."""
     out = {}

@@ -77,7 +77,7 @@ HOST_TOKENS, HOST_PROMPTS = 32, 4
 
 
 def server_host(root: Path, target_gguf: Path, draft_gguf: Path, prompts: list[list[int]], cost: dict,
-                threads: int | None) -> dict:
+                engine) -> dict:
     """The `host` block of llama.cpp's cost (pipeline/decoding/cost.py host_cost): llama-server's own work per pass
     beyond the forwards llama-bench prices (sampling over the whole vocabulary, the draft's sampler, the slot's
     bookkeeping), in llama-bench target steps. Timed from the server's per-request `timings` of greedy decodes of
@@ -87,7 +87,8 @@ def server_host(root: Path, target_gguf: Path, draft_gguf: Path, prompts: list[l
 
     def decode(settings):  # (ms per pass, drafts per pass)
         draft = draft_gguf if settings else None
-        with llamacpp.Server(root, target_gguf, draft, settings or llamacpp.DraftSettings(), threads) as server:
+        with llamacpp.Server(root, target_gguf, draft, settings or llamacpp.DraftSettings(), engine.threads,
+                             context=int(engine.context), start_timeout=float(engine.start_timeout)) as server:
             server.complete(prompts[0], 4, Sampling(0.0), 0)  # the first request warms the server's buffers
             ms = passes = drafted = 0.0
             for ids in prompts:
@@ -229,7 +230,7 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     cost = engine_cost(root, target, gguf, max(chosen.n_max), typical_context(heldouts.reporting), chosen.repeats,
                        engine.threads)
     prompts = [list(r["prompt_ids"]) for r in heldouts.reporting.rows[:HOST_PROMPTS]]
-    cost["host"] = server_host(root, target, gguf, prompts, cost, engine.threads)
+    cost["host"] = server_host(root, target, gguf, prompts, cost, engine)
     table = choose_llamacpp(draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
                             list(chosen.n_max), list(chosen.p_min), chosen.margin)
     flags = {domain: llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(entry["n_max"], entry["p_min"]))

@@ -39,7 +39,7 @@ TAILS = ("bucket", "renormalize")
 LK_ETA = 3.0
 
 
-def check_loss(name: str, beta: float = 0.5, tail: str = "bucket", teacher: str = "online") -> None:
+def check_loss(name: str, beta: float, tail: str, teacher: str) -> None:
     """One-line errors for a loss configuration that cannot work."""
     if name not in LOSSES:
         raise PipelineError(f"unknown distillation loss {name!r}: use distill.objective.loss=one of {', '.join(LOSSES)}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,10 @@ import numpy as np
 from omegaconf import DictConfig
 
 from eval import metrics as M
-from eval.harness import interleaved, rotated
+from eval.harness import interleaved, time_requests
 from pipeline import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.chat import encode_chat, messages_for, stop_token_ids
-from pipeline.deadline import would_overrun
 from pipeline.engines import llamacpp
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, model_gguf, resolve_model
@@ -86,37 +84,29 @@ def requests_of(prompts: dict[str, list[dict]], tokenizer) -> list[dict]:
              "ids": encode_chat(tokenizer, messages_for(p, [], 0))[0].tolist()} for p in interleaved(prompts)]
 
 
-def engine_records(requests: list[dict], methods: list[str], call, seed: int, engine: str,
-                   max_minutes: float | None = None) -> list[dict]:
-    """Every request through every method, call(method, request, seed) -> (tokens, seconds, EngineStats), in eval's
-    rotating order with a seed per request, while the next request fits in eval.max_minutes (as eval's own loop)."""
-    from tqdm.auto import tqdm
-
-    records, started, domains = [], time.time(), len({r["domain"] for r in requests})
-    for k, request in enumerate(tqdm(requests, desc=f"eval ({engine})", unit="req", dynamic_ncols=True)):
-        if would_overrun(started, k, max_minutes, first_round=domains):
-            log(f"the next request would pass eval.max_minutes={max_minutes}: stopping after {k} of {len(requests)}")
-            break
-        request_seed = derive_seed(seed, f"eval-{engine}", request["prompt_id"])
-        for method in rotated(methods, k):
-            tokens, seconds, stats = call(method, request, request_seed)
-            records.append({"method": method, "domain": request["domain"], "prompt_id": request["prompt_id"],
-                            "turn": 0, "tokens": tokens, "time_s": seconds, "stats": stats})
-    return records
+def engine_records(requests: list[dict], methods: dict, seed: int, engine: str, settings, clock=None) -> list[dict]:
+    """Every request through every method fn(ids, domain, n, seed) -> (tokens, EngineStats) timed by `clock`, or
+    (clock None) -> (tokens, EngineStats, the engine's own seconds), through eval's harness (a seed per request;
+    eval.max_minutes as eval's own loop). The caller warms each engine up: a method's server may differ by domain."""
+    requests = [r | {"seed": derive_seed(seed, f"eval-{engine}", r["prompt_id"])} for r in requests]
+    return time_requests(requests, methods, settings.max_new_tokens, clock, f"eval ({engine})",
+                         max_minutes=settings.max_minutes)
 
 
 def run_requests(requests: list[dict], plan: dict, servers: dict, settings, seed: int, stop: list[int]) -> list[dict]:
-    """Every request through every method's server (a warm-up request first, untimed); times are the server's."""
+    """Every request through every method's server (a warm-up request to each first, untimed); times are the
+    server's."""
     for server in servers.values():
         server.complete(requests[0]["ids"], settings.warmup_tokens, settings.sampling, seed)
 
-    def call(method, request, request_seed):
-        out = servers[plan[method][request["domain"]]].complete(request["ids"], settings.max_new_tokens,
-                                                               settings.sampling, request_seed, stop)
-        timings, passes = out["timings"], out.get("passes") or []
-        return out["tokens"], (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3, \
-            EngineStats([a for a, _ in passes], [d for _, d in passes])
-    return engine_records(requests, list(plan), call, seed, "llamacpp", settings.max_minutes)
+    def method(name):
+        def decode(ids, domain, n, request_seed):
+            out = servers[plan[name][domain]].complete(ids, n, settings.sampling, request_seed, stop)
+            timings, passes = out["timings"], out.get("passes") or []
+            return (out["tokens"], EngineStats([a for a, _ in passes], [d for _, d in passes]),
+                    (float(timings.get("prompt_ms", 0)) + float(timings["predicted_ms"])) / 1e3)
+        return decode
+    return engine_records(requests, {name: method(name) for name in plan}, seed, "llamacpp", settings)
 
 
 def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, Path], plan: dict, engine,
@@ -126,8 +116,9 @@ def start_servers(stack: ExitStack, root: Path, target: Path, drafts: dict[str, 
     for key in {entry for by_domain in plan.values() for entry in by_domain.values()}:
         name, setting = key
         servers[key] = stack.enter_context(llamacpp.Server(
-            root, target, drafts.get(name), setting, engine.threads, int(engine.context),
-            out_dir / f"server-{name or 'plain'}-{len(servers)}.log", float(engine.start_timeout), trace=True))
+            root, target, drafts.get(name), setting, engine.threads, context=int(engine.context),
+            start_timeout=float(engine.start_timeout), log_path=out_dir / f"server-{name or 'plain'}-{len(servers)}.log",
+            trace=True))
         log(f"llama-server {name or 'plain'} {' '.join(setting.flags()) or '(defaults)'} on {servers[key].url}")
     return servers
 

@@ -10,7 +10,7 @@ speculative_config carries the draft and rejection sampling of the rule distill'
 from __future__ import annotations
 
 import json
-import time
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,6 +23,7 @@ from pipeline.decoding import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.models import load_tokenizer, resolve_model
 from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.timing import synced_clock
 
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
@@ -87,21 +88,22 @@ def counters(llm) -> dict[str, float]:
     return {m.name: float(m.value) for m in llm.get_metrics() if m.name in COUNTERS}
 
 
-def generate(llm, ids: list[int], settings, seed: int, stop: list[int]) -> tuple[list[int], float, EngineStats]:
-    """One request at batch 1: (token ids, seconds, the engine's drafted/accepted counts for it)."""
+def generate(llm, ids: list[int], n: int, settings, seed: int, stop: list[int]) -> tuple[list[int], EngineStats]:
+    """One request at batch 1: (token ids, the engine's drafted/accepted counts for it)."""
     from vllm import SamplingParams, TokensPrompt
 
     sampling = settings.sampling
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
-                            max_tokens=settings.max_new_tokens, seed=seed % 2**31, stop_token_ids=stop,
-                            detokenize=False)
+                            max_tokens=n, seed=seed % 2**31, stop_token_ids=stop, detokenize=False)
     before = counters(llm)
-    started = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
-    seconds = time.perf_counter() - started
     after = counters(llm)
     drafted, accepted = (int(after.get(name, 0.0) - before.get(name, 0.0)) for name in COUNTERS)
-    return list(out.token_ids), seconds, EngineStats([accepted], [drafted])
+    return list(out.token_ids), EngineStats([accepted], [drafted])
+
+
+def _decode(engines: dict, routes: dict, settings, stop: list[int], ids, domain, n, seed):
+    return generate(engines[routes[domain]], ids, n, settings, seed, stop)
 
 
 def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
@@ -120,11 +122,10 @@ def run_vllm(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out
     engines = start_engines(target, plan, cfg.engines.vllm, "bfloat16" if cfg.runtime.dtype == "auto" else
                             str(cfg.runtime.dtype))
     for llm in engines.values():  # warm-up: CUDA graphs and the allocator stay out of the timed requests
-        generate(llm, requests[0]["ids"], settings, int(cfg.seed), stop)
+        generate(llm, requests[0]["ids"], settings.warmup_tokens, settings, int(cfg.seed), stop)
     methods = list(plan)
-    records = engine_records(requests, methods, lambda method, request, request_seed: generate(
-        engines[plan[method][request["domain"]]], request["ids"], settings, request_seed, stop), int(cfg.seed), "vllm",
-        settings.max_minutes)
+    decoders = {name: partial(_decode, engines, plan[name], settings, stop) for name in methods}
+    records = engine_records(requests, decoders, int(cfg.seed), "vllm", settings, synced_clock("cuda"))
     greedy = settings.sampling.greedy
     metrics = {"engine": "vllm", "version": __import__("vllm").__version__, "temperature": settings.temperature,
                "methods": methods, "plan": plan, "source": source, "requests": requests_done(records, requests, methods),

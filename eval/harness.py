@@ -1,6 +1,9 @@
-"""Eval's one timing harness: every request decoded by every method back to back, in rotating order, after a
-warm-up. A method that decodes plainly on a domain (calibrated "off") reuses the plain run (its record, one of
-eval/metrics.py's, gets "reused": "autoregressive"); a request whose timing stalled is re-timed (eval.stall).
+"""The one timing harness of every timed comparison: every request decoded by every method back to back, in
+rotating order, after a warm-up (`time_round`, `time_requests`). Eval's benchmark adds its own rules on top: a
+method that decodes plainly on a domain (calibrated "off") reuses the plain run (its record, one of
+eval/metrics.py's, gets "reused": "autoregressive"), and a request whose timing stalled is re-timed (eval.stall).
+The sweeps (eval/sweeps.py), the engines (eval/engine_llamacpp.py, eval/engine_vllm.py) and gpu-check time through
+`time_requests`; tests/test_architecture.py fails on a timing loop anywhere else.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ PLAIN = "autoregressive"
 
 
 def timed(fn, ids, domain, n, seed, clock) -> tuple[list[int], object, float]:
+    """(tokens, stats, seconds) of one decode; clock None: fn times itself (an engine's own timings, a server's)."""
+    if clock is None:
+        return fn(ids, domain, n, seed)
     start = clock()
     tokens, stats = fn(ids, domain, n, seed)
     return tokens, stats, clock() - start
@@ -39,6 +45,45 @@ def decodes_plainly(evaluation: Evaluation, method: str, domain: str) -> bool:
     run's, and timing it again would only measure noise as a speedup."""
     plan = (evaluation.plans or {}).get(method, {}).get(domain)
     return plan is not None and not plan.speculates
+
+
+def time_round(request: dict, methods: dict, names: list, n: int, clock) -> dict[str, dict]:
+    """{name: record} of one request decoded by each of `names`, in that order, all with the request's seed."""
+    records = {}
+    for name in names:
+        tokens, stats, seconds = timed(methods[name], request["ids"], request["domain"], n, request["seed"], clock)
+        records[name] = {"method": name, "domain": request["domain"], "prompt_id": request.get("prompt_id"),
+                         "turn": request.get("turn", 0), "tokens": tokens, "time_s": seconds, "stats": stats}
+    return records
+
+
+def time_requests(requests: list[dict], methods: dict, n: int, clock, label: str, warmup_tokens: int | None = None,
+                  max_minutes: float | None = None) -> list[dict]:
+    """Records of every request {ids, domain, seed, prompt_id?, turn?} decoded by every method fn(ids, domain, n,
+    seed) -> (tokens, stats) (clock None: -> (tokens, stats, seconds), the method's own timing), who runs first
+    rotating with each request; `warmup_tokens`: an untimed decode of the first request by each method first;
+    `max_minutes`: no request starts that would end past it (the first round, one request a domain, always runs)."""
+    from tqdm.auto import tqdm
+
+    first, names = requests[0], list(methods)
+    for name in names if warmup_tokens else ():  # allocator, lazy imports and kernel choice stay out of the timing
+        methods[name](first["ids"], first["domain"], warmup_tokens, first["seed"])
+    records, started, domains = [], time.time(), len({r["domain"] for r in requests})
+    for k, request in enumerate(tqdm(requests, desc=label, unit="req", dynamic_ncols=True)):
+        if would_overrun(started, k, max_minutes, first_round=domains):
+            print(f"[{label}] the next request would pass {max_minutes} minutes: stopping after {k} of {len(requests)}")
+            break
+        fresh = time_round(request, methods, rotated(names, k), n, clock)
+        records += [fresh[name] for name in names]
+    return records
+
+
+def by_method(records: list[dict]) -> dict[str, list[dict]]:
+    """{method: its records in request order}."""
+    out: dict[str, list[dict]] = {}
+    for record in records:
+        out.setdefault(record["method"], []).append(record)
+    return out
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -100,11 +145,8 @@ def time_request(context: dict, methods: dict, evaluation: Evaluation, clock) ->
     (decodes_plainly) as copies of the autoregressive record."""
     domain, n = context["domain"], evaluation.settings.max_new_tokens
     plain = [name for name in methods if name != PLAIN and decodes_plainly(evaluation, name, domain)]
-    records = {}
-    for name in rotated([m for m in methods if m not in plain], context["rotation"]):
-        tokens, stats, seconds = timed(methods[name], context["ids"], domain, n, context["seed"], clock)
-        records[name] = {"method": name, "domain": domain, "prompt_id": context["prompt_id"], "turn": context["turn"],
-                         "tokens": tokens, "time_s": seconds, "stats": stats}
+    records = time_round(context, methods, rotated([m for m in methods if m not in plain], context["rotation"]), n,
+                         clock)
     for name in plain:
         records[name] = records[PLAIN] | {"method": name, "reused": PLAIN}
     return [records[name] for name in methods]

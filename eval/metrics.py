@@ -246,12 +246,11 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
 
 # Plain decoding and HF generate run the same computation, so per request their tokens/s agree within a few percent
 # on a quiet machine; a request where they part by more than the band (eval.control_band, fixed before a run) was
-# disturbed by other load. CONTROL_BAND is the default of callers that pass none.
+# disturbed by other load.
 CONTROL = "hf_generate"
-CONTROL_BAND = (0.8, 1.25)
 
 
-def disturbed_requests(records: list[dict], band: tuple[float, float] = CONTROL_BAND) -> list[tuple]:
+def disturbed_requests(records: list[dict], band: tuple[float, float]) -> list[tuple]:
     """(domain, prompt_id, turn) of the requests whose control pair (plain decoding, HF generate) disagree beyond
     `band` in tokens/s; [] when HF generate did not run."""
     ar = per_request([r for r in records if r["method"] == AUTOREGRESSIVE])
@@ -277,7 +276,7 @@ def _speedups(summary: dict) -> dict:
             for m, v in summary.items() if isinstance(v, dict) and "speedup_ci95" in v}
 
 
-def control_check(records: list[dict], greedy: bool, band: tuple[float, float] = CONTROL_BAND) -> dict | None:
+def control_check(records: list[dict], greedy: bool, band: tuple[float, float]) -> dict | None:
     """metrics.json's `control`: the band (fixed before the run), the disturbed requests, each method's overall
     speedup over every request (`unfiltered`, the headline) and, without the disturbed ones, each method's overall
     speedup and the comparisons (`without_disturbed`, the filtered figure; None when HF generate did not run)."""
@@ -294,8 +293,8 @@ def control_check(records: list[dict], greedy: bool, band: tuple[float, float] =
     return out
 
 
-def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float,
-          band: tuple[float, float] = CONTROL_BAND, stalls: dict | None = None, min_ci_requests: int = 2) -> dict:
+def build(records: list[dict], plans: dict[str, dict[str, dict]], temperature: float, *, band: tuple[float, float],
+          min_ci_requests: int, stalls: dict | None = None) -> dict:
     """metrics.json's core; plans[draft][domain] is the DraftPlan that draft ran with ("default" for `overall`).
     Requests `stalls` (eval/harness.py retime_stalls) left disturbed are kept out of every figure
     (`stalls.unfiltered`: the overall speedups with them). Per domain, intervals need `min_ci_requests` requests."""

@@ -8,7 +8,7 @@ from functools import partial
 from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
-from eval.harness import rotated, timed
+from eval.harness import by_method, time_requests
 from pipeline.batch_profile import batch_cost, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding import DraftPlan, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.sampling import derive_seed
@@ -18,20 +18,13 @@ from pipeline.timing import synced_clock
 def _interleaved_runs(requests: list[dict], methods: dict, evaluation: Evaluation, seed: int, label: str,
                       warmup: bool = False) -> dict:
     """{name: [{tokens, time_s, stats}] per request}: each request decoded by every method {name: fn(ids, domain, n,
-    seed)} in rotating order, with seeds of their own (not the main run's); `warmup`: an untimed first decode."""
-    from tqdm.auto import tqdm
-
-    settings, clock = evaluation.settings, synced_clock(evaluation.device)
-    for fn in methods.values() if warmup else ():  # new shapes (a batch size) choose their kernels here
-        fn(requests[0]["ids"], requests[0]["domain"], settings.warmup_tokens, seed)
-    runs: dict = {name: [] for name in methods}
-    for k, request in enumerate(tqdm(requests, desc=f"{label} sweep", unit="req", dynamic_ncols=True)):
-        request_seed = derive_seed(seed, f"eval-{label}-sweep", k)
-        for name in rotated(list(methods), k):
-            tokens, stats, seconds = timed(methods[name], request["ids"], request["domain"], settings.max_new_tokens,
-                                           request_seed, clock)
-            runs[name].append({"tokens": tokens, "time_s": seconds, "stats": stats})
-    return runs
+    seed)} through the harness, with seeds of their own (not the main run's); `warmup`: an untimed first decode
+    (new shapes, a batch size, choose their kernels there)."""
+    settings = evaluation.settings
+    requests = [r | {"seed": derive_seed(seed, f"eval-{label}-sweep", k)} for k, r in enumerate(requests)]
+    records = time_requests(requests, methods, settings.max_new_tokens, synced_clock(evaluation.device),
+                            f"{label} sweep", settings.warmup_tokens if warmup else None)
+    return by_method(records)
 
 
 def _against_plain(methods: dict, points: dict) -> dict:

@@ -5,11 +5,12 @@ lower, and the next stage plans again from the clock.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
+from pipeline.settings import check_keys
 
 STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
@@ -23,15 +24,16 @@ class DeadlineSettings:
     margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
     shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
     fixed_passes: dict[str, float]      # each stage's fixed work, in target 5-token verify passes
-    overshoot_passes: float = 0.0       # held back at every plan: a loop's last item may end past its budget
+    overshoot_passes: float             # held back at every plan: a loop's last item may end past its budget
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
         d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
-        settings = cls(minutes=d.get("minutes"), margin=float(d.get("margin", 0.0)),
-                       shares={s: float((d.get("shares") or {}).get(s, 0.0)) for s in STAGES},
-                       fixed_passes={s: float((d.get("fixed_passes") or {}).get(s, 0.0)) for s in STAGES},
-                       overshoot_passes=float(d.get("overshoot_passes", 0.0)))
+        check_keys(d, [f.name for f in fields(cls)], "deadline", "conf/config.yaml")  # each default once, in conf/
+        settings = cls(minutes=d["minutes"], margin=float(d["margin"]),
+                       shares={s: float((d["shares"] or {}).get(s, 0.0)) for s in STAGES},  # unnamed: no share
+                       fixed_passes={s: float((d["fixed_passes"] or {}).get(s, 0.0)) for s in STAGES},
+                       overshoot_passes=float(d["overshoot_passes"]))
         if settings.minutes is not None and not (isinstance(settings.minutes, (int, float)) and settings.minutes > 0):
             raise PipelineError(f"deadline.minutes={settings.minutes} must be a positive number of minutes "
                                 "(null = no run-level deadline)")

@@ -30,7 +30,7 @@ def _host_steps(stats) -> tuple[float, float]:
 
 @torch.inference_mode()
 def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: Sampling, context: int,
-                          repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+                          repeats: int, warmup: int, seed: int = 0) -> dict:
     """profile["host"] (module docstring) for `target`/`draft` decoding `sampling` after a random prompt of
     `context` tokens, the draft's head restricted to `vocab` as served."""
     device = next(target.parameters()).device

@@ -11,6 +11,7 @@ from typing import Iterable
 from pipeline.atomic import atomic_file
 from pipeline.errors import PipelineError
 
+TEXT_FILE = "text.jsonl"  # beside the splits: data.text's rows (no prompts), which collect.text.prepared labels
 SPLITS = ("train", "eval")
 PREPARE_HINT = "run `python -m pipeline stage=prepare` first"
 

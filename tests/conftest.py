@@ -19,6 +19,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+LLAMACPP = __import__("omegaconf").OmegaConf.load(REPO / "conf/config.yaml").engines.llamacpp  # the shipped engine settings
+SERVER = {"context": int(LLAMACPP.context), "start_timeout": float(LLAMACPP.start_timeout)}  # llama-server's, as shipped
 # Tests never reach the hub; the embedded model comes from PyPI and is cached under artifacts/.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -459,7 +461,7 @@ def llamacpp_build():
     """llama.cpp built from the pinned sdist (cached under artifacts/engines; a few minutes the first time)."""
     from pipeline.engines import llamacpp
 
-    return llamacpp.build(REPO / "artifacts/engines")
+    return llamacpp.build(REPO / "artifacts/engines", str(LLAMACPP.version))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), no folder
 has an import circle, the speedup model lives once in the core (pipeline/decoding/cost.py), the committed
 params.yaml is the default composition DVC runs from, each dvc.yaml stage depends on exactly the code it runs,
-every model preset has the same keys, and no test can only pass."""
+every model preset has the same keys, every timed comparison goes through eval/harness.py, and no test can only
+pass."""
 from __future__ import annotations
 
 import ast
@@ -336,3 +337,137 @@ def test_every_model_preset_has_the_same_keys():
     shapes = {p: keys(OmegaConf.to_container(_compose(f"model={p}").model)) for p in presets}
     reference = shapes.pop("smollm2-135m")
     assert all(shape == reference for shape in shapes.values()), {p: s ^ reference for p, s in shapes.items()}
+
+
+# ---------------------------------------------------------------- one timing harness
+
+CLOCKS = {"perf_counter", "perf_counter_ns", "monotonic", "process_time", "time", "clock", "now"}
+HARNESS = "eval/harness.py"
+# Loops that time work but compare no decoders: each module and what its clock readings price.
+PRICES = {
+    "pipeline/batch_profile.py": "forward and host costs per batch size, the inputs of the batch calibration",
+    "pipeline/dtype.py": "one forward per dtype, runtime.dtype=auto's choice",
+    "data/collect.py": "each label source's CPU and wall seconds (manifest label_cost)",
+    "distill/training.py": "the learning-rate probe's seconds, counted as training time",
+}
+
+
+def _reads_clock(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    if isinstance(f, ast.Attribute):
+        return f.attr in CLOCKS and isinstance(f.value, ast.Name) and f.value.id == "time"
+    return isinstance(f, ast.Name) and f.id in CLOCKS
+
+
+def timing_loops(path: Path) -> list[str]:
+    """Where a file times work in a loop (a loop reading a clock twice or more: start and stop around its body) or
+    takes the harness's per-request pieces (`timed`, `rotated`, `time_round`) to build a loop of its own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+            if sum(_reads_clock(n) for n in ast.walk(node)) >= 2:
+                found.append(f"loop at line {node.lineno}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "eval.harness":
+            found += [f"imports {a.name}" for a in node.names if a.name in ("timed", "rotated", "time_round")]
+    return found
+
+
+def test_every_timed_comparison_goes_through_the_one_harness():
+    offenders = {}
+    for folder in ("pipeline", "data", "distill", "eval"):
+        for path in (REPO / folder).rglob("*.py"):
+            relative = path.relative_to(REPO).as_posix()
+            if relative != HARNESS and relative not in PRICES and timing_loops(path):
+                offenders[relative] = timing_loops(path)
+    assert not offenders, f"time through eval/harness.py's time_requests: {offenders}"
+    assert all((REPO / path).is_file() and timing_loops(REPO / path) for path in PRICES), "a stale exemption"
+
+
+def test_the_harness_check_sees_a_planted_second_timing_loop(tmp_path):
+    sweeps = (REPO / "eval/sweeps.py").read_text()
+    assert not timing_loops(REPO / "eval/sweeps.py")
+    planted = tmp_path / "sweeps.py"
+    planted.write_text(sweeps + "\n\ndef again(methods, requests, clock):\n    out = []\n"
+                       "    for request in requests:\n        for name, fn in methods.items():\n"
+                       "            start = clock()\n            fn(request)\n            out.append(clock() - start)\n"
+                       "    return out\n")
+    end = len(sweeps.splitlines())
+    assert timing_loops(planted) == [f"loop at line {end + 5}", f"loop at line {end + 6}"]
+    borrowed = tmp_path / "borrowed.py"
+    borrowed.write_text("from eval.harness import rotated, timed\n")
+    assert timing_loops(borrowed) == ["imports rotated", "imports timed"]
+
+
+# ---------------------------------------------------------------- each default once, in conf/
+
+# A parameter named like a setting (a name only one setting has) whose literal default means something else there.
+OTHER_MEANING = {
+    ("distill/losses.py", "beta"): "the loss functions' own API (TRL's generalized_jsd_loss has beta=0.5 too)",
+    ("eval/fidelity.py", "keep"): "a dict of results kept, not distill.checkpoint.keep",
+    ("eval/sweeps.py", "warmup"): "whether a sweep decodes one untimed request first, not calibrate.cost.warmup's count",
+    ("pipeline/cost_profile.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
+    ("pipeline/models.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
+    ("pipeline/dtype.py", "context"): "the cached tokens of the dtype probe's forward, not llama-server's -c",
+    ("pipeline/engines/llamacpp.py", "timeout"): "eval's requests to its own server; collect.server.timeout is collect's",
+    ("pipeline/pass_overhead.py", "steps"): "a list of decode steps, not distill.trainer.lr_probe.steps",
+}
+
+
+def setting_names(cfg: dict) -> set[str]:
+    """The leaf names only one setting of the composed config has (a model's `package` is one leaf)."""
+    counts: dict[str, int] = {}
+
+    def walk(tree):
+        for key, value in tree.items():
+            if isinstance(value, dict) and key != "package":
+                walk(value)
+            else:
+                counts[key] = counts.get(key, 0) + 1
+    walk(cfg)
+    return {name for name, n in counts.items() if n == 1}
+
+
+def restated_defaults(path: Path, names: set[str]) -> list[tuple[str, int]]:
+    """(name, line) of each literal default a function parameter or dataclass field named like a setting carries."""
+    def literal(node) -> bool:
+        try:
+            return ast.literal_eval(node) is not None
+        except ValueError:
+            return False
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        pairs = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            positional = node.args.posonlyargs + node.args.args
+            pairs += zip([a.arg for a in positional[len(positional) - len(node.args.defaults):]], node.args.defaults)
+            pairs += [(a.arg, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            pairs.append((node.target.id, node.value))
+        found += [(name, default.lineno) for name, default in pairs if name in names and literal(default)]
+    return found
+
+
+def test_no_setting_has_a_second_default_in_code():
+    from pipeline.params import compose_config
+
+    names = setting_names(OmegaConf.to_container(compose_config([]), resolve=False))
+    offenders = {}
+    for folder in ("pipeline", *STAGES):
+        for path in (REPO / folder).rglob("*.py"):
+            relative = path.relative_to(REPO).as_posix()
+            found = [(n, line) for n, line in restated_defaults(path, names) if (relative, n) not in OTHER_MEANING]
+            if found:
+                offenders[relative] = found
+    assert not offenders, f"a default declared in conf/ restated in code (pass the setting instead): {offenders}"
+    assert all(any(n == name for n, _ in restated_defaults(REPO / path, names)) for path, name in OTHER_MEANING), \
+        "a stale exemption"
+
+
+def test_the_default_check_sees_a_restated_guard_window(tmp_path):
+    planted = tmp_path / "guard.py"
+    planted.write_text("from dataclasses import dataclass\n\n@dataclass\nclass G:\n    window: float = 16.0\n\n"
+                       "def server(root, *, start_timeout=120.0, parallel=1):\n    pass\n")
+    assert sorted(restated_defaults(planted, {"window", "start_timeout", "other"})) == [("start_timeout", 7), ("window", 5)]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
 from pipeline.tracking import _NullRun
@@ -531,7 +532,8 @@ def vllm_backend(monkeypatch, outputs, topk=3, top_k=0):
     module, calls = fake_vllm(outputs)
     monkeypatch.setitem(sys.modules, "vllm", module)
     settings = types.SimpleNamespace(sampling=Sampling(0.7, top_k, 0.9), max_new_tokens=4, topk=topk)
-    return VLLMBackend("/models/t", settings, stop_ids=[1, 7], dtype=torch.bfloat16, options={}), calls
+    options = OmegaConf.load(REPO / "conf/collect/default.yaml").vllm  # the shipped collect.vllm
+    return VLLMBackend("/models/t", settings, stop_ids=[1, 7], dtype=torch.bfloat16, options=options), calls
 
 
 def ranked(*pairs):

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from data.server_client import probe
 from pipeline.errors import PipelineError
 from pipeline.tracking import _NullRun
-from tests.conftest import REPO, tiny_tokenizer
+from tests.conftest import REPO, SERVER, tiny_tokenizer
 
 PROMPTS = [{"id": "chat-0", "domain": "chat", "turns": ["What is the capital of France?", "And of Italy?"]},
            {"id": "chat-1", "domain": "chat", "turns": ["Say hello in one word."]},
@@ -72,7 +72,8 @@ def llama_server(root: Path, gguf: Path, log: Path):
     makes its rows reproducible: it orders the sums)."""
     from pipeline.engines import llamacpp
 
-    return llamacpp.Server(root, gguf, threads=1, context=SERVER_CONTEXT, log_path=log)
+    return llamacpp.Server(root, gguf, threads=1, context=SERVER_CONTEXT, log_path=log,
+                           start_timeout=SERVER["start_timeout"])
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,22 @@ def test_a_log_of_the_targets_own_answers_gives_the_rows_generation_gave(tmp_pat
         assert t["topk_ids"][:n] == g["topk_ids"]
 
 
+def test_the_prepared_text_is_labelled_for_the_collected_domains_only(tmp_path, tiny_target):
+    write_prompts(tmp_path)
+    prepared = [{"text": PLAIN, "domain": "code", "source": "python-stdlib/x"},
+                {"text": PLAIN, "domain": "poetry", "source": "elsewhere"}]
+    (tmp_path / "prompts" / "text.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prepared))
+    collect(tmp_path, tiny_target, ["collect.text.prepared=true", "collect.text.chunk_tokens=16", "collect.topk=8"])
+    given = [r for r in rows_of(tmp_path) if r["origin"] == "text"]
+    assert {r["prompt_id"] for r in given} == {"text/prepared:1"} and {r["domain"] for r in given} == {"code"}
+    assert json.loads((tmp_path / "collect" / "manifest.json").read_text())["text"]["prepared"] is True
+    (tmp_path / "off").mkdir()
+    write_prompts(tmp_path / "off")
+    (tmp_path / "off" / "prompts" / "text.jsonl").write_text((tmp_path / "prompts" / "text.jsonl").read_text())
+    collect(tmp_path / "off", tiny_target, ["collect.text.prepared=false", "collect.topk=8"])
+    assert rows_of(tmp_path / "off") and not any(r.get("origin") == "text" for r in rows_of(tmp_path / "off"))
+
+
 def test_max_tokens_caps_the_text_in_file_order(tmp_path, tiny_target):
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target, text(corpus(tmp_path), "collect.text.max_tokens=20"))

@@ -14,8 +14,9 @@ from pipeline.deadline import DeadlineSettings, RunDeadline, stage_budget_s, wou
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 
+DEFAULT_DEADLINE = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "config.yaml").deadline)
 SETTINGS = DeadlineSettings(minutes=15, margin=0.25, shares={"collect": 0.4, "distill": 0.3, "eval": 0.3},
-                            fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000})
+                            fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000}, overshoot_passes=0.0)
 
 
 def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
@@ -63,7 +64,7 @@ def test_no_item_starts_that_would_end_past_the_budget(monkeypatch):
                                  {"minutes": 15, "shares": {"collect": 0, "distill": 0, "eval": 0}}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(PipelineError, match="deadline"):
-        DeadlineSettings.from_cfg(OmegaConf.create({"deadline": {"margin": 0.05, "shares": SETTINGS.shares, **bad}}))
+        DeadlineSettings.from_cfg(OmegaConf.create({"deadline": {**DEFAULT_DEADLINE, **bad}}))
 
 
 # ----------------------------------------------------------------------------- a simulated run

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from pipeline.engines import llamacpp
 from pipeline.engines.rules import FIELDS, RULES, candidate_rules, rule_record, unknown_keys
-from tests.conftest import REPO
+from tests.conftest import REPO, SERVER
 from tests.engine_fields import extract, llama_server_flags, pydantic_fields, struct_flags
 
 
@@ -45,7 +45,7 @@ def test_llama_server_gets_only_flags_of_the_pinned_version():
     for n_max in chosen.n_max:
         for p_min in chosen.p_min:
             assert unknown_keys("llamacpp", llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(n_max, p_min))) == []
-    server = llamacpp.Server(REPO, "t.gguf", "d.gguf", llamacpp.SERVER_DEFAULTS, parallel=2)  # builds, never starts
+    server = llamacpp.Server(REPO, "t.gguf", "d.gguf", llamacpp.SERVER_DEFAULTS, parallel=2, **SERVER)  # builds, never starts
     assert unknown_keys("llamacpp", server.command[1:]) == []
 
 

@@ -2,6 +2,7 @@
 back, a draft cache that catches up after passes off, and bad settings as one line."""
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from pipeline.decoding import DecodeStats, DraftLength, DraftPlan, autoregressive_generate, chain, speculative_generate
@@ -12,10 +13,12 @@ from pipeline.decoding.loop import Pair, Profile
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling
-from tests.conftest import N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
+from tests.conftest import REPO, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
 
 torch.set_num_threads(1)
 
+KNOBS = {k: v for k, v in OmegaConf.load(REPO / "conf/eval/default.yaml").guard.items()
+         if k not in ("enabled", "compare")}  # the shipped eval.guard knobs
 COST = {"c": 0.1, "verify_ratio": {1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8}}  # the embedded pair's shape on a CPU
 PRIOR = (0.5, 0.25, 0.125)  # P_k: the chance the first k drafts are accepted
 NEVER_PAYS = {"c": 5.0, "verify_ratio": {1: 2.0}}  # a draft step dearer than the target's: always off, then probes
@@ -23,7 +26,7 @@ NEVER_PAYS = {"c": 5.0, "verify_ratio": {1: 2.0}}  # a draft step dearer than th
 
 def guard(cost=COST, prior=PRIOR, **settings) -> Guard:
     """A guard on the calibrated costs alone unless told otherwise: its decisions then never depend on the clock."""
-    return Guard(cost, prior, GuardSettings(**{"measure_every": 0, **settings}))
+    return Guard(cost, prior, GuardSettings(**{**KNOBS, "measure_every": 0, **settings}))
 
 
 def decisions(stats_list):
@@ -188,7 +191,7 @@ def test_the_draft_cache_catches_up_after_passes_off(target, temperature, drafti
     (dict(longest=2.5), "guard.longest"), (dict(prior_passes=-1), "guard.prior_passes")])
 def test_bad_guard_settings_are_one_line(values, message):
     with pytest.raises(PipelineError, match=message) as error:
-        GuardSettings(**values)
+        GuardSettings(**{**KNOBS, **values})
     assert "\n" not in str(error.value)
 
 
@@ -196,9 +199,9 @@ def test_unknown_guard_keys_and_a_guard_without_costs_are_one_line():
     with pytest.raises(PipelineError, match="unknown keys"):
         GuardSettings.from_dict({"window": 4, "windw": 2})
     with pytest.raises(PipelineError, match="draft cost"):
-        Guard({"verify_ratio": {1: 1.1}}, PRIOR)
+        Guard({"verify_ratio": {1: 1.1}}, PRIOR, GuardSettings(**KNOBS))
     with pytest.raises(PipelineError, match="probabilities"):
-        Guard(COST, (1.5,))
+        Guard(COST, (1.5,), GuardSettings(**KNOBS))
 
 
 # ---- eval: settings, plans, metrics ----

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eval import metrics as M
-from eval.harness import retime_stalls, time_request
+from eval.harness import by_method, retime_stalls, time_request, time_requests
 from eval.report import stall_lines
 from eval.tables import domain_rows, text_table
 from pipeline.decoding import DecodeStats, DraftPlan
@@ -20,6 +20,7 @@ N_TOKENS = 20
 AR_STEP_S = 0.05  # fake seconds per token of plain decoding
 SPEEDUP = 2.0  # the fake speculative method's true speedup
 RULE = {"factor": 3.0, "retimes": 2, "agree": 1.25}
+BAND = (0.8, 1.25)  # eval.control_band: no HF generate runs here, so no request is judged by it
 
 
 class FakeClock:
@@ -73,7 +74,7 @@ def methods_with(stalls: dict | None = None, spec_stalls: dict | None = None) ->
 
 
 def headline(records: list[dict], stalls: dict | None, domains=("chat",)) -> dict:
-    return M.build(records, plans_for(domains), 0.0, stalls=stalls)
+    return M.build(records, plans_for(domains), 0.0, stalls=stalls, band=BAND, min_ci_requests=2)
 
 
 def test_a_one_off_stall_of_the_first_request_is_caught_and_retimed():
@@ -145,7 +146,7 @@ def test_an_off_domain_reuses_the_plain_run_and_reads_off():
     code = [r for r in records if r["domain"] == "code"]
     ar, spec = ([r for r in code if r["method"] == m] for m in ("autoregressive", "speculative"))
     assert [(r["tokens"], r["time_s"]) for r in spec] == [(r["tokens"], r["time_s"]) for r in ar]
-    metrics = M.build(records, plans, 0.0)
+    metrics = M.build(records, plans, 0.0, band=BAND, min_ci_requests=2)
     assert metrics["domains"]["code"]["speculative"]["off"] is True
     assert metrics["domains"]["code"]["speedup"] == 1.0
     assert "off" not in metrics["domains"]["chat"]["speculative"]
@@ -161,14 +162,15 @@ def test_a_domain_below_the_minimum_shows_its_point_estimate_without_an_interval
     5-request domain an interval."""
     records, _ = measure(methods_with(), contexts(5), evaluation())
     more, _ = measure(methods_with(), contexts(8, "code"), evaluation())
-    metrics = M.build(records + more, plans_for(["chat", "code"]), 0.0, min_ci_requests=8)
+    metrics = M.build(records + more, plans_for(["chat", "code"]), 0.0, band=BAND, min_ci_requests=8)
     chat, code = metrics["domains"]["chat"], metrics["domains"]["code"]
     assert chat["speedup_ci95"] is None and chat["speculative"]["speedup_ci95"] is None
     assert chat["ci_withheld"] == "n=5 < 8" and chat["speedup"] == pytest.approx(SPEEDUP)
     assert code["speedup_ci95"] is not None and metrics["overall"]["speedup_ci95"] is not None
     chat_row = next(line for line in text_table(*domain_rows(metrics)).splitlines() if line.startswith("chat"))
     assert "(n=5, no CI)" in chat_row
-    assert M.build(records + more, plans_for(["chat", "code"]), 0.0)["domains"]["chat"]["speedup_ci95"] is not None
+    assert M.build(records + more, plans_for(["chat", "code"]), 0.0, band=BAND,
+                   min_ci_requests=2)["domains"]["chat"]["speedup_ci95"] is not None
 
 
 def test_plain_decoding_through_the_speculative_entry_point_is_the_plain_run(tiny_llama_factory):
@@ -190,3 +192,36 @@ def test_plain_decoding_through_the_speculative_entry_point_is_the_plain_run(tin
     assert off.stats.target_passes == plain.stats.target_passes and off.stats.draft_times == []
     forced = run(lambda **kw: speculative_generate(target, target, plan=DraftPlan(2), **kw))
     assert forced.stats.n_drafted > 0  # the wrong variant: a drafting is not the plain run
+
+
+# ---------------------------------------------------------------- the loop every other comparison times through
+
+def _fake_methods(calls: list):
+    def method(name):
+        def fn(ids, domain, n, seed):
+            calls.append((name, ids, n, seed))
+            return [ids] * n, None
+        return fn
+    return {name: method(name) for name in ("a", "b", "c")}
+
+
+def test_time_requests_warms_up_then_rotates_who_runs_first_with_one_seed_per_request():
+    calls = []
+    requests = [{"ids": k, "domain": "d", "seed": 100 + k} for k in range(3)]
+    records = by_method(time_requests(requests, _fake_methods(calls), 5, iter(range(100)).__next__, "t", 2))
+    assert calls[:3] == [("a", 0, 2, 100), ("b", 0, 2, 100), ("c", 0, 2, 100)]  # untimed warm-up, short
+    timed = calls[3:]
+    assert [name for name, *_ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(seed == 100 + ids and n == 5 for _, ids, n, seed in timed)
+    assert [r["tokens"] for r in records["b"]] == [[0] * 5, [1] * 5, [2] * 5]
+    assert all(r["time_s"] == 1 for recs in records.values() for r in recs)  # one clock reading each side
+
+
+def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(monkeypatch):
+    import eval.harness as harness
+
+    monkeypatch.setattr(harness, "rotated", lambda names, k: names)
+    calls = []
+    time_requests([{"ids": k, "domain": "d", "seed": k} for k in range(3)], _fake_methods(calls), 1,
+                  iter(range(100)).__next__, "t", 1)
+    assert [name for name, *_ in calls[3:]] != ["a", "b", "c", "b", "c", "a", "c", "a", "b"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from tests.conftest import REPO
+from tests.conftest import LLAMACPP, REPO, SERVER
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +50,11 @@ def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llama
     target_gguf, draft, _, tokenizer = gguf_pair
     ids = encode_chat(tokenizer, [{"role": "user", "content": "Name three prime numbers."}])[0].tolist()
     stop = stop_token_ids(tokenizer)
-    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "plain.log") as plain:
+    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "plain.log", **SERVER) as plain:
         reference = plain.complete(ids, 24, Sampling(), 0, stop)
     settings = llamacpp.DraftSettings(n_max=4, p_min=0.0)
     with llamacpp.Server(llamacpp_build, target_gguf, draft, settings, log_path=tmp_path / "spec.log",
-                         trace=True) as server:
+                         trace=True, **SERVER) as server:
         speculative = server.complete(ids, 24, Sampling(), 0, stop)
         again = server.complete(ids, 24, Sampling(), 0, stop)  # the next request's passes are its own
         process = server.process
@@ -90,7 +91,7 @@ def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(ll
     cost = engine_cost(llamacpp_build, target_gguf, draft, max_draft=4, depth=32, repeats=2, threads=None)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}])[0].tolist()
                for text in ("Name three prime numbers.", "Say hello in French.")]
-    host = server_host(llamacpp_build, target_gguf, draft, prompts, cost, None)
+    host = server_host(llamacpp_build, target_gguf, draft, prompts, cost, OmegaConf.merge(LLAMACPP, {"threads": None}))
     drafted = sorted(float(n) for n in host["chain"])
     assert len(drafted) == len(HOST_SETTINGS) and 0 < drafted[0] <= 1.0 < drafted[1] <= 4.0  # n_max 1 and 4
     assert host["plain"] >= 0 and all(h >= 0 for h in host["chain"].values())
@@ -107,7 +108,7 @@ def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_build, t
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
     with pytest.raises(PipelineError, match="llama-server exited at start") as info:
-        with llamacpp.Server(llamacpp_build, bad, log_path=tmp_path / "server.log", start_timeout=60):
+        with llamacpp.Server(llamacpp_build, bad, log_path=tmp_path / "server.log", **(SERVER | {"start_timeout": 60})):
             pass
     assert "\n" not in str(info.value) and str(tmp_path / "server.log") in str(info.value)
 
@@ -196,7 +197,7 @@ def test_a_server_that_dies_mid_eval_is_one_line_not_a_hang(llamacpp_build, gguf
     from pipeline.engines import llamacpp
 
     target_gguf, _, _, _ = gguf_pair
-    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "server.log") as server:
+    with llamacpp.Server(llamacpp_build, target_gguf, log_path=tmp_path / "server.log", **SERVER) as server:
         server.process.kill()
         server.process.wait()
         with pytest.raises(PipelineError, match="llama-server died mid-request") as info:
@@ -356,21 +357,25 @@ def test_eval_max_minutes_stops_an_engines_loop_after_a_round_of_domains(monkeyp
     2 methods a request, 2 minutes allowed: the first round (one request a domain) runs, the next would end past the
     budget; without a budget every request runs."""
     import time as clock
+    from types import SimpleNamespace
 
     from eval import engine_llamacpp as E
 
     now = [1000.0]
     monkeypatch.setattr(clock, "time", lambda: now[0])
 
-    def call(method, request, seed):
+    def decode(ids, domain, n, seed):
         now[0] += 30.0
-        return [1, 2], 30.0, E.EngineStats([1], [1])
+        return [1, 2], E.EngineStats([1], [1]), 30.0
 
+    methods = {"autoregressive": decode, "speculative": decode}
+    settings = SimpleNamespace(max_new_tokens=2, max_minutes=2)
     requests = [{"domain": d, "prompt_id": f"{d}{i}", "ids": [1]} for i in range(3) for d in ("chat", "code")]
-    cut = E.engine_records(requests, ["autoregressive", "speculative"], call, 0, "llamacpp", max_minutes=2)
-    assert E.requests_done(cut, requests, ["autoregressive", "speculative"]) == {"done": 2, "planned": 6}
+    cut = E.engine_records(requests, methods, 0, "llamacpp", settings)
+    assert E.requests_done(cut, requests, list(methods)) == {"done": 2, "planned": 6}
     assert {r["domain"] for r in cut} == {"chat", "code"}
-    whole = E.engine_records(requests, ["autoregressive", "speculative"], call, 0, "llamacpp")
+    assert {r["time_s"] for r in cut} == {30.0}  # the engine's own seconds, no clock of ours
+    whole = E.engine_records(requests, methods, 0, "llamacpp", SimpleNamespace(max_new_tokens=2, max_minutes=None))
     assert len(whole) == 12
     report = E.report({"engine": "llamacpp", "version": "x", "temperature": 0.7, "domains": {}, "overall": {},
                        "requests": {"done": 2, "planned": 6}})

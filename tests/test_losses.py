@@ -153,11 +153,11 @@ def test_unknown_loss_or_bad_beta_is_refused():
     from distill.losses import check_loss
 
     with pytest.raises(PipelineError, match="unknown distillation loss"):
-        check_loss("kl")
+        check_loss("kl", 0.5, "bucket", "online")
     with pytest.raises(PipelineError, match="outside"):
-        check_loss("jsd", beta=1.0)
+        check_loss("jsd", 1.0, "bucket", "online")
     with pytest.raises(PipelineError, match="infinite"):
-        check_loss("rkl", tail="renormalize", teacher="topk")
+        check_loss("rkl", 0.5, "renormalize", "topk")
 
 
 # ---------------------------------------------------------------- draft construction

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from scipy.stats import bootstrap
 
 from eval import metrics as M
@@ -14,7 +15,9 @@ from eval.intervals import speedup_stat
 from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
 from pipeline.intervals import N_RESAMPLES
+from tests.conftest import REPO
 
+BAND = tuple(OmegaConf.load(REPO / "conf/eval/default.yaml").control_band)  # the shipped eval.control_band
 STEP_S = 0.01  # seconds per generated token of the autoregressive target
 
 
@@ -141,7 +144,8 @@ def test_identical_requests_fall_back_to_a_defined_interval():
 def test_build_and_tables_show_speedup_with_its_interval():
     records = make_records(6, domain="chat") + make_records(6, seed=4, domain="code", others={"hf_generate": 1.1})
     plan = {"gamma": 4, "draft_temperature": None}
-    metrics = M.build(records, {"speculative": {"chat": plan, "code": plan, "default": plan}}, temperature=0.0)
+    metrics = M.build(records, {"speculative": {"chat": plan, "code": plan, "default": plan}}, temperature=0.0,
+                      band=BAND, min_ci_requests=2)
     overall = metrics["overall"]
     assert overall["n_requests"] == 12
     assert overall["acceptance_rate_ci95"] == overall["speculative"]["acceptance_rate_ci95"]
@@ -169,13 +173,13 @@ def test_the_control_pair_names_disturbed_requests_and_gives_the_figures_without
     from eval.report import control_lines
 
     records = make_records(12, others={"hf_generate": 1.0, "hf_assisted": 1.2})
-    assert M.control_check(records, greedy=False)["disturbed"] == []  # 5% jitter stays inside the band
-    assert M.control_check(make_records(12), greedy=False) is None  # no HF generate: no control pair
+    assert M.control_check(records, greedy=False, band=BAND)["disturbed"] == []  # 5% jitter stays inside the band
+    assert M.control_check(make_records(12), greedy=False, band=BAND) is None  # no HF generate: no control pair
     disturbed = [dict(r) for r in records]
     for r in disturbed:  # other load slows plain decoding (and only it) on request 3 threefold
         if r["prompt_id"] == "chat-3" and r["method"] == "autoregressive":
             r["time_s"] *= 3
-    control = M.control_check(disturbed, greedy=False)
+    control = M.control_check(disturbed, greedy=False, band=BAND)
     assert control["disturbed"] == [["chat", "chat-3", 0]] and control["n_requests"] == 12
     clean = control["without_disturbed"]["speedup"]["speculative"]["speedup"]
     measured = M.summarize(disturbed, greedy=False)["speculative"]["speedup"]
@@ -193,12 +197,12 @@ def test_the_control_pair_names_disturbed_requests_and_gives_the_figures_without
     # that even 5% jitter leaves filters more
     assert M.control_check(disturbed, greedy=False, band=(0.25, 4.0))["disturbed"] == []
     assert M.build(disturbed, {"speculative": {"chat": {}, "default": {"gamma": 4}}}, 1.0,
-                   band=(0.25, 4.0))["control"]["band"] == [0.25, 4.0]
+                   band=(0.25, 4.0), min_ci_requests=2)["control"]["band"] == [0.25, 4.0]
     assert len(M.control_check(records, greedy=False, band=(0.999, 1.001))["disturbed"]) > 1
     assert any(line.startswith("overall without them") for line in lines[1:])
     for r in disturbed:  # every request disturbed: nothing left to recompute on, and the report says so
         if r["method"] == "autoregressive":
             r["time_s"] *= 3
-    everything = M.control_check(disturbed, greedy=False)
+    everything = M.control_check(disturbed, greedy=False, band=BAND)
     assert len(everything["disturbed"]) == 12 and "without_disturbed" not in everything
     assert "read no timing" in control_lines({"control": everything})[0]

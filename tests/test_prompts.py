@@ -113,10 +113,32 @@ def test_manifest_records_counts_and_provenance(built):
     assert (out / "SOURCES.md").is_file()
 
 
+def test_the_prepared_text_is_stdlib_source_and_reference_and_no_code_prompts_module(built):
+    out, _ = built
+    rows = [json.loads(line) for line in (out / "text.jsonl").read_text().splitlines()]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {r["domain"] for r in rows} == {"code", "qa"} and all(r["text"] for r in rows)
+    modules = {r["source"].removeprefix("python-stdlib/") for r in rows if r["domain"] == "code"}
+    assert modules == set(OmegaConf.load(REPO / "conf/data/default.yaml").text.python_source.modules)
+    prompted = {p["source"].removeprefix("python-stdlib/") for p in read_split(out, "train") + read_split(out, "eval")
+                if p["domain"] == "code"}
+    assert prompted and not modules & prompted  # no held-out code prompt's answer is in the text
+    assert manifest["text"]["rows"] == len(rows) and manifest["text"]["sources"][0]["license"] == "PSF-2.0"
+    assert manifest["files"]["text.jsonl"]["rows"] == len(rows)
+    docs = sum(len(r["text"]) for r in rows if r["domain"] == "qa")
+    assert docs > 160000 and docs - len(rows[-1]["text"]) <= 160000  # sections until their total passes max_chars
+
+
+def test_the_prepared_text_can_be_turned_off(tmp_path):
+    prepare.run(make_cfg(tmp_path / "p", train_per_domain=3, eval_per_domain=2,
+                         text={"python_source": {"modules": []}, "python_docs": {"max_chars": 0}}))
+    assert (tmp_path / "p" / "text.jsonl").read_text() == ""
+
+
 def test_build_is_deterministic_and_depends_on_the_seed(built, tmp_path):
     out, _ = built
     prepare.run(make_cfg(tmp_path / "again"))
-    for name in ("train.jsonl", "eval.jsonl", "manifest.json"):
+    for name in ("train.jsonl", "eval.jsonl", "text.jsonl", "manifest.json"):
         assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
     prepare.run(make_cfg(tmp_path / "seed1", seed=1))
     assert (tmp_path / "seed1" / "train.jsonl").read_bytes() != (out / "train.jsonl").read_bytes()

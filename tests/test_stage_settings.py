@@ -32,6 +32,8 @@ BAD = [
     ("collect", "model.draft.derive.layers=[0,99]", "names layers [99] outside the 30 of model.target"),
     ("collect", "model.draft.derive.layers=[1,1]", "names a layer twice"),
     ("collect", "model.target.path=/nonexistent", "model path /nonexistent does not exist"),
+    ("prepare", "data.text.python_source.modules=[json]", "modules ['json'] are code prompts' modules too"),
+    ("collect", "collect.text.prepared=maybe", "collect.text.prepared='maybe' must be true or false"),
 ]
 
 

@@ -1,6 +1,5 @@
 """`python -m pipeline.tools <subcommand> [hydra overrides]`: one command, settings declared once in conf/tools/, and
-the tools that time measure with eval's one harness (rotating order, warm-up, a seed per request shared by every
-method). Smoke runs on the distill tests' tiny target and draft."""
+the tools that time measure through eval's one harness (tests/test_harness.py). Smoke runs on the distill tests' tiny target and draft."""
 from __future__ import annotations
 
 import json
@@ -10,8 +9,7 @@ import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.tools.__main__ import SUBCOMMANDS, compose, run
-from pipeline.tools.gpu_check import measure
-from tests.conftest import REPO, distill_overrides
+from tests.conftest import REPO
 
 
 def test_every_subcommand_has_one_settings_file_and_composes():
@@ -37,37 +35,6 @@ def test_an_unknown_subcommand_is_one_line_naming_the_known_ones():
     with pytest.raises(PipelineError, match="is not one of learning-curve, cost-profile") as e:
         run(["bench"])
     assert "\n" not in str(e.value)
-
-
-def _fake_methods(calls: list):
-    def method(name):
-        def fn(ids, domain, n, seed):
-            calls.append((name, ids, n, seed))
-            return [ids] * n, None
-        return fn
-    return {name: method(name) for name in ("a", "b", "c")}
-
-
-def test_the_harness_warms_up_then_rotates_who_runs_first_with_one_seed_per_request():
-    calls = []
-    requests = [{"ids": k, "domain": "d", "seed": 100 + k} for k in range(3)]
-    records = measure(_fake_methods(calls), requests, n=5, clock=iter(range(100)).__next__, warmup_tokens=2)
-    assert calls[:3] == [("a", 0, 2, 100), ("b", 0, 2, 100), ("c", 0, 2, 100)]  # untimed warm-up, short
-    timed = calls[3:]
-    assert [name for name, *_ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert all(seed == 100 + ids and n == 5 for _, ids, n, seed in timed)
-    assert [r["tokens"] for r in records["b"]] == [[0] * 5, [1] * 5, [2] * 5]
-    assert all(r["time_s"] == 1 for recs in records.values() for r in recs)  # one clock reading each side
-
-
-def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(monkeypatch):
-    import pipeline.tools.gpu_check as gpu_check
-
-    monkeypatch.setattr(gpu_check, "rotated", lambda names, k: names)  # the copy this harness replaced
-    calls = []
-    measure(_fake_methods(calls), [{"ids": k, "domain": "d", "seed": k} for k in range(3)], n=1,
-            clock=iter(range(100)).__next__)
-    assert [name for name, *_ in calls[3:]] != ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
 def test_sources_regenerates_the_faq_prompts(tmp_path):

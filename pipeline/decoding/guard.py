@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Mapping
 
 from pipeline.decoding.cost import pass_speedup
@@ -16,14 +16,13 @@ from pipeline.errors import PipelineError
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """The guard's knobs (conf/eval/default.yaml `eval.guard` says what each does)."""
-    window: float = 16.0  # passes of memory per draft position: counts decay by 1 − 1/window per observation
-    prior_passes: float = 4.0  # weight of the calibrated acceptance, in observations
-    probe_every: int = 8  # passes off before one probing pass of a single draft
-    margin: float = 0.0  # speculate only when the best length is predicted ≥ (1 + margin) × plain decoding
-    longest: int = 8  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
-    measure_every: int = 32  # one plain pass in this many times the plain step the passes' costs are checked
-                             #   against; 0 = the calibrated costs only
+    """The guard's knobs; their defaults and what each does: conf/eval/default.yaml `eval.guard`."""
+    window: float  # passes of memory per draft position: counts decay by 1 − 1/window per observation
+    prior_passes: float  # weight of the calibrated acceptance, in observations
+    probe_every: int  # passes off before one probing pass of a single draft
+    margin: float  # speculate only when the best length is predicted ≥ (1 + margin) × plain decoding
+    longest: int  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
+    measure_every: int  # one plain pass in this many times the plain step the passes' costs are checked against
 
     def __post_init__(self):
         checks = {"window": (_number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
@@ -61,7 +60,7 @@ class Guard:
     first k drafts of a block are accepted: speculative.json `per_position_acceptance`)."""
     cost: Mapping
     prior: tuple[float, ...]
-    settings: GuardSettings = field(default_factory=GuardSettings)
+    settings: GuardSettings
 
     def __post_init__(self):
         c = self.cost.get("c") if isinstance(self.cost, Mapping) else None

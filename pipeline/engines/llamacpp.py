@@ -25,7 +25,6 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 
-VERSION = "0.3.36"  # llama-cpp-python's sdist vendors the llama.cpp source this pins
 BINARIES = ("llama-server", "llama-bench", "llama-quantize")
 # Static binaries, no network features: no CURL/OpenSSL, no web UI download, native CPU kernels.
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -50,7 +49,7 @@ def is_built(root: Path) -> bool:
             and stamp.is_file() and json.loads(stamp.read_text()) == CMAKE_FLAGS)
 
 
-def build(engines_dir: str | Path, version: str = VERSION, log=print) -> Path:
+def build(engines_dir: str | Path, version: str, log=print) -> Path:
     """The llama.cpp tree (source in src/, binaries in build/bin/) of llama-cpp-python==`version`, built once
     and cached under `engines_dir`; a failed build leaves nothing that looks built."""
     root = Path(engines_dir) / f"llama.cpp-{version}"
@@ -184,9 +183,8 @@ class Server:
     slots (-np) are decoded as one batch: one unless a caller batches requests, as collect.backend=server does."""
 
     def __init__(self, root: Path, model: str | Path, draft: str | Path | None = None,
-                 settings: DraftSettings = DraftSettings(), threads: int | None = None, context: int = 4096,
-                 log_path: str | Path | None = None, start_timeout: float = 120.0, parallel: int = 1,
-                 trace: bool = False):
+                 settings: DraftSettings = DraftSettings(), threads: int | None = None, *, context: int,
+                 start_timeout: float, log_path: str | Path | None = None, parallel: int = 1, trace: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or Path(model).with_suffix(f".server-{self.port}.log"))

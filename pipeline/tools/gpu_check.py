@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eval.fidelity import divergence
-from eval.harness import rotated, timed
+from eval.harness import by_method, time_requests
 from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
 from pipeline.chat import encode_chat, stop_token_ids
@@ -57,21 +57,6 @@ def hf_assisted(m, ids, n):  # the export's own generation_config, as `generate(
 
 
 # ---------------------------------------------------------------- the checks
-def measure(methods: dict, requests: list[dict], n: int, clock, warmup_tokens: int = 8) -> dict[str, list[dict]]:
-    """{method: a record per request}, timed the way eval times (eval/harness.py): each method fn(ids, domain, n,
-    seed) -> (tokens, stats) decodes every request in eval's rotating order after an untimed warm-up on the first;
-    a request's seed is the same for every method."""
-    first = requests[0]
-    for fn in methods.values():
-        fn(first["ids"], first["domain"], warmup_tokens, first["seed"])
-    records: dict[str, list[dict]] = {name: [] for name in methods}
-    for k, request in enumerate(requests):
-        for name in rotated(list(methods), k):
-            tokens, stats, seconds = timed(methods[name], request["ids"], request["domain"], n, request["seed"], clock)
-            records[name].append({"tokens": tokens, "stats": stats, "time_s": seconds, "domain": request["domain"]})
-    return records
-
-
 def exactness(reference, candidate, m, prompts: list, n: int) -> dict:
     """Greedy outputs of two decoders on every prompt; each difference located (target's top-2 gap there) and, below
     fp32, both rerun in fp32 copies of the models."""
@@ -95,7 +80,7 @@ def speed(m, prompts: list, n: int, repeats: int) -> dict:
                "speculative": lambda ids, _d, k, _s: ours_speculative(m, ids, k)}
     requests = [{"ids": ids, "domain": "all", "seed": r * len(prompts) + k}
                 for r in range(repeats) for k, ids in enumerate(prompts)]
-    records = measure(methods, requests, n, synced_clock(m.device))
+    records = by_method(time_requests(requests, methods, n, synced_clock(m.device), "gpu-check speed", warmup_tokens=8))
     tok = {name: np.array([len(r["tokens"]) for r in recs], float) for name, recs in records.items()}
     sec = {name: np.array([r["time_s"] for r in recs]) for name, recs in records.items()}
     samples = (tok["speculative"], sec["speculative"], tok["plain"], sec["plain"])
