@@ -1,7 +1,7 @@
 """Calibrate stage: `python -m pipeline stage=calibrate`. It turns a draft's weights, the held-out rows and a cost
 profile into the draft's serving recipe, and writes the exports eval and users read.
 
-    inputs      = load_target_inputs(cfg)          settings, collected rows, target
+    inputs      = load_target_inputs(cfg, ...)     settings, collected rows, target
     drafts      = trained_drafts | given_draft     ${paths.trained}'s draft and draft_init, or calibrate.draft
     heldouts    = build_heldouts(inputs, ...)      the rows distill held out (training.json), same parts
     profile     = cost_profile(...)                this device's pass costs (or a given profile)
@@ -66,7 +66,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     t_start, laps = time.time(), Laps()
     given = cfg.calibrate.get("draft")
     record = check_draft_dir(Path(given)) if given else read_record(cfg.paths.trained)  # before loading anything
-    inputs = load_target_inputs(cfg, tracker)
+    inputs = load_target_inputs(cfg, tracker, "calibrate")
     main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs, record)
     heldouts = build_heldouts(inputs, split.heldout_idx)
     laps.lap("heldout")

@@ -56,11 +56,12 @@ def serving_sampling(serving: ServingSettings, manifest: dict) -> Sampling:
     return Sampling.from_dict(chosen)
 
 
-def load_target_inputs(cfg: DictConfig, tracker) -> Inputs:
-    """Checked settings, the collected rows and the target; no draft yet (each stage loads its own)."""
+def load_target_inputs(cfg: DictConfig, tracker, stage: str) -> Inputs:
+    """Checked settings (those `stage` reads), the collected rows and the target; no draft yet (each stage loads its
+    own)."""
     from accelerate import PartialState
 
-    settings = DistillSettings.from_config(cfg)
+    settings = DistillSettings.from_config(cfg, stage)
     state = PartialState()
     dataset, manifest = load_collected(cfg.paths.collect)
     sampling = serving_sampling(settings.serving, manifest)

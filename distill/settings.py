@@ -1,6 +1,6 @@
 """The distill stage's settings (`distill.*`): one frozen dataclass per group of conf/distill/default.yaml (whose
 comments say what each key does) and of conf/calibrate/default.yaml (the calibrate stage's group, the `calibration`
-field), built by `DistillSettings.from_config(cfg)`, which refuses a missing or an
+field), built by `DistillSettings.from_config(cfg, stage)`, which refuses a missing or an
 unknown key, and checked before anything loads (as eval/settings.py); what needs files or models is checked where they
 load. `trainer` goes to `transformers.TrainingArguments` by name (which validates it), so it stays a read-only
 mapping of which only the keys the stage reads must be there (`TRAINER_READ`). The checkpoint fingerprint
@@ -201,6 +201,26 @@ ENGINES = ("hf", "llamacpp", "vllm", "sglang", "trtllm")  # engines distill can 
 
 
 @dataclass(frozen=True)
+class KeepBest:
+    """The `calibrate.*` keys the distill stage reads: whether training's weights are kept, and by what rule."""
+    keep_best: bool
+    keep_best_rule: str
+
+    def __post_init__(self):
+        if self.keep_best_rule not in KEEP_BEST_RULES:
+            raise PipelineError(f"calibrate.keep_best_rule={self.keep_best_rule!r}: use one of "
+                                f"{', '.join(KEEP_BEST_RULES)}")
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> KeepBest:
+        group = cfg.get("calibrate")
+        if group is None or any(key not in group for key in ("keep_best", "keep_best_rule")):
+            raise PipelineError("calibrate.keep_best or calibrate.keep_best_rule is missing from the composed config: "
+                                "restore them in conf/calibrate/default.yaml")
+        return cls(group.keep_best, group.keep_best_rule)
+
+
+@dataclass(frozen=True)
 class CalibrationSettings:
     """`calibrate.*`: keep_best (both stages) and the serving settings the calibrate stage gives a draft
     (distill/calibrate_stage.py, distill/serving.py)."""
@@ -258,14 +278,19 @@ class DistillSettings:
     checkpoint: CheckpointSettings     # checkpoint cadence, resume, time budget
     heldout: HeldoutSettings           # the held-out acceptance simulator
     serving: ServingSettings           # the serving sampling tuned for
-    calibration: CalibrationSettings   # `calibrate.*`: keep_best and the serving calibration
+    calibration: CalibrationSettings | KeepBest  # `calibrate.*` (the distill stage: keep_best's two keys)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> DistillSettings:
+    def from_config(cls, cfg: DictConfig, stage: str) -> DistillSettings:
         """The settings of `cfg.distill` and `cfg.calibrate` (interpolations resolved): every key of
         conf/distill/default.yaml and conf/calibrate/default.yaml, no other (`trainer` aside: any TrainingArguments
-        name). Calibrate's group is the `calibration` field: both stages read keep_best."""
-        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate", "conf/calibrate/default.yaml")
+        name). Calibrate's group is the `calibration` field; for the distill stage only the two keys it reads
+        (`KeepBest`), so a calibration setting never reruns training (dvc.yaml)."""
+        if stage == "distill":
+            calibration = KeepBest.from_config(cfg)
+        else:
+            calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate",
+                                 "conf/calibrate/default.yaml")
         return _build(cls, _group(cfg, "distill"), "distill", built={"calibration": calibration})
 
     def __post_init__(self):
@@ -365,5 +390,5 @@ def _plain(value):
 
 def check_settings(cfg: DictConfig) -> None:
     """`distill.*` and `calibrate.*` checked as the stages build them first, before any row or model loads
-    (pipeline/__main__.py runs it before any stage)."""
-    DistillSettings.from_config(cfg)
+    (pipeline/__main__.py runs it before any stage); the distill stage alone checks only calibrate's keep_best."""
+    DistillSettings.from_config(cfg, "distill" if cfg.get("stage") == "distill" else "calibrate")

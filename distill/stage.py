@@ -94,7 +94,7 @@ def _run(cfg: DictConfig, tracker) -> dict:
 # ---------------------------------------------------------------- inputs
 def load_inputs(cfg: DictConfig, tracker) -> Inputs:
     """Checked settings, the collected rows, the target and the initial draft."""
-    inputs = load_target_inputs(cfg, tracker)
+    inputs = load_target_inputs(cfg, tracker, "distill")
     draft, draft_tokenizer, draft_info = build_draft(cfg.model.draft, inputs.target, inputs.tokenizer, cfg.paths,
                                                      seed=cfg.seed)
     check_compatible(inputs.tokenizer, draft_tokenizer, inputs.target, draft)

@@ -144,10 +144,10 @@ def test_settings_take_batch_sizes_from_conf_and_refuse_a_size_below_one(sizes, 
                             "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")})
     cfg.calibrate.batch_sizes = sizes
     if ok:
-        assert DistillSettings.from_config(cfg).calibration.batch_sizes == tuple(sizes or ())
+        assert DistillSettings.from_config(cfg, "calibrate").calibration.batch_sizes == tuple(sizes or ())
     else:
         with pytest.raises(PipelineError, match="calibrate.batch_sizes"):
-            DistillSettings.from_config(cfg)
+            DistillSettings.from_config(cfg, "calibrate")
 
 
 def test_the_distill_step_runs_only_when_batch_sizes_are_set(target, close_draft):

@@ -212,7 +212,7 @@ def test_loss_temperature_serving_resolves_to_the_serving_temperature_and_names_
     conf = OmegaConf.load(REPO / "conf/distill/default.yaml")
     conf.objective.loss_temperature = "serving"
     objective = DistillSettings.from_config(OmegaConf.create(
-        {"distill": conf, "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")})).objective
+        {"distill": conf, "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")}), "distill").objective
     assert loss_temperature(objective, 0.7) == 0.7
     assert loss_temperature(objective, 0.0) == 1.0  # greedy: argmax agreement has no temperature to match
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}}, "distill": conf})

@@ -325,7 +325,7 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
 
     yaml = OmegaConf.load(REPO / "conf/distill/default.yaml")
     calibrate = OmegaConf.load(REPO / "conf/calibrate/default.yaml")
-    settings = DistillSettings.from_config(OmegaConf.create({"distill": yaml, "calibrate": calibrate}))
+    settings = DistillSettings.from_config(OmegaConf.create({"distill": yaml, "calibrate": calibrate}), "calibrate")
     with open_dict(yaml):
         yaml.calibration = calibrate  # the shape of the settings: calibrate's group is their `calibration` field
 
@@ -363,9 +363,14 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
         del missing.calibrate.cost.repeats
         del unread.distill.trainer.bf16  # a key the stage reads itself; any other TrainingArguments name may come and go
     one_line(r"unknown setting\(s\) distill\.heldout\.no_such_knob",
-             lambda: DistillSettings.from_config(unknown))
-    one_line(r"calibrate\.cost\.repeats missing", lambda: DistillSettings.from_config(missing))
-    one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread))
+             lambda: DistillSettings.from_config(unknown, "calibrate"))
+    one_line(r"calibrate\.cost\.repeats missing", lambda: DistillSettings.from_config(missing, "calibrate"))
+    one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread, "calibrate"))
+    # the distill stage reads calibrate's keep_best and keep_best_rule alone: the rest of the group is calibrate's
+    assert DistillSettings.from_config(missing, "distill").calibration.keep_best == calibrate.keep_best
+    with open_dict(missing):
+        missing.calibrate.keep_best_rule = "nope"
+    one_line(r"calibrate\.keep_best_rule='nope'", lambda: DistillSettings.from_config(missing, "distill"))
 
 
 def test_draft_with_another_tokenizer_is_refused(setup, tmp_path):

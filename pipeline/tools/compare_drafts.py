@@ -98,7 +98,7 @@ def run(cfg) -> dict:
     if options.temperature not in TEMPERATURES:
         raise PipelineError(f"tool.temperature={options.temperature!r}: use one of {', '.join(TEMPERATURES)}")
     # The stages' held-out prompts, split and target distribution; no draft: each is loaded on its own.
-    inputs = load_target_inputs(cfg, tracker=None)
+    inputs = load_target_inputs(cfg, None, "calibrate")
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
     heldout = getattr(build_heldouts(inputs, held_idx), part)
     dtype = next(inputs.target.parameters()).dtype

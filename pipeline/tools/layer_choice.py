@@ -113,7 +113,7 @@ def run(cfg) -> dict:
     if options.source not in SOURCES:
         raise PipelineError(f"tool.source={options.source!r}: use target or draft")
     keep = int(options.keep)
-    inputs = load_target_inputs(cfg, tracker=None)
+    inputs = load_target_inputs(cfg, None, "calibrate")
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
     heldouts = build_heldouts(inputs, held_idx)
     source = _source(cfg, inputs)
