@@ -13,7 +13,8 @@ import copy
 from dataclasses import replace
 
 from distill.calibrate import best_gamma
-from pipeline.batch_profile import batch_cost, batch_sizes_of, break_even, forwards_only, measure_batch_profile
+from pipeline.batch_profile import (BatchPlan, batch_cost, batch_sizes_of, break_even, forwards_only,
+                                     measure_batch_profile)
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.spec import DEFAULT, SpeculativeSpec
@@ -116,9 +117,9 @@ def calibrate_batching(inputs, split, spec: SpeculativeSpec, log) -> Speculative
         return spec
     draft = copy.deepcopy(inputs.draft).to(inputs.target.dtype)  # as exported: in the serving dtype
     device = next(inputs.target.parameters()).device
-    profile = measure_batch_profile(inputs.target, draft.to(device), settings.batch_sizes,
-                                    [g + 1 for g in settings.gammas], synced_clock(device), split.vocab,
-                                    repeats=int(settings.cost.repeats), sampling=spec.sampling)
+    plan = BatchPlan(tuple(settings.batch_sizes), tuple(g + 1 for g in settings.gammas),
+                     repeats=int(settings.cost.repeats), sampling=spec.sampling)
+    profile = measure_batch_profile(inputs.target, draft.to(device), plan, synced_clock(device), split.vocab)
     spec = with_batching(spec, profile, settings.gammas, float(settings.speculate_margin))
     log(format_batching(spec.batching))
     return spec

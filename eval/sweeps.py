@@ -9,7 +9,7 @@ from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
 from eval.harness import by_method, time_requests
-from pipeline.batch_profile import batch_cost, break_even, forwards_only, measure_batch_profile
+from pipeline.batch_profile import BatchPlan, batch_cost, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding import DraftPlan, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.sampling import derive_seed
 from pipeline.timing import synced_clock
@@ -115,8 +115,8 @@ def predict_from_profile(target, draft, measured: dict, gamma_at: dict, vocab, s
     accepted drafts per pass measured at the smallest B."""
     first = measured[min(measured)]
     accepted = first["accepted"] / first["drafting_passes"] if first["drafting_passes"] else 0.0
-    profile = measure_batch_profile(target, draft, list(measured), sorted({g + 1 for g in gamma_at.values()}),
-                                    clock, vocab, sampling=sampling)
+    plan = BatchPlan(tuple(measured), tuple(sorted({g + 1 for g in gamma_at.values()})), sampling=sampling)
+    profile = measure_batch_profile(target, draft, plan, clock, vocab)
     out = {}
     for size in measured:
         gamma, cost = gamma_at[size], batch_cost(profile, size)

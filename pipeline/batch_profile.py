@@ -8,6 +8,8 @@ without `host` prices it at 0. Keys are strings (JSON).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -49,27 +51,41 @@ def forward_times(model, batch: int, tokens_fed, clock, repeats: int = 9, vocab=
     return {k: 1000 * float(np.median(t)) for k, t in times.items()}
 
 
-def measure_batch_profile(target, draft, batch_sizes, tokens_fed, clock, vocab=None, repeats: int = 9,
-                          context: int = CONTEXT, sampling: Sampling = GREEDY, host_rounds: int = HOST_ROUNDS) -> dict:
-    """The profile (module docstring) of these models on their device; tokens_fed: the k timed (1 and the host
-    chains' γ + 1 are added). `sampling`: the distribution the host work is timed at (the serving one)."""
-    fed = sorted({1, *(int(k) for k in tokens_fed), *(g + 1 for g in CHAINS)})
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a batch profile is timed: at each of `batch_sizes`, the target forwards of each count in `tokens_fed` (1
+    and the host chains' γ + 1 are added) after `context` cached tokens, `repeats` rounds; the host work at `sampling`
+    (the serving distribution) over `host_rounds` rounds."""
+    batch_sizes: tuple[int, ...]
+    tokens_fed: tuple[int, ...]
+    repeats: int = 9
+    context: int = CONTEXT
+    sampling: Sampling = GREEDY
+    host_rounds: int = HOST_ROUNDS
+
+
+def measure_batch_profile(target, draft, plan: BatchPlan, clock, vocab=None) -> dict:
+    """The profile (module docstring) of these models on their device, timed as `plan` says."""
+    fed = sorted({1, *(int(k) for k in plan.tokens_fed), *(g + 1 for g in CHAINS)})
     profile = {"version": VERSION, "machine": machine(next(target.parameters()).device, target.dtype),
-               "context": context, "repeats": repeats, "target": {}, "draft": {}, "host": {},
-               "host_settings": {"sampling": sampling.to_dict(), "new_tokens": [SHORT, LONG], "rounds": host_rounds}}
-    for size in sorted(int(b) for b in batch_sizes):
-        times = forward_times(target, size, fed, clock, repeats, None, context)
+               "context": plan.context, "repeats": plan.repeats, "target": {}, "draft": {}, "host": {},
+               "host_settings": {"sampling": plan.sampling.to_dict(), "new_tokens": [SHORT, LONG],
+                                 "rounds": plan.host_rounds}}
+    for size in sorted(int(b) for b in plan.batch_sizes):
+        times = forward_times(target, size, fed, clock, plan.repeats, None, plan.context)
         profile["target"][str(size)] = {str(k): round(ms, 4) for k, ms in times.items()}
-        profile["draft"][str(size)] = round(forward_times(draft, size, [1], clock, repeats, vocab, context)[1], 4)
-        seconds = host_times(target, draft, size, clock, vocab, sampling, context, host_rounds)
+        profile["draft"][str(size)] = round(forward_times(draft, size, [1], clock, plan.repeats, vocab,
+                                                          plan.context)[1], 4)
+        seconds = host_times(target, draft, size, clock, vocab, plan)
         profile["host"][str(size)] = host_block(seconds, batch_cost(profile, size))
     return profile
 
 
-def host_times(target, draft, batch: int, clock, vocab, sampling: Sampling, context: int, rounds: int) -> dict:
+def host_times(target, draft, batch: int, clock, vocab, plan: BatchPlan) -> dict:
     """{shape: [(seconds, per-pass drafted list) of the SHORT and the LONG call] per timed round}, shape None =
     plain decoding, else a chain's γ. Every round decodes every shape at both lengths from one seed, so the SHORT
     call is the LONG one's beginning and load that comes and goes moves every shape alike."""
+    sampling, context, rounds = plan.sampling, plan.context, plan.host_rounds
     device = next(target.parameters()).device
     g = torch.Generator().manual_seed(0)
     n_vocab = min(target.config.vocab_size, draft.config.vocab_size)

@@ -10,7 +10,7 @@ import pytest
 from distill import batching
 from eval import sweeps as bench_batch
 from pipeline import batch_profile
-from pipeline.batch_profile import CHAINS, batch_cost, host_block, measure_batch_profile, validate
+from pipeline.batch_profile import CHAINS, BatchPlan, batch_cost, host_block, measure_batch_profile, validate
 from pipeline.decoding import cost as cost_module
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
@@ -45,8 +45,8 @@ def by_formula(accepted: float, gamma: int, cost: dict) -> float:
 
 
 def test_the_profile_has_a_host_block_per_batch_size_with_nonnegative_steps(target, close_draft):
-    profile = measure_batch_profile(target, close_draft, [1, 2], [2], time.perf_counter, repeats=1, context=8,
-                                    sampling=Sampling(0.7), host_rounds=1)
+    plan = BatchPlan((1, 2), (2,), repeats=1, context=8, sampling=Sampling(0.7), host_rounds=1)
+    profile = measure_batch_profile(target, close_draft, plan, time.perf_counter)
     validate(profile, "profile")
     assert set(profile["host"]) == {"1", "2"} and profile["host_settings"]["sampling"]["temperature"] == 0.7
     for size in ("1", "2"):

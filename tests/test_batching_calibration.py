@@ -7,7 +7,7 @@ import time
 import pytest
 
 from distill import batching
-from pipeline.batch_profile import CHAINS, batch_cost, break_even, measure_batch_profile, validate
+from pipeline.batch_profile import CHAINS, BatchPlan, batch_cost, break_even, measure_batch_profile, validate
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
@@ -123,8 +123,8 @@ def test_tensorrt_llm_gets_thresholds_and_none_where_its_smallest_key_would_not_
 
 
 def test_a_profile_measured_on_tiny_models_prices_every_batch_size(target, close_draft):
-    profile = measure_batch_profile(target, close_draft, [1, 2], [2, 3], time.perf_counter,
-                                    repeats=1, context=8)
+    profile = measure_batch_profile(target, close_draft, BatchPlan((1, 2), (2, 3), repeats=1, context=8),
+                                    time.perf_counter)
     validate(profile, "profile")
     cost = batch_cost(profile, 2)
     assert cost["c"] > 0 and set(cost["verify_ratio"]) == {1, 2, *CHAINS}  # the host chains' verifies are timed too
