@@ -22,7 +22,8 @@ class GuardSettings:
     probe_every: int  # passes off before one probing pass of a single draft
     margin: float  # speculate only when the best length is predicted ≥ (1 + margin) × plain decoding
     longest: int  # the most drafts per pass the guard may choose (never fewer than the policy's own budget)
-    measure_every: int  # one plain pass in this many times the plain step the passes' costs are checked against
+    measure_every: int  # one plain pass in this many times the plain step the passes' costs are checked against;
+                        #   0 = the calibrated costs only
 
     def __post_init__(self):
         checks = {"window": (_number(self.window) and self.window >= 1, "a number >= 1, e.g. 16"),
