@@ -285,9 +285,9 @@ def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
 
 def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=None) -> float:
     """Generate one shard and write it atomically; returns its generation speed in tokens/s."""
-    start, spent = time.perf_counter(), {}
-    rows = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
-                         derive_seed(job.settings.seed, shard.domain, shard.index), progress, onpolicy, spent)
+    start = time.perf_counter()
+    rows, spent = collect_shard(backend, job.tokenizer, shard.prompts, job.settings.samples_per_prompt,
+                                derive_seed(job.settings.seed, shard.domain, shard.index), progress, onpolicy)
     seconds = time.perf_counter() - start
     tokens = sum(len(row["completion_ids"]) for row in rows)
     meta = {"domain": shard.domain, "index": shard.index, "rows": len(rows), "tokens": tokens,

@@ -296,15 +296,15 @@ def features(topk: int, hidden: bool = False, origin: bool = False):
 
 
 def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: int, seed: int,
-                  progress=None, onpolicy=None, spent: dict | None = None) -> list[dict]:
+                  progress=None, onpolicy=None) -> tuple[list[dict], dict]:
     """Rows for one shard: every turn of every prompt, samples_per_prompt completions each, one `backend.generate`
     call per turn seeded from (shard seed, turn); turn t+1 follows sample 0's answer to turn t. A request the backend
     skipped (None) is left out, with the later turns of a prompt whose sample 0 was skipped. With an `onpolicy`
     backend (collect.onpolicy) the prompts marked `origin: onpolicy` are its, in a call of their own seeded from
-    (shard seed, turn, "onpolicy"), and every row carries its `origin`; `spent` gathers per origin the CPU and wall
-    seconds of the calls (the manifest's label cost)."""
+    (shard seed, turn, "onpolicy"), and every row carries its `origin`. Returns the rows and, per origin, the CPU and
+    wall seconds of the calls that made them (the manifest's label cost)."""
     answers: dict[str, list[str]] = {prompt["id"]: [] for prompt in prompts}
-    rows = []
+    rows, spent = [], {}
     for turn in range(max(len(prompt["turns"]) for prompt in prompts)):
         active = [prompt for prompt in prompts if len(prompt["turns"]) > turn and len(answers[prompt["id"]]) == turn]
         if not active:
@@ -332,21 +332,20 @@ def collect_shard(backend, tokenizer, prompts: list[dict], samples_per_prompt: i
             rows.append(row)
     position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
     rows.sort(key=lambda row: (position[row["prompt_id"]], row["turn"], row["sample"]))
-    return rows
+    return rows, spent
 
 
-def _generate(backend, requests: list[tuple], seed: int, progress, spent: dict | None, origin: str) -> list:
+def _generate(backend, requests: list[tuple], seed: int, progress, spent: dict, origin: str) -> list:
     """One `backend.generate` call for `requests`; its process CPU and wall seconds are added to spent[origin]."""
     wants_messages = {"messages": [chat for *_, chat in requests]} if getattr(backend, "wants_messages", False) \
         else {}  # a server's chat endpoint renders the messages with its own template
     cpu, wall = time.process_time(), time.perf_counter()
     completions = backend.generate([context for _, context, _, _ in requests], seed, progress, **wants_messages)
-    if spent is not None:
-        entry = spent.setdefault(origin, {"cpu_s": 0.0, "wall_s": 0.0})
-        entry["cpu_s"] += time.process_time() - cpu
-        entry["wall_s"] += time.perf_counter() - wall
-        if hasattr(backend, "take_draft_cpu_s"):  # an on-policy call: the draft's sampling, part of cpu_s
-            entry["draft_cpu_s"] = entry.get("draft_cpu_s", 0.0) + backend.take_draft_cpu_s()
+    entry = spent.setdefault(origin, {"cpu_s": 0.0, "wall_s": 0.0})
+    entry["cpu_s"] += time.process_time() - cpu
+    entry["wall_s"] += time.perf_counter() - wall
+    if hasattr(backend, "take_draft_cpu_s"):  # an on-policy call: the draft's sampling, part of cpu_s
+        entry["draft_cpu_s"] = entry.get("draft_cpu_s", 0.0) + backend.take_draft_cpu_s()
     return completions
 
 

@@ -50,9 +50,11 @@ def _device(model):
 
 
 @torch.no_grad()
-def build_heldout(target, rows: list[dict], domains: list[str], sampling: Sampling, truncation: Truncation,
-                  support: int, batch_size: int, pad_token_id: int) -> HeldOut:
-    """One target pass over the held-out rows (rows without a prompt or a completion are dropped)."""
+def build_heldout(target, rows: list[dict], sampling: Sampling, truncation: Truncation, support: int, batch_size: int,
+                  pad_token_id: int) -> HeldOut:
+    """One target pass over the held-out rows, each with its `domain` (rows without a prompt or a completion are
+    dropped)."""
+    domains = [r["domain"] for r in rows]
     rows = [dict(zip(("prompt_ids", "completion_ids"), truncation(r))) for r in rows]
     keep = [i for i, r in enumerate(rows) if r["prompt_ids"] and r["completion_ids"]]
     rows, domains = [rows[i] for i in keep], [domains[i] for i in keep]

@@ -107,13 +107,14 @@ def server_host(root: Path, target_gguf: Path, draft_gguf: Path, prompts: list[l
     return {"plain": round(max(plain_ms / step - 1.0, 0.0), 4), "chain": chain, "source": "llama-server timings"}
 
 
-def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, vocab, cost: dict,
-                    n_maxes: list[int], p_mins: list[float], margin: float) -> dict[str, dict]:
-    """Per domain (and default): the llama.cpp setting chosen on `calibration`, with its predicted speedup and
-    acceptance on `reporting` and the prediction for llama-server's own defaults beside it."""
-    thresholds = sorted({0.0, *p_mins})
+def choose_llamacpp(draft, heldouts, vocab, cost: dict, chosen) -> dict[str, dict]:
+    """Per domain (and default): the llama.cpp setting (`chosen`: calibrate.llamacpp's n_max and p_min candidates and
+    margin) chosen on the calibration part of `heldouts`, with its predicted speedup and acceptance on the reporting
+    part and the prediction for llama-server's own defaults beside it."""
+    n_maxes, margin = list(chosen.n_max), chosen.margin
+    thresholds = sorted({0.0, *chosen.p_min})
     parts = {}
-    for name, heldout in (("calibration", calibration), ("reporting", reporting)):
+    for name, heldout in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting)):
         parts[name] = (cal.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
             draft, heldout, thresholds, vocab))), heldout)
 
@@ -133,7 +134,8 @@ def choose_llamacpp(draft, calibration: cal.HeldOut, reporting: cal.HeldOut, voc
                 "predicted_speedup_server_defaults": round(predict("reporting", shown, server)[0], 3),
                 "predicted_per_pass": per_pass(shown, best),
                 "predicted_per_pass_server_defaults": per_pass(shown, server)}
-    return choose_per_domain(calibration, reporting, [(n, p) for n in n_maxes for p in p_mins], predict, margin, keys)
+    return choose_per_domain(heldouts.calibration, heldouts.reporting, [(n, p) for n in n_maxes for p in chosen.p_min],
+                             predict, margin, keys)
 
 
 def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options: list, predict, margin: float,
@@ -194,12 +196,11 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
     ships for them ({"draft.gguf": path}); (spec, {}) when none is asked for. `initial`: the draft's weights before
     training, which llama.cpp's draft.gguf is made from where they accept more under its rule (weights_for_rule)."""
     settings = inputs.settings.calibration
-    gpu_engines = [name for name in GPU_CONFIGS if name in settings.engines]
-    if gpu_engines or "hf" in settings.engines:  # they run the exported checkpoint's full head, in the serving dtype
+    if gpu_engines(settings) or "hf" in settings.engines:  # they run the full head, in the serving dtype
         weights = exported_weights(inputs.draft, split.vocab_list, head_fill).to(inputs.serving_dtype)
-    if gpu_engines:
+    if gpu_engines(settings):
         spec = replace(spec, engines={**spec.engines, **calibrate_gpu_engines(
-            inputs.draft, weights, inputs.target, heldouts, split.vocab, settings.gpu, gpu_engines, log)})
+            inputs.draft, weights, inputs.target, heldouts, split.vocab, settings, log)})
     if "hf" in settings.engines:
         spec = replace(spec, engines={**spec.engines, "hf": calibrate_hf(inputs, weights, heldouts, settings.hf, log)})
     if "llamacpp" not in settings.engines:
@@ -231,8 +232,7 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
                        engine.threads)
     prompts = [list(r["prompt_ids"]) for r in heldouts.reporting.rows[:HOST_PROMPTS]]
     cost["host"] = server_host(root, target, gguf, prompts, cost, engine)
-    table = choose_llamacpp(draft, heldouts.calibration, heldouts.reporting, split.vocab, cost,
-                            list(chosen.n_max), list(chosen.p_min), chosen.margin)
+    table = choose_llamacpp(draft, heldouts, split.vocab, cost, chosen)
     flags = {domain: llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(entry["n_max"], entry["p_min"]))
              if entry["speculate"] else [] for domain, entry in table.items()}
     log("llama.cpp calibration (c = {:.3f}, r(1) = {:.2f}, server host work per pass: plain {:.2f}, drafting {}): {}".format(
@@ -300,12 +300,19 @@ GPU_CONFIGS = {
 }
 
 
-def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, engines, log) -> dict[str, dict]:
-    """speculative.json `engines.<engine>` for the GPU engines named: vLLM's speculative_config (method
+def gpu_engines(settings) -> list[str]:
+    """The GPU engines calibrate.engines names, in GPU_CONFIGS' order."""
+    return [name for name in GPU_CONFIGS if name in settings.engines]
+
+
+def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settings, log) -> dict[str, dict]:
+    """speculative.json `engines.<engine>` for the GPU engines calibrate.engines names (`settings`: the calibrate
+    group; its `gpu` says how they are planned): vLLM's speculative_config (method
     draft_model), SGLang's STANDALONE server arguments and TensorRT-LLM's DraftTargetDecodingConfig per domain
     ("off": null or [] = serve that domain without a draft), each with the rule (pipeline/engines/rules.py) and
     fixed k predicted fastest. Each engine routes per domain only by running two servers: the tables say which
     domain goes where. The draft directory is this export ("." in the configs: replace with where it is served)."""
+    engines, settings = gpu_engines(settings), settings.gpu
     cost, sampling = gpu_cost(exported_draft, target, settings), heldouts.calibration.sampling
     alphas, out = {}, {}
     for engine in engines:

@@ -102,9 +102,8 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
     heldout = inputs.settings.heldout
 
     def part(indices):
-        return cal.build_heldout(inputs.target, [held[i] for i in indices], [held["domain"][i] for i in indices],
-                                 inputs.sampling, inputs.truncation, int(heldout.support), int(heldout.batch_size),
-                                 inputs.tokenizer.pad_token_id)
+        return cal.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, inputs.truncation,
+                                 int(heldout.support), int(heldout.batch_size), inputs.tokenizer.pad_token_id)
 
     calibration, reporting = part(calibration_idx), part(reporting_idx)
     sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}

@@ -59,6 +59,7 @@ class Split:
     vocab: torch.Tensor | None = None
     all_train: object = None  # a learning-curve point: every train row, of which it trains on the rows `share`
     share: list[int] | None = None
+    label_cpu_s: float | None = None  # the collect's CPU seconds for the labels of the rows it trains on
 
     @property
     def vocab_list(self) -> list[int] | None:

@@ -25,6 +25,7 @@ class RunProgress:
         path = Path(checkpoint) / PROGRESS_FILE if checkpoint else None
         saved = json.loads(path.read_text()) if path is not None and path.exists() else {}  # {}: a fresh run
         self.tokens0, self.seconds0 = saved.get("train_tokens", 0), saved.get("train_seconds", 0.0)
+        self.cpu_seconds0 = saved.get("train_cpu_s", 0.0)
         self.curve: list[dict] = saved.get("curve", [])
         self.recipe: dict | None = saved.get("recipe")  # the step size chosen (distill/training.py), None until then
         self.best: dict | None = saved.get("best")  # the stop rule's state (BestWeightsCallback)
@@ -32,6 +33,8 @@ class RunProgress:
         self.num_processes, self.trainer = num_processes, None
         self.started: float | None = None
         self.excluded = 0.0  # seconds of held-out evaluation since `started`
+        self.cpu_started: float | None = None
+        self.cpu_excluded = 0.0  # this process's CPU seconds of held-out evaluation since `cpu_started`
 
     def tokens(self) -> int:
         """Completion tokens the loss saw; other processes are assumed to see as many as this one."""
@@ -42,8 +45,16 @@ class RunProgress:
             return self.seconds0
         return self.seconds0 + time.time() - self.started - self.excluded
 
+    def cpu_seconds(self) -> float:
+        """This process's CPU seconds of training (every thread: both cores count), held-out evaluation excluded: the
+        training half of a label-and-training CPU budget (issue 52's measure)."""
+        if self.cpu_started is None:
+            return self.cpu_seconds0
+        return self.cpu_seconds0 + time.process_time() - self.cpu_started - self.cpu_excluded
+
     def record(self, step: int) -> dict:
         return {"step": step, "train_tokens": self.tokens(), "train_seconds": round(self.seconds(), 2),
+                "train_cpu_s": round(self.cpu_seconds(), 2),
                 "curve": self.curve, "recipe": self.recipe, "best": self.best}
 
 
@@ -62,7 +73,7 @@ class ProgressCallback(TrainerCallback):
         self.progress, self.is_main = progress, is_main
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.progress.started = time.time()
+        self.progress.started, self.progress.cpu_started = time.time(), time.process_time()
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -91,12 +102,14 @@ class AcceptanceCallback(TrainerCallback):
     def _run(self, state, model):
         if not self.is_main or model is None:
             return
-        started, was_training = time.time(), model.training
+        started, cpu, was_training = time.time(), time.process_time(), model.training
         metrics = self.evaluate(model)
         model.train(was_training)
         self.progress.curve.append({"step": state.global_step, "train_tokens": self.progress.tokens(),
-                                    "train_minutes": round(self.progress.seconds() / 60, 3), **_curve_metrics(metrics)})
+                                    "train_minutes": round(self.progress.seconds() / 60, 3),
+                                    "train_cpu_s": round(self.progress.cpu_seconds(), 1), **_curve_metrics(metrics)})
         self.progress.excluded += time.time() - started
+        self.progress.cpu_excluded += time.process_time() - cpu
         self.tracker.log_metrics(metrics, step=state.global_step)
         overall = metrics.get("heldout/acceptance/overall")
         if overall is not None:

@@ -151,6 +151,8 @@ def split_rows(inputs: Inputs) -> Split:
         share = nested_subset([prompt_ids[i] for i in train_idx], [domains[i] for i in train_idx],
                               float(split.train_fraction), seed)
         all_train, train = train, train.select(share)
+    used = train_idx if share is None else [train_idx[i] for i in share]
+    cpu_s = label_cpu_seconds(collected, used, inputs.manifest)
     name = fingerprint(inputs.cfg, inputs.target_ident, inputs.manifest, len(collected),
                        inputs.settings.objective.loss_temperature)
     scratch = Path(inputs.cfg.paths.cache) / "distill"
@@ -161,7 +163,22 @@ def split_rows(inputs: Inputs) -> Split:
         f"{len(held_idx)} held-out rows; draft {inputs.draft_info}, "
         f"{sum(p.numel() for p in inputs.draft.parameters()) / 1e6:.1f}M params; serving {inputs.sampling}"
         + (f"; FR-Spec head {len(vocab)} tokens" if vocab is not None else ""))
-    return Split(train, held_idx, name, vocab, all_train, share)
+    return Split(train, held_idx, name, vocab, all_train, share, cpu_s)
+
+
+def label_cpu_seconds(collected, rows: list[int], manifest: dict) -> float | None:
+    """What the labels of `rows` cost: per origin (target generation, the draft's samples, given text) the collect's
+    CPU seconds per token (manifest `label_cost`) times the rows' completion tokens of that origin; None where the
+    collect recorded no cost for an origin the rows have. Held-out rows are measurement, not training: not counted."""
+    cost = manifest.get("label_cost") or {}
+    columns = collected.select(rows).select_columns([c for c in ("origin", "completion_ids") if c in collected.column_names])
+    tokens: dict[str, int] = {}
+    for row in columns:
+        origin = row.get("origin", "target")
+        tokens[origin] = tokens.get(origin, 0) + len(row["completion_ids"])
+    if any(not (cost.get(origin) or {}).get("cpu_s") for origin in tokens):
+        return None
+    return round(sum(n * cost[o]["cpu_s"] / cost[o]["tokens"] for o, n in tokens.items()), 1)
 
 
 # ---------------------------------------------------------------- held-out acceptance
@@ -207,6 +224,7 @@ def training_record(inputs: Inputs, split: Split, training: TrainingResult) -> d
             "steps": training.steps, "train_tokens": training.tokens, "minutes": round(training.minutes, 2),
             "rows": len(split.train), "data_tokens": sum(map(len, split.train["completion_ids"])),
             "train_fraction": float(inputs.settings.split.train_fraction), "fingerprint": split.fingerprint,
+            "label_cpu_s": split.label_cpu_s, "train_cpu_s": training.curve[-1].get("train_cpu_s") if training.curve else None,
             "recipe": training.recipe}
 
 

@@ -150,7 +150,7 @@ def measure_cost_profile(target, draft, vocab: torch.Tensor | None, plan: CostPl
                             "repeats": repeats, "warmup": warmup, "seed": seed},
                "target": table, "tree_target": tree_table, "draft": {"context": draft_context, **_stats(draft_s)}}
     if host_sampling is not None:
-        profile["host"] = measure_host_overhead(target, draft, vocab, host_sampling, contexts[0], repeats, warmup, seed)
+        profile["host"] = measure_host_overhead(target, draft, vocab, host_sampling, plan)
     after = [canary(ids[:, :1]) for _ in range(CANARY_REPEATS)]
     start, end = statistics.median(before) * 1e3, statistics.median(after) * 1e3
     profile["canary"] = {"start_ms": round(start, 3), "end_ms": round(end, 3), "ratio": round(end / start, 3)}

@@ -471,3 +471,40 @@ def test_the_default_check_sees_a_restated_guard_window(tmp_path):
     planted.write_text("from dataclasses import dataclass\n\n@dataclass\nclass G:\n    window: float = 16.0\n\n"
                        "def server(root, *, start_timeout=120.0, parallel=1):\n    pass\n")
     assert sorted(restated_defaults(planted, {"window", "start_timeout", "other"})) == [("start_timeout", 7), ("window", 5)]
+
+
+# the generate-style decoder API (keyword arguments as HF generate takes them) and the functional loss (keyword-only,
+# as torch.nn.functional's) may take more; no other public function does
+WIDE_SIGNATURES_ALLOWED = {"pipeline/decoding", "distill/losses.py:distillation_loss"}
+
+
+def wide_signatures(root: Path, allowed=WIDE_SIGNATURES_ALLOWED, most: int = 7) -> list[str]:
+    """'path:function (n)' for each public function or method of the source folders taking more than `most`
+    parameters (self and cls not counted), outside `allowed` (a folder, or path:function)."""
+    found = []
+    for folder in ("pipeline", "data", "distill", "eval"):
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if any(relative.startswith(a + "/") for a in allowed):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                    continue
+                args = node.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                n = len([a for a in names if a not in ("self", "cls")])
+                if n > most and f"{relative}:{node.name}" not in allowed:
+                    found.append(f"{relative}:{node.name} ({n})")
+    return found
+
+
+def test_no_public_function_takes_more_than_seven_parameters():
+    assert wide_signatures(REPO) == []
+
+
+def test_the_signature_check_sees_an_eighth_parameter(tmp_path):
+    (tmp_path / "eval").mkdir(parents=True)
+    (tmp_path / "eval" / "m.py").write_text("def wide(a, b, c, d, e, f, g, *, h=0):\n    pass\n\n"
+                                            "def _private(a, b, c, d, e, f, g, h):\n    pass\n\n"
+                                            "class A:\n    def method(self, a, b, c, d, e, f, g):\n        pass\n")
+    assert wide_signatures(tmp_path) == ["eval/m.py:wide (8)"]

@@ -18,9 +18,10 @@ def random_heldout(target, temperature: float, rows: int = 6, seed: int = 1):
 
     g = torch.Generator().manual_seed(seed)
     samples = [{"prompt_ids": torch.randint(6, VOCAB, (5,), generator=g).tolist(),
-                "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist()} for _ in range(rows)]
-    return build_heldout(target, samples, ["a", "b"] * (rows // 2), Sampling(temperature), Truncation(512, 256),
-                         support=VOCAB, batch_size=8, pad_token_id=1)
+                "completion_ids": torch.randint(6, VOCAB, (12,), generator=g).tolist(), "domain": "ab"[i % 2]}
+               for i in range(rows)]
+    return build_heldout(target, samples, Sampling(temperature), Truncation(512, 256), support=VOCAB, batch_size=8,
+                         pad_token_id=1)
 
 
 @pytest.mark.parametrize("scale", [1.5, 1 / 1.5])

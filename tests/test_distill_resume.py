@@ -70,6 +70,9 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     assert resumed["training"]["train_tokens"] == uninterrupted["training"]["train_tokens"]
     assert resumed["learning_curve"][0]["train_tokens"] == uninterrupted["learning_curve"][0]["train_tokens"]
     assert 0 < resumed["learning_curve"][0]["train_minutes"] < resumed["learning_curve"][1]["train_minutes"]
+    # ... and the CPU seconds of training (issue 52's budget) continue too: the record's total is the last point's
+    assert 0 < resumed["learning_curve"][0]["train_cpu_s"] < resumed["learning_curve"][1]["train_cpu_s"]
+    assert resumed["training"]["train_cpu_s"] == resumed["learning_curve"][1]["train_cpu_s"]
     assert set(resumed["learning_curve"][1]["by_domain"]) == set(uninterrupted["acceptance"]["after"]) - {"overall"}
 
 

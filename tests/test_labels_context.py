@@ -164,7 +164,7 @@ def test_heldout_distribution_is_the_targets_on_the_truncated_prompt(target, row
     sampling = Sampling(temperature=1.0)
 
     def heldout_labels(truncation):
-        held = build_heldout(target, rows, ["chat"] * len(rows), sampling, truncation, K, 2, 0)
+        held = build_heldout(target, [r | {"domain": "chat"} for r in rows], sampling, truncation, K, 2, 0)
         ids, probs = held.p_ids.split([len(r["completion_ids"]) for r in rows]), held.p_probs.split(
             [len(r["completion_ids"]) for r in rows])
         return {"topk_ids": [i.tolist() for i in ids], "topk_logprobs": [p.log().tolist() for p in probs]}

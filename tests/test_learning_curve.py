@@ -195,3 +195,50 @@ def test_the_report_of_several_drafts_carries_the_sizing_table(tmp_path):
     md = (tmp_path / "report" / "learning_curve.md").read_text()
     assert "Sizing by the window" in md and "| derive [0, 1], full head | 0.100 | 1 | 20,000 | 0.400 |" in md
     assert "no curve (one run)" in md
+
+
+def test_each_export_is_priced_at_its_own_label_mix_and_its_curve_at_labels_plus_training(tmp_path):
+    # two trained directories: one on generated rows only, one on text rows too (cheaper labels), each recording what
+    # its rows' labels cost and its training CPU per point; the collect named in paths.collect is not theirs
+    def trained(name, label_cpu_s, cpu_points):
+        curve = [{"step": 10 * (i + 1), "train_tokens": 1000 * (i + 1), "train_minutes": 0.5 * (i + 1),
+                  "train_cpu_s": cpu, "acceptance": 0.2 + 0.05 * i, "by_domain": {"chat": 0.2 + 0.05 * i}}
+                 for i, cpu in enumerate(cpu_points)]
+        path = tmp_path / name
+        path.mkdir()
+        (path / "training.json").write_text(json.dumps({
+            "version": 1, "after_training": {"chat": curve[-1]["acceptance"], "overall": curve[-1]["acceptance"]},
+            "learning_curve": curve, "training": {"data_tokens": 2000, "train_fraction": 1.0, "train_tokens": 2000,
+                                                  "minutes": 1.0, "label_cpu_s": label_cpu_s,
+                                                  "train_cpu_s": cpu_points[-1]}}))
+        return path
+
+    generated, text = trained("generated", 600.0, [60.0, 120.0]), trained("text", 60.0, [30.0, 90.0])
+    collect = tmp_path / "collect"
+    collect.mkdir()
+    (collect / "manifest.json").write_text(json.dumps({"label_cost": {"target": {"tokens": 1000, "cpu_s": 300.0}}}))
+    assert tools_main(["learning-curve", f"tool.drafts=['{generated}','{text}']", f"tool.out='{tmp_path / 'out'}'",
+                       f"paths.collect='{collect}'"]) == 0
+    data = json.loads((tmp_path / "out" / "learning_curve.json").read_text())
+    by_source = {p["source"]: p for p in data["runs"]}
+    # the record's own cost, not the named collect's rate (wrong variant: 2000 tokens x 0.3 = 10 CPU-min for both)
+    assert by_source[str(generated)]["label_cpu_minutes"] == pytest.approx(10.0)
+    assert by_source[str(text)]["label_cpu_minutes"] == pytest.approx(1.0)
+    assert by_source[str(text)]["cpu_minutes"] == pytest.approx((60 + 90) / 60)
+    # every in-run point carries all the labels (paid before the first step) plus the training CPU so far
+    assert [c["cpu_minutes"] for c in data["in_run"]["text"]] == pytest.approx([90 / 60, 150 / 60])
+    assert [c["cpu_minutes"] for c in data["in_run"]["generated"]] == pytest.approx([660 / 60, 720 / 60])
+    assert "label + training CPU-min" in (tmp_path / "out" / "learning_curve.md").read_text()
+
+
+def test_the_label_cpu_of_the_rows_trained_on_counts_each_origin_at_its_rate():
+    from datasets import Dataset
+
+    from distill.stage import label_cpu_seconds
+
+    rows = Dataset.from_dict({"origin": ["target", "text", "target", "text"],
+                              "completion_ids": [[1] * 10, [2] * 100, [3] * 30, [4] * 50]})
+    manifest = {"label_cost": {"target": {"tokens": 40, "cpu_s": 20.0}, "text": {"tokens": 150, "cpu_s": 3.0}}}
+    assert label_cpu_seconds(rows, [0, 1], manifest) == pytest.approx(10 * 0.5 + 100 * 0.02)
+    assert label_cpu_seconds(rows, [1, 3], manifest) == pytest.approx(150 * 0.02)  # held-out rows not passed: not counted
+    assert label_cpu_seconds(rows, [0, 1], {"label_cost": {"target": {"tokens": 40, "cpu_s": 20.0}}}) is None

@@ -95,7 +95,7 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: 
 
 
 def pass_costs(target, draft, prompts: list[torch.Tensor], gammas: list[int], sampling: Sampling, stop: list[int],
-               max_new_tokens: int, seed: int = 0) -> dict:
+               max_new_tokens: int) -> dict:
     """The cost summary (pipeline/decoding/cost.py) of HF's own passes on this device: per γ, HF assisted's time per
     target pass (its γ draft steps, the verify and HF's host work between them, all in one measured figure) over HF
     plain's time per token: `verify_ratio[γ]` holds that whole pass and `c` is 0. Prefill is spread over both
@@ -113,12 +113,12 @@ def pass_costs(target, draft, prompts: list[torch.Tensor], gammas: list[int], sa
         return (time.perf_counter() - started) / max(len(tokens) if gamma is None else stats.target_passes, 1)
 
     for gamma in (None, *gammas):
-        seconds_per_unit(prompts[0], gamma, seed)
+        seconds_per_unit(prompts[0], gamma, 0)
     steps, ratios = [], {gamma: [] for gamma in gammas}
-    for i, ids in enumerate(prompts):
-        steps.append(seconds_per_unit(ids, None, seed + i))
+    for i, ids in enumerate(prompts):  # request i samples with seed i in plain and in every γ alike
+        steps.append(seconds_per_unit(ids, None, i))
         for gamma in gammas:
-            ratios[gamma].append(seconds_per_unit(ids, gamma, seed + i) / steps[-1])
+            ratios[gamma].append(seconds_per_unit(ids, gamma, i) / steps[-1])
     return {"engine": "hf", "c": 0.0, "target_forward_ms": 1e3 * statistics.median(steps),
             "verify_ratio": {gamma: statistics.median(values) for gamma, values in ratios.items()},
             "source": f"HF generate timed on {len(prompts)} held-out prompts, {max_new_tokens} tokens each "

@@ -103,8 +103,8 @@ def collect(cfg, m, prompts: list[dict], tokens: int) -> tuple[list[dict], dict]
                        hidden_states=False)
     clock = synced_clock(m.device)
     started = clock()
-    rows = collect_shard(HFBackend(m.target, m.tokenizer.pad_token_id, m.stop, settings), m.tokenizer, prompts, 1,
-                         seed=int(cfg.seed))
+    rows, _ = collect_shard(HFBackend(m.target, m.tokenizer.pad_token_id, m.stop, settings), m.tokenizer, prompts, 1,
+                            seed=int(cfg.seed))
     seconds, n = clock() - started, sum(len(r["completion_ids"]) for r in rows)
     return rows, {"rows": len(rows), "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
                   "batch_size": settings.batch_size, "topk": settings.topk}

@@ -1,8 +1,10 @@
 """Learning curves from draft exports: held-out acceptance against target tokens and training minutes, one point
 per export (`training.data_tokens`; nested subsets of one collect, experiment=curve, give the data-size curve) and
 each export's in-run `learning_curve`. A distill stage's `${paths.trained}` (before calibration) is a point too.
-Tokens are also priced in CPU-minutes of label work: the collect's (`paths.collect`) manifest gives the CPU seconds
-its rows cost per token, over its mix of label sources. Writes learning_curve.png, .md (with the gain per doubling) and .json.
+Tokens are also priced in CPU-minutes of label work: each export's training record carries what the labels of its
+rows cost (each origin at the collect's own rate), or else the collect's (`paths.collect`) manifest gives the CPU
+seconds its rows cost per token, over its mix of label sources; the in-run curve is drawn against labels and training
+together in CPU-minutes (issue 52's budget) where every point records its training CPU. Writes learning_curve.png, .md (with the gain per doubling) and .json.
 
     python -m pipeline.tools learning-curve 'tool.drafts=[<draft dir>,...]' tool.out=<dir> [paths.collect=<collect>]
 """
@@ -46,7 +48,22 @@ def run_point(spec: SpeculativeSpec, source: str, rate: float | None = None) -> 
             "acceptance": dict(trained), "before": dict((spec.acceptance or {}).get("before") or {}),
             "predicted_speedup": predicted.get("default", predicted.get(OVERALL)),
             "predicted_by_domain": {d: v for d, v in predicted.items() if d != "default"},
-            "label_cpu_minutes": label_minutes(training.get("data_tokens"), rate)}
+            "label_cpu_minutes": (label_minutes(training.get("data_tokens"), rate) if own_label_minutes(training) is None
+                                  else own_label_minutes(training)),
+            "cpu_minutes": budget_minutes(training, training.get("train_cpu_s"))}
+
+
+def own_label_minutes(training: dict) -> float | None:
+    """The label CPU-minutes the distill stage recorded for the rows it trained on, each origin at its own rate."""
+    return None if training.get("label_cpu_s") is None else training["label_cpu_s"] / 60
+
+
+def budget_minutes(training: dict, train_cpu_s: float | None) -> float | None:
+    """Labels and training together in CPU-minutes (every core counts): issue 52's budget. The labels are paid
+    before the first step, so every point of an in-run curve carries all of them."""
+    if training.get("label_cpu_s") is None or train_cpu_s is None:
+        return None
+    return (training["label_cpu_s"] + train_cpu_s) / 60
 
 
 def trained_as_spec(directory: Path) -> SpeculativeSpec:
@@ -222,8 +239,11 @@ def _with_epochs(spec: SpeculativeSpec, rate: float | None = None) -> list[dict]
     """The in-run curve with `epochs` = tokens seen / tokens of the train rows (below 1 every point is new data) and
     the label CPU-minutes of the distinct tokens seen so far."""
     data = spec.training.get("data_tokens")
+    if data and own_label_minutes(spec.training) is not None:
+        rate = spec.training["label_cpu_s"] / data  # the rows' own mix of origins, each at its own rate
     return [c | {"epochs": c["train_tokens"] / data if data else None,
-                 "label_cpu_minutes": label_minutes(min(c["train_tokens"], data or c["train_tokens"]), rate)}
+                 "label_cpu_minutes": label_minutes(min(c["train_tokens"], data or c["train_tokens"]), rate),
+                 "cpu_minutes": budget_minutes(spec.training, c.get("train_cpu_s"))}
             for c in spec.learning_curve]
 
 
@@ -248,7 +268,9 @@ def plot(points: list[dict], curves: list[tuple[str, list[dict]]], path: Path) -
         ax.set(xlabel="target tokens trained on (log)", ylabel=label, title="Data size (one run each)")
         ax.legend(fontsize=7)
     largest = curves[-1] if curves else None
-    for ax, key, label in ((axes[1, 0], "train_minutes", "training minutes"),
+    budget = bool(curves) and all(c.get("cpu_minutes") is not None for _, curve in curves for c in curve)
+    for ax, key, label in ((axes[1, 0], *(("cpu_minutes", "label + training CPU-minutes") if budget
+                                           else ("train_minutes", "training minutes"))),
                            (axes[1, 1], "train_tokens", "completion tokens seen (epochs included)")):
         if largest:
             for d in domains[:-1]:
@@ -292,9 +314,10 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
                   for d, v in needed.items()]
     for name, curve in curves:
         lines += ["", f"During training ({name}):", "", "| step | tokens seen | epochs | label CPU-min | minutes | "
-                  "overall | " + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 5)]
+                  "label + training CPU-min | overall | " + " | ".join(domains[:-1]) + " |", "|" + "---|" * (len(domains) + 6)]
         lines += [f"| {c['step']} | {c['train_tokens']:,} | {_f(c.get('epochs'), '.2f')} | "
                   f"{_f(c.get('label_cpu_minutes'), '.1f')} | {_f(c.get('train_minutes'), '.1f')} | "
+                  f"{_f(c.get('cpu_minutes'), '.1f')} | "
                   f"{_f(c['acceptance'])} | "
                   + " | ".join(_f(c.get("by_domain", {}).get(d)) for d in domains[:-1]) + " |" for c in curve]
     return "\n".join(lines) + "\n"
