@@ -231,6 +231,14 @@ def test_each_export_is_priced_at_its_own_label_mix_and_its_curve_at_labels_plus
     assert "label + training CPU-min" in (tmp_path / "out" / "learning_curve.md").read_text()
 
 
+def test_runs_whose_folders_share_a_name_are_told_apart_by_their_parents():
+    from pipeline.tools.learning_curve import short_names
+
+    assert short_names(["/a/run1/trained", "/a/run2/trained", "/b/x"]) == {
+        "/a/run1/trained": "run1/trained", "/a/run2/trained": "run2/trained", "/b/x": "b/x"}
+    assert short_names(["/a/p", "/a/q"]) == {"/a/p": "p", "/a/q": "q"}
+
+
 def test_the_label_cpu_of_the_rows_trained_on_counts_each_origin_at_its_rate():
     from datasets import Dataset
 
