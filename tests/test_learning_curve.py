@@ -63,6 +63,17 @@ def test_report_from_exports_of_nested_runs(tmp_path):
     assert data["tokens_needed"]["overall"]["gain_per_doubling"] > 0
 
 
+def report_beside_collect(tmp_path, drafts: list) -> dict:
+    """learning-curve over `drafts` with paths.collect at a collect whose target rows cost 0.3 CPU-s a token: its json."""
+    collect = tmp_path / "collect"
+    collect.mkdir()
+    (collect / "manifest.json").write_text(json.dumps({"label_cost": {"target": {"tokens": 1000, "cpu_s": 300.0}}}))
+    listed = ",".join(f"'{d}'" for d in drafts)
+    assert tools_main(["learning-curve", f"tool.drafts=[{listed}]", f"tool.out='{tmp_path / 'out'}'",
+                       f"paths.collect='{collect}'"]) == 0
+    return json.loads((tmp_path / "out" / "learning_curve.json").read_text())
+
+
 def test_a_trained_directory_is_a_point_and_tokens_are_priced_in_label_cpu_minutes(tmp_path):
     # a distill stage's ${paths.trained} (no calibration) beside a collect whose target rows cost 0.3 CPU-s a token
     curve = [{"step": 10, "train_tokens": 1500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}},
@@ -72,12 +83,7 @@ def test_a_trained_directory_is_a_point_and_tokens_are_priced_in_label_cpu_minut
     (trained / "training.json").write_text(json.dumps({
         "version": 1, "after_training": {"chat": 0.25, "overall": 0.25}, "learning_curve": curve,
         "training": {"data_tokens": 2000, "train_fraction": 1.0, "train_tokens": 3000, "minutes": 1.0}}))
-    collect = tmp_path / "collect"
-    collect.mkdir()
-    (collect / "manifest.json").write_text(json.dumps({"label_cost": {"target": {"tokens": 1000, "cpu_s": 300.0}}}))
-    assert tools_main(["learning-curve", f"tool.drafts=['{trained}']", f"tool.out='{tmp_path / 'out'}'",
-                       f"paths.collect='{collect}'"]) == 0
-    data = json.loads((tmp_path / "out" / "learning_curve.json").read_text())
+    data = report_beside_collect(tmp_path, [trained])
     assert data["label_cpu_s_per_token"] == pytest.approx(0.3)
     assert data["runs"][0]["label_cpu_minutes"] == pytest.approx(2000 * 0.3 / 60)  # the train rows' distinct tokens
     # in-run: distinct tokens seen, capped at the data once epochs repeat it (wrong variant: 3000 seen tokens priced)
@@ -214,12 +220,7 @@ def test_each_export_is_priced_at_its_own_label_mix_and_its_curve_at_labels_plus
         return path
 
     generated, text = trained("generated", 600.0, [60.0, 120.0]), trained("text", 60.0, [30.0, 90.0])
-    collect = tmp_path / "collect"
-    collect.mkdir()
-    (collect / "manifest.json").write_text(json.dumps({"label_cost": {"target": {"tokens": 1000, "cpu_s": 300.0}}}))
-    assert tools_main(["learning-curve", f"tool.drafts=['{generated}','{text}']", f"tool.out='{tmp_path / 'out'}'",
-                       f"paths.collect='{collect}'"]) == 0
-    data = json.loads((tmp_path / "out" / "learning_curve.json").read_text())
+    data = report_beside_collect(tmp_path, [generated, text])
     by_source = {p["source"]: p for p in data["runs"]}
     # the record's own cost, not the named collect's rate (wrong variant: 2000 tokens x 0.3 = 10 CPU-min for both)
     assert by_source[str(generated)]["label_cpu_minutes"] == pytest.approx(10.0)
