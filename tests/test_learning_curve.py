@@ -232,12 +232,15 @@ def test_each_export_is_priced_at_its_own_label_mix_and_its_curve_at_labels_plus
     assert "label + training CPU-min" in (tmp_path / "out" / "learning_curve.md").read_text()
 
 
-def test_runs_whose_folders_share_a_name_are_told_apart_by_their_parents():
-    from pipeline.tools.learning_curve import short_names
-
-    assert short_names(["/a/run1/trained", "/a/run2/trained", "/b/x"]) == {
-        "/a/run1/trained": "run1/trained", "/a/run2/trained": "run2/trained", "/b/x": "b/x"}
-    assert short_names(["/a/p", "/a/q"]) == {"/a/p": "p", "/a/q": "q"}
+def test_runs_whose_folders_share_a_name_are_told_apart_by_their_parents(tmp_path):
+    curve = [{"step": 10, "train_tokens": 500, "train_minutes": 0.5, "acceptance": 0.2, "by_domain": {"chat": 0.2}}]
+    for run in ("run1", "run2"):
+        (tmp_path / run).mkdir()
+    dirs = [_export(tmp_path / run / "trained", n, {"chat": 0.2, "overall": 0.2}, curve)
+            for run, n in (("run1", 1000), ("run2", 2000))]
+    assert main([*dirs, "--out", str(tmp_path / "report")]) == 0
+    data = json.loads((tmp_path / "report" / "learning_curve.json").read_text())
+    assert set(data["in_run"]) == {"run1/trained", "run2/trained"}  # wrong variant: one curve "trained" for both
 
 
 def test_the_label_cpu_of_the_rows_trained_on_counts_each_origin_at_its_rate():

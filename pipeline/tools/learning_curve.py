@@ -323,15 +323,6 @@ def markdown(points: list[dict], gains: list[dict], curves: list[tuple[str, list
     return "\n".join(lines) + "\n"
 
 
-def short_names(sources: list[str]) -> dict[str, str]:
-    """Each source by its last path parts, as few as keep the names apart (two runs' `trained` folders: their parents)."""
-    for depth in range(1, max(len(Path(s).parts) for s in sources) + 1):
-        names = {s: "/".join(Path(s).parts[-depth:]) for s in sources}
-        if len(set(names.values())) == len(set(sources)):
-            return names
-    return {s: s for s in sources}
-
-
 def write_files(out: Path, writers: dict) -> None:
     """{file name: fn(path) that writes it}: all written into a staging directory beside `out`, then each renamed
     into `out`, so a failure leaves nothing half-written there."""
@@ -363,7 +354,10 @@ def run(cfg) -> dict:
     rate = label_rate(cfg.paths.get("collect"))
     points = sorted((run_point(spec, src, rate) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
     exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
-    names = short_names([src for src, _ in exports]) if len(exports) > 1 else {src: "run" for src, _ in exports}
+    from pipeline.tools.compare_drafts import short_names  # two runs' `trained` folders: told apart by their parents
+
+    sources = [src for src, _ in exports]
+    names = dict(zip(sources, short_names(sources))) if len(exports) > 1 else {src: "run" for src in sources}
     curves = [(names[src], _with_epochs(spec, rate)) for src, spec in exports if spec.learning_curve]
     table = sizing(load_order)
     if len({candidate(spec) for _, spec in exports}) > 1:  # curves of different drafts: one per draft, in the sizing
