@@ -8,7 +8,6 @@ rounds; per pass the host seconds are the call's time less its forwards (`Decode
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,6 @@ from pipeline.decoding.generate import autoregressive_generate, speculative_gene
 from pipeline.decoding.plan import DraftPlan
 from pipeline.decoding.tree import nodes
 from pipeline.sampling import Sampling
-
-if TYPE_CHECKING:  # pipeline/cost_profile.py imports this module
-    from pipeline.cost_profile import CostPlan
 
 NEW_TOKENS = 32  # per timed decode: enough passes per call that the call's fixed costs spread thin
 CHAINS = (1, 4)  # drafted tokens per chain pass measured (the cost model interpolates between them)
@@ -33,10 +29,10 @@ def _host_steps(stats) -> tuple[float, float]:
 
 
 @torch.inference_mode()
-def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: Sampling, plan: CostPlan) -> dict:
+def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: Sampling, plan) -> dict:
     """profile["host"] (module docstring) for `target`/`draft` decoding `sampling` after a random prompt of the
-    plan's first context length, `plan.repeats` rounds after `plan.warmup`, the draft's head restricted to `vocab` as
-    served."""
+    shortest context length of `plan` (pipeline/cost_profile.py's CostPlan, which imports this module), `plan.repeats`
+    rounds after `plan.warmup`, the draft's head restricted to `vocab` as served."""
     context, repeats, warmup, seed = min(int(n) for n in plan.contexts), int(plan.repeats), int(plan.warmup), int(plan.seed)
     device = next(target.parameters()).device
     g = torch.Generator().manual_seed(seed)
