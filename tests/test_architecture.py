@@ -1,8 +1,8 @@
 """The house rules a new reader relies on: stages meet on disk and share only the core (pipeline/), no folder
 has an import circle, the speedup model lives once in the core (pipeline/decoding/cost.py), the committed
 params.yaml is the default composition DVC runs from, each dvc.yaml stage depends on exactly the code it runs,
-every model preset has the same keys, every timed comparison goes through eval/harness.py, and no test can only
-pass."""
+every model preset has the same keys, every timed comparison goes through eval/harness.py, no public function outside
+the decoder's generate-style API takes more than 7 parameters, and no test can only pass."""
 from __future__ import annotations
 
 import ast
