@@ -312,17 +312,17 @@ def calibrate_gpu_engines(draft, exported_draft, target, heldouts, vocab, settin
     ("off": null or [] = serve that domain without a draft), each with the rule (pipeline/engines/rules.py) and
     fixed k predicted fastest. Each engine routes per domain only by running two servers: the tables say which
     domain goes where. The draft directory is this export ("." in the configs: replace with where it is served)."""
-    engines, settings = gpu_engines(settings), settings.gpu
-    cost, sampling = gpu_cost(exported_draft, target, settings), heldouts.calibration.sampling
+    gpu = settings.gpu
+    cost, sampling = gpu_cost(exported_draft, target, gpu), heldouts.calibration.sampling
     alphas, out = {}, {}
-    for engine in engines:
+    for engine in gpu_engines(settings):
         rules = candidate_rules(engine, sampling.greedy)
         keys = {r: (r, r == "greedy" or engine not in UNFILTERED_DRAFT) for r in rules}  # a one-hot q has no filters
         for rule, key in keys.items():
             if key not in alphas:  # each α once for every engine
                 alphas[key] = rule_alpha(draft, heldouts, vocab, *key)
-        table = choose_fixed({r: alphas[key] for r, key in keys.items()}, heldouts, cost, list(settings.gammas),
-                             settings.margin)
+        table = choose_fixed({r: alphas[key] for r, key in keys.items()}, heldouts, cost, list(gpu.gammas),
+                             gpu.margin)
         key, config, off = GPU_CONFIGS[engine]
         out[engine] = {"version": VERSIONS[engine], "cost": cost, "by_domain": table,
                        "rules": {r: rule_record(engine, r, sampling.temperature) for r in rules},
