@@ -48,14 +48,16 @@ def run_point(spec: SpeculativeSpec, source: str, rate: float | None = None) -> 
             "acceptance": dict(trained), "before": dict((spec.acceptance or {}).get("before") or {}),
             "predicted_speedup": predicted.get("default", predicted.get(OVERALL)),
             "predicted_by_domain": {d: v for d, v in predicted.items() if d != "default"},
-            "label_cpu_minutes": (label_minutes(training.get("data_tokens"), rate) if own_label_minutes(training) is None
-                                  else own_label_minutes(training)),
+            "label_cpu_minutes": label_minutes(training.get("data_tokens"), own_rate(training, rate)),
             "cpu_minutes": budget_minutes(training, training.get("train_cpu_s"))}
 
 
-def own_label_minutes(training: dict) -> float | None:
-    """The label CPU-minutes the distill stage recorded for the rows it trained on, each origin at its own rate."""
-    return None if training.get("label_cpu_s") is None else training["label_cpu_s"] / 60
+def own_rate(training: dict, rate: float | None) -> float | None:
+    """CPU seconds per label of the rows a run trained on: from the cost its distill stage recorded (each origin at
+    its own rate) where there is one, else `rate` (the named collect's)."""
+    if training.get("label_cpu_s") is None or not training.get("data_tokens"):
+        return rate
+    return training["label_cpu_s"] / training["data_tokens"]
 
 
 def budget_minutes(training: dict, train_cpu_s: float | None) -> float | None:
@@ -238,9 +240,7 @@ def _need(entry: dict) -> str:
 def _with_epochs(spec: SpeculativeSpec, rate: float | None = None) -> list[dict]:
     """The in-run curve with `epochs` = tokens seen / tokens of the train rows (below 1 every point is new data) and
     the label CPU-minutes of the distinct tokens seen so far."""
-    data = spec.training.get("data_tokens")
-    if data and own_label_minutes(spec.training) is not None:
-        rate = spec.training["label_cpu_s"] / data  # the rows' own mix of origins, each at its own rate
+    data, rate = spec.training.get("data_tokens"), own_rate(spec.training, rate)
     return [c | {"epochs": c["train_tokens"] / data if data else None,
                  "label_cpu_minutes": label_minutes(min(c["train_tokens"], data or c["train_tokens"]), rate),
                  "cpu_minutes": budget_minutes(spec.training, c.get("train_cpu_s"))}
