@@ -91,3 +91,19 @@ def test_steps_judge_each_subset_after_training_it_by_distills_recipe(planted, t
 def test_negative_steps_are_refused(planted, tmp_path):
     with pytest.raises(PipelineError, match=r"tool\.steps=-1 must be ≥ 0"):
         layer_choice(planted, tmp_path, "tool.steps=-1")
+
+
+def test_the_block_search_judges_each_contiguous_block_dropped(planted, tmp_path):
+    """tool.search=block: keep + 1 subsets, each without one contiguous block; one identity layer (0 or 2) dropped
+    is the target exactly, and the best candidate is the choice."""
+    result = layer_choice(planted, tmp_path, "tool.keep=3", "tool.search=block")
+    assert sorted(step["layers"] for step in result["path"]) == [[0, 1, 2], [0, 1, 3], [0, 2, 3], [1, 2, 3]]
+    assert result["chosen"] in ([0, 1, 3], [1, 2, 3])  # either identity dropped: the target exactly
+    assert result["path"][-1]["acceptance"] == pytest.approx(1.0, abs=1e-4)
+    assert max(step["acceptance"] for step in result["path"][:-1]) <= result["path"][-1]["acceptance"]
+    assert min(step["acceptance"] for step in result["path"]) < 0.9  # the candidates differ: the measurement chose
+
+
+def test_an_unknown_search_is_one_line(planted, tmp_path):
+    with pytest.raises(PipelineError, match=r"tool\.search='beam': use greedy or block"):
+        layer_choice(planted, tmp_path, "tool.search=beam")

@@ -1,11 +1,12 @@
-"""Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a greedy search
-over the source model's layers (the target, for a derived draft; model.draft, for a pruned pretrained one), each
+"""Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a search (greedy,
+or over contiguous blocks dropped) over the source model's layers (the target, for a derived draft; model.draft, for a pruned pretrained one), each
 candidate subset judged untrained by its held-out acceptance Σ min(p, q) at the serving temperature on the calibration
 part, or after `tool.steps` training steps of distill's recipe each. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared on the
 reporting part with a paired bootstrap CI over rows, so the rows that choose never judge. Equal depth is equal cost
 on a device where a draft's cost follows its depth, so only the acceptance is compared.
 
-    python -m pipeline.tools layer-choice tool.keep=2 [tool.steps=10] [tool.source=draft] [paths.collect=<collect>]
+    python -m pipeline.tools layer-choice tool.keep=2 [tool.steps=10] [tool.source=draft] [tool.search=block] \
+        [paths.collect=<collect>]
 """
 from __future__ import annotations
 
@@ -84,6 +85,26 @@ def greedy_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptan
     return path
 
 
+def block_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
+    """Every subset that drops one contiguous block of n − keep layers (Gromov et al. 2024, "The Unreasonable
+    Ineffectiveness of the Deeper Layers": a pretrained model loses least to one deep-but-not-last block), keep + 1
+    candidates where the greedy search judges ~keep·n: a search cheap enough for a deep source. Returns
+    [{"layers", "acceptance"}] per candidate, the best (ties: earlier layers) last."""
+    n = source.config.num_hidden_layers
+    if not 0 < keep < n:
+        raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
+    path = []
+    for start in range(keep + 1):
+        layers = [*range(start), *range(start + n - keep, n)]
+        path.append({"layers": layers, "acceptance": float(score(source, layers, heldout).mean())})
+        log(f"[layer-choice] without layers {start}..{start + n - keep - 1}: held-out acceptance (calibration part) "
+            f"{path[-1]['acceptance']:.3f}")
+    return sorted(path, key=lambda step: (step["acceptance"], [-j for j in step["layers"]]))
+
+
+SEARCHES = {"greedy": greedy_layers, "block": block_layers}
+
+
 def _source(cfg, inputs):
     """The model whose layers are chosen from: the target, or model.draft's pretrained weights (all its layers)."""
     if cfg.tool.source == "target":
@@ -112,6 +133,8 @@ def run(cfg) -> dict:
     options = cfg.tool
     if options.source not in SOURCES:
         raise PipelineError(f"tool.source={options.source!r}: use target or draft")
+    if options.search not in SEARCHES:
+        raise PipelineError(f"tool.search={options.search!r}: use {' or '.join(SEARCHES)}")
     keep = int(options.keep)
     inputs = load_target_inputs(cfg, None, "calibrate")
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
@@ -125,7 +148,7 @@ def run(cfg) -> dict:
     judged = f"after {steps} training steps" if steps else "untrained"
     print(f"[layer-choice] {keep} of the {source.config.num_hidden_layers} layers of the {options.source}, judged "
           f"{judged} on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
-    path = greedy_layers(source, keep, heldouts.calibration, score=score)
+    path = SEARCHES[options.search](source, keep, heldouts.calibration, score=score)
     chosen, baseline = path[-1]["layers"], _baseline(cfg, keep)
     names = [f"layers {baseline}", f"chosen {chosen}"] if chosen != baseline else [f"layers {baseline}"]
     alphas = {name: score(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline, chosen))}
@@ -134,7 +157,7 @@ def run(cfg) -> dict:
     table = compare(alphas, heldouts.reporting) if len(names) > 1 else None
     if table:
         print(render(table, names))
-    result = {"source": options.source, "keep": keep, "steps": steps, "chosen": chosen, "baseline": baseline, "path": path,
+    result = {"source": options.source, "search": options.search, "keep": keep, "steps": steps, "chosen": chosen, "baseline": baseline, "path": path,
               "sampling": inputs.sampling.to_dict(), "reporting": table,
               "set_it": (f"model.draft.derive.layers={chosen}" if options.source == "target"
                          else f"model.draft.keep_layers={chosen}")}
