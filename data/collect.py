@@ -21,8 +21,8 @@ from data.collect_rows import CollectSettings, collect_shard, features, format_s
 from data.collect_server import server_record, summed_counts
 from data.collect_text import read_documents, text_rows, text_shards
 from pipeline.atomic import atomic_dir, write_json
-from pipeline.chat import stop_token_ids
-from pipeline.deadline import would_overrun
+from pipeline.modelio.chat import stop_token_ids
+from pipeline.control.deadline import would_overrun
 from pipeline.errors import PipelineError
 from pipeline.sampling import derive_seed
 
@@ -114,7 +114,7 @@ def run(cfg: DictConfig, tracker) -> dict:
 
 def _load_prompts(cfg: DictConfig, settings: CollectSettings) -> dict[str, list[dict]]:
     """Train prompts per domain, in the configured domain order (or file order when domains=null)."""
-    from pipeline.prompts import by_domain, load_split
+    from pipeline.control.prompts import by_domain, load_split
 
     rows = load_split(cfg.paths.prompts, "train", settings.domains)  # refuses unknown or empty domains
     return mark_onpolicy(by_domain(rows, settings.max_prompts_per_domain, settings.domains or ()),
@@ -126,7 +126,7 @@ def _open_job(cfg: DictConfig, settings: CollectSettings, prompts: dict[str, lis
     """Join the process group, identify the target and fingerprint the run; loads no weights."""
     from accelerate import PartialState
 
-    from pipeline.models import load_tokenizer, resolve_device, resolve_model
+    from pipeline.modelio.models import load_tokenizer, resolve_device, resolve_model
 
     device, dtype = resolve_device({**(cfg.get("runtime") or {}), "dtype": "float32"})  # the device is enough here
     # Under `accelerate launch` (torch.distributed env vars) this joins the process group; CPU
@@ -159,8 +159,8 @@ def _target_identity(path: Path, tokenizer) -> dict:
 
     from transformers import GenerationConfig
 
-    from pipeline.models import model_identity
-    from pipeline.packaged import sha256_of
+    from pipeline.modelio.models import model_identity
+    from pipeline.modelio.packaged import sha256_of
 
     weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
     tokenizer_file = path / "tokenizer.json"
@@ -257,7 +257,7 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
 
 
 def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     settings = job.settings
     stop_ids = job.identity["stop_token_ids"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.split import onpolicy_prompts
+from pipeline.control.split import onpolicy_prompts
 
 
 def mark_onpolicy(prompts: dict[str, list[dict]], share: float, cfg: DictConfig) -> dict[str, list[dict]]:
@@ -39,7 +39,7 @@ def draft_spec(cfg: DictConfig, draft_dir: str | None) -> dict:
 def draft_identity(cfg: DictConfig, draft_dir: str | None) -> dict:
     """What decides the draft's samples, for the shard fingerprint: model.draft's construction (its name and FR-Spec
     rows aside: distill's), or the weights and config of the draft directory."""
-    from pipeline.packaged import sha256_of
+    from pipeline.modelio.packaged import sha256_of
 
     spec = draft_spec(cfg, draft_dir)
     if draft_dir is None:
@@ -51,7 +51,7 @@ def draft_identity(cfg: DictConfig, draft_dir: str | None) -> dict:
 def onpolicy_backend(cfg: DictConfig, settings, target, tokenizer, stop_ids: list[int], dtype):
     """The draft, built as distill builds its initial one (same seed) in the target's dtype, behind OnPolicyBackend."""
     from data.collect_hf import OnPolicyBackend
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
 
     draft, _, info = build_draft(draft_spec(cfg, settings.onpolicy.draft), target, tokenizer, cfg.paths, seed=cfg.seed)
     print(f"[collect] on-policy rows: {settings.onpolicy.share:g} of each domain's train prompts answered by the draft "

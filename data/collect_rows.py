@@ -12,9 +12,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from data.collect_text import TextSettings
-from pipeline.chat import encode_chat, messages_for
+from pipeline.modelio.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys
+from pipeline.control.settings import check_keys
 from pipeline.sampling import Sampling, derive_seed
 
 BACKENDS = ("hf", "vllm", "server")

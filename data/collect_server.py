@@ -279,7 +279,7 @@ def launch_server(cfg, settings: CollectSettings, log_path, stack) -> CollectSet
     from dataclasses import replace
 
     from pipeline.engines import llamacpp
-    from pipeline.models import model_gguf
+    from pipeline.modelio.models import model_gguf
 
     gguf = model_gguf(cfg.model.target, "target", cfg.paths)
     if gguf is None:

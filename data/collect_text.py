@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline.errors import PipelineError
-from pipeline.prompts import TEXT_FILE
-from pipeline.settings import check_keys
+from pipeline.control.prompts import TEXT_FILE
+from pipeline.control.settings import check_keys
 
 _FIX = "fix the override or conf/collect/default.yaml"
 _FORMATS = '{"messages": [...]}, {"conversations": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'
@@ -186,7 +186,7 @@ def _content(content, bad) -> str:
 def text_rows(documents: list[Document], settings: TextSettings, tokenizer, stop_ids: list[int]) -> list[dict]:
     """The rows to label, in document order, until collect.text.max_tokens completion tokens: per assistant answer of
     a conversation (its context the chat template's, as a generated row's), per chunk of a plain text."""
-    from pipeline.chat import encode_chat
+    from pipeline.modelio.chat import encode_chat
 
     rows, total, stops = [], 0, set(stop_ids)
     for document in documents:

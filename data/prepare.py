@@ -12,10 +12,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data import sources
-from pipeline.prompts import SPLITS, TEXT_FILE, load_prompts, normalized_text, write_prompts
+from pipeline.control.prompts import SPLITS, TEXT_FILE, load_prompts, normalized_text, write_prompts
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.errors import PipelineError
-from pipeline.packaged import sha256_of
+from pipeline.modelio.packaged import sha256_of
 
 BUILTIN_DOMAINS = ("chat", "code", "summarization", "math", "qa", "translation")
 SOURCES_MD = Path(__file__).resolve().parent / "SOURCES.md"

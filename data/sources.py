@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipeline.prompts import load_prompts
+from pipeline.control.prompts import load_prompts
 from pipeline.errors import PipelineError
-from pipeline.packaged import WheelFile, fetch_file
+from pipeline.modelio.packaged import WheelFile, fetch_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

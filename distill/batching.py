@@ -1,7 +1,7 @@
 """Where speculation stops paying: the draft length per batch size, per domain (speculative.json `batching`;
 docs/architecture.md says how it is measured and priced).
 
-Per domain and measured batch size B, the γ predicted fastest under that B's cost (pipeline/batch_profile.py) is kept
+Per domain and measured batch size B, the γ predicted fastest under that B's cost (pipeline/measure/batch_profile.py) is kept
 when it beats plain decoding by `calibrate.speculate_margin`, else 0 ("off"). A batch size between two
 measured ones takes the larger one's setting: costs grow with B, so this never drafts where a measured neighbour would
 not. Where the export has engines.vllm or engines.trtllm, each drafting domain's speculative_config gains that
@@ -13,11 +13,11 @@ import copy
 from dataclasses import replace
 
 from distill.calibrate import best_gamma
-from pipeline.batch_profile import (BatchPlan, batch_cost, batch_sizes_of, break_even, forwards_only,
+from pipeline.measure.batch_profile import (BatchPlan, batch_cost, batch_sizes_of, break_even, forwards_only,
                                      measure_batch_profile)
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
 OVERALL = "overall"  # distill's name for the pooled domain (distill/calibrate.py); speculative.json says "default"

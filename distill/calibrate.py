@@ -17,7 +17,7 @@ from distill.batch import Truncation, batches, completion_hidden
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.heads import column_map, head_logits, head_rows
-from pipeline.intervals import bootstrap_ci
+from pipeline.measure.intervals import bootstrap_ci
 from pipeline.sampling import Sampling, expected_acceptance
 
 OVERALL = "overall"

@@ -33,12 +33,12 @@ from distill.export import ExportParts, exported_weights, format_table, model_ca
 from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import Calibration, HeldOuts, Inputs, Split
 from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
-from pipeline.trained import read_record
-from pipeline import speculation_profile as sp
-from pipeline.cost_profile import FILENAME
+from pipeline.modelio.trained import read_record
+from pipeline.measure import speculation_profile as sp
+from pipeline.measure.cost_profile import FILENAME
 from pipeline.errors import PipelineError
-from pipeline.models import check_compatible, load_model, load_tokenizer
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.modelio.models import check_compatible, load_model, load_tokenizer
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import Laps
 
 
@@ -222,7 +222,7 @@ def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill
 
 def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: SpeculativeSpec,
                         source: DraftSource) -> dict:
-    """speculation_profile.json (pipeline/speculation_profile.py): per domain and overall, the reporting part's
+    """speculation_profile.json (pipeline/measure/speculation_profile.py): per domain and overall, the reporting part's
     per-position rates with the draft sampled at the serving temperature — the numbers evidence.json's
     per_position_acceptance and mean_accepted_length give — with intervals over its rows. α is computed again
     as serving_acceptance computed it (one draft pass over the reporting part) because only per-row sums

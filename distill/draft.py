@@ -1,5 +1,5 @@
 """The FR-Spec vocabulary subset (Zhao et al. 2025) and the parameters a draft trains (its construction:
-pipeline/draft_init.py). The subset is the K target tokens most frequent in the collected completions, stop tokens
+pipeline/modelio/draft_init.py). The subset is the K target tokens most frequent in the collected completions, stop tokens
 included. The exported weights keep the full vocabulary with the subset baked in (pipeline/heads.py); the id list
 travels in speculative.json.
 """

@@ -20,7 +20,7 @@ import torch
 from distill import calibrate as cal
 from distill.export import exported_weights
 from distill.policy import pass_profile_rows, simulate
-from pipeline import speculation_profile as sp
+from pipeline.measure import speculation_profile as sp
 from pipeline.decoding.cost import pass_speedup, verify_cost
 from pipeline.engines import hf, llamacpp
 from pipeline.engines.rules import (
@@ -30,9 +30,9 @@ from pipeline.engines.rules import (
     rule_record,
 )
 from pipeline.machine import cpu_name
-from pipeline.models import model_gguf, resolve_model
+from pipeline.modelio.models import model_gguf, resolve_model
 from pipeline.sampling import Sampling
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 
 DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 10, the only sampler)
 
@@ -156,7 +156,7 @@ def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options:
 
 
 def per_pass_prediction(proposed: torch.Tensor, accepted: torch.Tensor, passes: torch.Tensor) -> dict:
-    """pass_profile's rates with percentile bootstrap intervals over held-out rows (pipeline/speculation_profile.py
+    """pass_profile's rates with percentile bootstrap intervals over held-out rows (pipeline/measure/speculation_profile.py
     section: a ratio of sums resampled by row), so eval can judge measured − predicted with both errors in it."""
     rows = passes > 0  # rows with no position in the domain carry no passes
     if not rows.any():

@@ -1,4 +1,4 @@
-"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/spec.py) and a README model card, written
+"""Export a draft: HF weights + tokenizer, `speculative.json` (pipeline/decoding/spec.py) and a README model card, written
 atomically. An FR-Spec subset draft is exported with the subset baked into its full head (pipeline.heads.bake_subset):
 engines run the full head, whose never-trained rows would otherwise outscore the trained ones.
 """
@@ -15,7 +15,7 @@ from distill.batching import format_batching
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.engines.rules import EXPRESSES
 from pipeline.heads import bake_subset
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 
 
 @dataclass(frozen=True)

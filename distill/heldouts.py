@@ -16,11 +16,11 @@ from omegaconf import DictConfig
 from distill import calibrate as cal
 from distill.job import HeldOuts, Inputs
 from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
-from pipeline.chat import stop_token_ids
+from pipeline.modelio.chat import stop_token_ids
 from pipeline.errors import PipelineError
-from pipeline.models import load_role, model_identity
+from pipeline.modelio.models import load_role, model_identity
 from pipeline.sampling import Sampling
-from pipeline.split import split_by_prompt, split_heldout
+from pipeline.control.split import split_by_prompt, split_heldout
 
 
 def log(msg: str) -> None:

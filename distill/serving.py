@@ -10,7 +10,7 @@ from distill import tree_choice
 from distill.heldouts import log
 from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
-from pipeline.cost_profile import CostPlan, canary_warning, measure_cost_profile, read_profile, summary
+from pipeline.measure.cost_profile import CostPlan, canary_warning, measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
 

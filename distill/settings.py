@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys
+from pipeline.control.settings import check_keys
 
 TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,
@@ -140,7 +140,7 @@ class DraftLengthSettings:
 
 @dataclass(frozen=True)
 class CostSettings:
-    """`calibrate.cost`: the device's cost profile (pipeline/cost_profile.py)."""
+    """`calibrate.cost`: the device's cost profile (pipeline/measure/cost_profile.py)."""
     profile: str | None                # a cost_profile.json to calibrate for; null = measure one here
     tokens_fed: tuple[int, ...]        # target forward widths timed
     contexts: tuple[int, ...]          # KV-cache lengths they are timed at

@@ -33,12 +33,12 @@ from distill.job import HeldOuts, Inputs, Split
 from distill.labels import attach_teacher_labels
 from distill.training import TrainingResult, generation_length, train_draft
 from pipeline.atomic import atomic_dir, write_json
-from pipeline.draft_init import build_draft
+from pipeline.modelio.draft_init import build_draft
 from pipeline.errors import PipelineError
-from pipeline.models import check_compatible
-from pipeline.split import nested_subset
+from pipeline.modelio.models import check_compatible
+from pipeline.control.split import nested_subset
 from pipeline.timing import Laps
-from pipeline.trained import RECORD, RECORD_VERSION
+from pipeline.modelio.trained import RECORD, RECORD_VERSION
 
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so

@@ -132,7 +132,7 @@ def simulate(hits: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, fact
 
 def choose(hits: torch.Tensor, heldout: HeldOut, cost: dict, candidates: list[tuple] = CANDIDATES) -> dict[str, dict]:
     """Per domain (and overall): the candidate with the highest predicted speedup under `cost` (a cost summary,
-    pipeline/cost_profile.py), chains included."""
+    pipeline/measure/cost_profile.py), chains included."""
     result = {}
     for domain, mask in domain_index(heldout).items():
         predictions = []

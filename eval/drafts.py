@@ -10,12 +10,12 @@ import torch
 from omegaconf import DictConfig
 
 from eval.settings import EvalSettings
-from pipeline.chat import stop_token_ids
+from pipeline.modelio.chat import stop_token_ids
 from pipeline.errors import PipelineError
-from pipeline.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
+from pipeline.modelio.models import (check_compatible, derive_draft, load_model, load_role, load_tokenizer,
                              model_identity, resolve_model)
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 
 
 @dataclass

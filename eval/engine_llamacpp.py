@@ -20,14 +20,14 @@ from omegaconf import DictConfig
 
 from eval import metrics as M
 from eval.harness import interleaved, time_requests
-from pipeline import speculation_profile as sp
+from pipeline.measure import speculation_profile as sp
 from pipeline.atomic import atomic_dir, write_json
-from pipeline.chat import encode_chat, messages_for, stop_token_ids
+from pipeline.modelio.chat import encode_chat, messages_for, stop_token_ids
 from pipeline.engines import llamacpp
 from pipeline.errors import PipelineError
-from pipeline.models import load_tokenizer, model_gguf, resolve_model
+from pipeline.modelio.models import load_tokenizer, model_gguf, resolve_model
 from pipeline.sampling import derive_seed
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 
 
 def log(msg: str) -> None:

@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 from eval.engine_llamacpp import (EngineStats, engine_records, finish, method_metrics, requests_done, requests_of,
                                   write_engine_outputs)
 from pipeline.atomic import atomic_dir
-from pipeline.chat import stop_token_ids
+from pipeline.modelio.chat import stop_token_ids
 from pipeline.decoding import DraftLength
 from pipeline.errors import PipelineError
-from pipeline.models import load_tokenizer, resolve_model
-from pipeline.spec import DEFAULT, SpeculativeSpec
+from pipeline.modelio.models import load_tokenizer, resolve_model
+from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")

@@ -11,8 +11,8 @@ import statistics
 import time
 
 from eval.drafts import Evaluation
-from pipeline.chat import encode_chat, messages_for
-from pipeline.deadline import would_overrun
+from pipeline.modelio.chat import encode_chat, messages_for
+from pipeline.control.deadline import would_overrun
 from pipeline.sampling import derive_seed
 from pipeline.timing import synced_clock
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.intervals import bootstrap_ci
+from pipeline.measure.intervals import bootstrap_ci
 
 
 def _div(num, den):

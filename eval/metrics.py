@@ -12,7 +12,7 @@ import statistics
 import numpy as np
 
 from eval.intervals import acceptance_ci, compare, paired_ratio, per_request, speedup_ci
-from pipeline import speculation_profile as profile
+from pipeline.measure import speculation_profile as profile
 
 AUTOREGRESSIVE = "autoregressive"
 SPECULATIVE = "speculative"

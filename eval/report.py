@@ -16,7 +16,7 @@ from eval.tables import (BATCH_PREDICTIONS, batch_rows, batch_verdict, compariso
                          speedup_text)
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.decoding.cost import predicted_speedup
-from pipeline.intervals import N_RESAMPLES
+from pipeline.measure.intervals import N_RESAMPLES
 from pipeline.machine import cpu_name
 
 CI_NOTE = (f"[lo, hi] = 95% confidence interval: bootstrap over requests ({N_RESAMPLES:,} resamples, BCa, "

@@ -26,7 +26,7 @@ from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.spec import CALIBRATED, SpeculativeSpec
+from pipeline.decoding.spec import CALIBRATED, SpeculativeSpec
 from pipeline.timing import Laps
 
 # ---------------------------------------------------------------- inputs
@@ -48,7 +48,7 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def load_eval_prompts(cfg: DictConfig, settings: EvalSettings) -> tuple[dict[str, list[dict]], str]:
     """{domain: prompts} in file order, at most eval.max_prompts_per_domain each; and where they came from."""
-    from pipeline.prompts import by_domain, keep_domains, load_prompts, load_split
+    from pipeline.control.prompts import by_domain, keep_domains, load_prompts, load_split
 
     if settings.prompts_file == HELDOUT:
         ids = heldout_prompt_ids(Path(settings.draft or cfg.paths.draft))

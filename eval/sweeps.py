@@ -9,7 +9,7 @@ from eval import metrics as M
 from eval.drafts import Evaluation
 from eval.fidelity import first_prompts
 from eval.harness import by_method, time_requests
-from pipeline.batch_profile import BatchPlan, batch_cost, break_even, forwards_only, measure_batch_profile
+from pipeline.measure.batch_profile import BatchPlan, batch_cost, break_even, forwards_only, measure_batch_profile
 from pipeline.decoding import DraftPlan, autoregressive_generate_batch, pass_speedup, speculative_generate_batch
 from pipeline.sampling import derive_seed
 from pipeline.timing import synced_clock
@@ -156,7 +156,7 @@ def batch_sweep(contexts: list[dict], evaluation: Evaluation, seed: int) -> dict
     sweep's prompts cut into batches of B, each decoded by both in rotating order, the evaluated draft at the γ its
     per-batch-size calibration gives (speculative.json `batching`, domain `default`, the best γ even where it says
     "off", so the break-even shows) where it has one for this sampling, else its plan's γ. Predicted: that
-    calibration's prices, else a batch profile timed here (pipeline/batch_profile.py)."""
+    calibration's prices, else a batch profile timed here (pipeline/measure/batch_profile.py)."""
     settings, draft = evaluation.settings, evaluation.drafts[M.SPECULATIVE]
     rows = [c["ids"][0] for c in first_prompts(contexts, settings.sweep_prompts_per_domain) if c["turn"] == 0]
     sizes = [size for size in settings.batch_sizes if size <= len(rows)]

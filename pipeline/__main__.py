@@ -15,10 +15,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, verify_pass_seconds
+from pipeline.control.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, verify_pass_seconds
 from pipeline.errors import PipelineError
-from pipeline.params import compose_config, from_params_file, write_params
-from pipeline.tracking import start_run
+from pipeline.control.params import compose_config, from_params_file, write_params
+from pipeline.control.tracking import start_run
 
 # One line per stage, in run order: (module with `run(cfg, tracker) -> dict`, module with `check_settings(cfg)`,
 # which checks the stage's settings without loading a model or data, so every stage's are checked before any runs).
@@ -41,7 +41,7 @@ def check_settings(cfg: DictConfig) -> None:
         DeadlineSettings.from_cfg(cfg)
     names = list(STAGES) if cfg.stage in ("all", "params") else [cfg.stage]
     if set(names) - {"prepare"}:  # every later stage loads the models
-        from pipeline.models import check_model_settings
+        from pipeline.modelio.models import check_model_settings
         check_model_settings(cfg)
     for name in names:
         importlib.import_module(STAGES[name][1]).check_settings(cfg)
@@ -103,7 +103,7 @@ def _main(cfg: DictConfig) -> dict:
 
 def run_all(cfg: DictConfig) -> dict:
     """Every stage in order; with `deadline.minutes`, each budgeted stage first gets its share of the time left
-    (pipeline/deadline.py)."""
+    (pipeline/control/deadline.py)."""
     settings = DeadlineSettings.from_cfg(cfg)
     clock = RunDeadline(settings) if settings.minutes is not None else None
     results, unit_s = {}, None

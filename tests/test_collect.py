@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.tracking import _NullRun
+from pipeline.control.tracking import _NullRun
 from tests.conftest import REPO, tiny_llama
 
 torch.set_num_threads(1)
@@ -96,8 +96,8 @@ def leftovers(collect_dir: Path) -> list[str]:
 
 def test_collect_writes_the_output_contract(tmp_path, tiny_target):
     from data.collect_rows import features
-    from pipeline.chat import encode_chat, messages_for
-    from pipeline.models import load_tokenizer
+    from pipeline.modelio.chat import encode_chat, messages_for
+    from pipeline.modelio.models import load_tokenizer
 
     write_prompts(tmp_path)
     result = collect(tmp_path, tiny_target)
@@ -175,7 +175,7 @@ def test_greedy_collect_and_domain_selection(tmp_path, tiny_target):
     assert {r["domain"] for r in rows} == {"code"} and len(rows) == 3
     assert "topk_ids" not in rows[0]
     # greedy: the first completion token is the argmax of the target's next-token logits
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
     model = load_model(tiny_target)
     for r in rows:
         logits = model(torch.tensor([r["prompt_ids"]])).logits[0, -1]
@@ -203,7 +203,7 @@ def assert_topk_matches_fresh_forward(model, rows, k: int) -> None:
 
 
 def test_topk_labels_match_a_fresh_target_forward(tmp_path, tiny_target):
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target, ["collect.topk=8", "collect.batch_size=4"])  # padded batches
@@ -339,7 +339,7 @@ def hf_settings(temperature: float, batch_size: int, hidden: bool = False):
 
 def test_out_of_memory_halves_the_batch_and_matches_a_run_at_that_size(tiny_target, monkeypatch):
     from data.collect_hf import HFBackend
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     model = load_model(tiny_target)
     contexts = [[3, 6, 7, 1, 4], [3, 6, 1, 4], [3, 8, 9, 10, 11, 1, 4], [3, 12, 1, 4], [3, 13, 14, 1, 4]]
@@ -366,7 +366,7 @@ def test_stored_final_hidden_states_give_the_labels_of_a_target_pass(tiny_target
     from data.collect_hf import HFBackend
     from distill.batch import Truncation
     from distill.labels import labels_from_hidden, teacher_labels
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     model = load_model(tiny_target)
     contexts = [[3, 6, 7, 1, 4], [3, 6, 1, 4], [3, 8, 9, 10, 11, 1, 4], [3, 12, 1, 4]]
@@ -406,7 +406,7 @@ def test_batches_are_length_sorted_and_never_more_than_double_the_prefill():
 def test_batched_generation_equals_unbatched_greedy(tiny_target):
     """Left padding must not change what the target generates (greedy, fp32)."""
     from data.collect_hf import HFBackend
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     model = load_model(tiny_target)
     contexts = [[3, 6, 7, 1, 4], [3, 8, 9, 10, 11, 12, 13, 1, 4], [3, 14, 1, 4]]

@@ -54,7 +54,7 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop: int = 1) -> 
 
 
 def test_onpolicy_rows_carry_the_targets_labels_not_the_drafts(tmp_path, tiny_target, tiny_draft):
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target, [*onpolicy(tiny_draft), "collect.topk=8", "collect.batch_size=4"])
@@ -87,8 +87,8 @@ def test_greedy_onpolicy_tokens_are_the_drafts_and_held_out_prompts_stay_the_tar
     the target. Distill's held-out split never takes an on-policy prompt, even under a larger heldout_fraction than the
     collect planned for, where the split without origins would."""
     from distill.heldouts import split_collected
-    from pipeline.models import load_model
-    from pipeline.split import split_by_prompt
+    from pipeline.modelio.models import load_model
+    from pipeline.control.split import split_by_prompt
 
     write_prompts(tmp_path)
     greedy_one = ["collect.temperature=0", "collect.samples_per_prompt=1"]

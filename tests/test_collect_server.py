@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from data.server_client import probe
 from pipeline.errors import PipelineError
-from pipeline.tracking import _NullRun
+from pipeline.control.tracking import _NullRun
 from tests.conftest import REPO, SERVER, tiny_tokenizer
 
 PROMPTS = [{"id": "chat-0", "domain": "chat", "turns": ["What is the capital of France?", "And of Italy?"]},
@@ -89,7 +89,7 @@ def test_server_rows_have_the_hf_backends_schema_prompt_ids_and_labels(tmp_path,
                                                                       server):
     from datasets import load_from_disk
 
-    from pipeline.chat import encode_chat, messages_for
+    from pipeline.modelio.chat import encode_chat, messages_for
 
     model, tokenizer = real_target
     greedy = ["collect.temperature=0", "collect.topk=4"]

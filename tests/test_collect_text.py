@@ -45,7 +45,7 @@ def text(folder: Path, *extra: str) -> list[str]:
 
 
 def test_text_rows_carry_the_targets_labels_and_their_own_domain(tmp_path, tiny_target):
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     write_prompts(tmp_path)
     collect(tmp_path, tiny_target, [*text(corpus(tmp_path)), "collect.topk=8", "collect.batch_size=4"])
@@ -127,7 +127,7 @@ def test_max_tokens_caps_the_text_in_file_order(tmp_path, tiny_target):
 
 
 def test_text_rows_are_never_held_out_and_leave_the_held_out_prompts_as_they_were():
-    from pipeline.split import split_by_prompt
+    from pipeline.control.split import split_by_prompt
 
     ids = [f"chat-{i}" for i in range(10)]
     domains = ["chat"] * 10

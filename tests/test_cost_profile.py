@@ -1,4 +1,4 @@
-"""The cost profile (pipeline/cost_profile.py) and its tool (`python -m pipeline.tools cost-profile`) on tiny random models.
+"""The cost profile (pipeline/measure/cost_profile.py) and its tool (`python -m pipeline.tools cost-profile`) on tiny random models.
 Wall-clock values are only checked for positivity and the monotone fit, never for size."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipeline import cost_profile as cp
+from pipeline.measure import cost_profile as cp
 from pipeline.errors import PipelineError
 from tests.conftest import REPO, tiny_llama
 

@@ -1,4 +1,4 @@
-"""The run-level deadline (pipeline/deadline.py): each budgeted loop gets its share of what the fixed work ahead
+"""The run-level deadline (pipeline/control/deadline.py): each budgeted loop gets its share of what the fixed work ahead
 leaves, a stage's own budget only gets lower, a loop never starts an item that would end past its budget, and a
 simulated run replanning from the clock ends inside the deadline on slower machines where a static split does not."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import pipeline.deadline as deadline
-from pipeline.deadline import DeadlineSettings, RunDeadline, stage_budget_s, would_overrun
+import pipeline.control.deadline as deadline
+from pipeline.control.deadline import DeadlineSettings, RunDeadline, stage_budget_s, would_overrun
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 
@@ -115,8 +115,8 @@ def test_the_static_split_overruns_on_a_slower_machine():
 
 def test_the_fixed_work_is_priced_in_the_probed_verify_pass_not_the_1_token_step(monkeypatch, tmp_path):
     # the two differ by day on one machine (25 / 33 ms and 53 / 44 ms): the unit must be the pass the probe timed
-    import pipeline.dtype as dtype
-    import pipeline.models as models
+    import pipeline.modelio.dtype as dtype
+    import pipeline.modelio.models as models
 
     monkeypatch.setattr(models, "resolve_model", lambda *a, **k: tmp_path)
     monkeypatch.setattr(models, "resolve_device", lambda *a, **k: (torch.device("cpu"), torch.bfloat16))

@@ -24,7 +24,7 @@ from tests.conftest import (read_spec, REPO, WORD_SPECIALS as SPECIALS, WORD_VOC
 def test_a_cost_profile_of_another_device_is_used_for_calibration(setup, distilled, tmp_path):
     """calibrate.cost.profile: γ and the policy are chosen for that profile's costs, which travel with
     the export; a profile for other model shapes is refused with one line."""
-    from pipeline.cost_profile import read_profile, write_profile
+    from pipeline.measure.cost_profile import read_profile, write_profile
 
     measured = read_profile(distilled[2] / "draft" / "cost_profile.json")
     assert measured["machine"]["device"] == "cpu"
@@ -99,7 +99,7 @@ def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, m
 
     from distill import labels
     from distill.batch import Truncation
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     target = load_model(setup["target"], torch.device("cpu"), torch.float32)
     train = Dataset.from_dict({"prompt_ids": [[3, 4, 5], [6, 7]], "completion_ids": [[8, 9, 10, 11], [12, 13]]})
@@ -123,7 +123,7 @@ def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(
 
     from distill import labels
     from distill.batch import Truncation
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
     from tests.conftest import write_collect_output
 
     target = load_model(setup["target"], torch.device("cpu"), torch.float32)
@@ -146,7 +146,7 @@ def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(
 def test_heldout_prompts_split_into_disjoint_calibration_and_reporting_parts():
     """keep_best, τ, γ and the draft-length policy are chosen on the calibration part; every reported number
     comes from the reporting part, so no number is measured on the rows that chose it."""
-    from pipeline.split import split_heldout
+    from pipeline.control.split import split_heldout
 
     prompt_ids = [f"{d}-{i}" for d in ("chat", "code") for i in range(6) for _turn in range(2)]
     domains = [p.split("-")[0] for p in prompt_ids]
@@ -191,7 +191,7 @@ def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
 
 def test_the_undistilled_draft_ships_with_its_own_calibration(distilled):
     # a fair "before": the initial weights get τ, γ, policy and tree from the same calibration part and cost profile
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     _, _, out = distilled
     init, tuned = SpeculativeSpec.read(out / "draft_init"), SpeculativeSpec.read(out / "draft")
@@ -207,7 +207,7 @@ def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(disti
     from transformers import GenerationConfig
 
     from pipeline.decoding.draft_length import DraftLength
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     _, _, out = distilled
     spec = SpeculativeSpec.read(out / "draft")
@@ -223,7 +223,7 @@ def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(disti
 
 
 def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path):
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     run_stage(setup, tmp_path, "distill.serving.temperature=0", "distill.trainer.max_steps=20")
     spec = SpeculativeSpec.read(tmp_path / "draft")
@@ -258,7 +258,7 @@ def assert_trees_are_candidates_with_their_predicted_speedup(spec):
 
 
 def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp_path):
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "calibrate.tree_samples=4")
     spec = SpeculativeSpec.read(tmp_path / "draft")
@@ -414,11 +414,11 @@ def test_real_target_derived_draft_with_vocab_subset_exports_a_working_assistant
     as HF `assistant_model`: greedy output equals the target's own."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
     from distill.export import ExportParts, save_draft
     from pipeline.heads import restore_full_head, use_subset_head
     from pipeline.sampling import Sampling
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     target, tokenizer = real_target
     draft, draft_tok, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})
@@ -452,7 +452,7 @@ def test_a_draft_that_training_made_worse_is_not_shipped(setup, tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
 
     shipped, initial = (load_file(tmp_path / "trained" / d / "model.safetensors") for d in ("draft", "draft_init"))
     assert shipped.keys() == initial.keys() and all(torch.equal(shipped[k], initial[k]) for k in shipped)

@@ -52,7 +52,7 @@ def reads_per_stage(tmp_path_factory) -> dict[str, set[str]]:
     """{stage: the config leaves it read}, each stage checked and run alone, as `dvc repro` runs it: from the resolved
     config (params.yaml holds values, no interpolations)."""
     from pipeline.__main__ import STAGES, _configure, check_settings, run_stage
-    from pipeline.params import compose_config
+    from pipeline.control.params import compose_config
 
     artifacts = tmp_path_factory.mktemp("dvc_params") / "artifacts"
     composed = compose_config(["experiment=quick", f"paths.artifacts={artifacts}", "tracking.enabled=false",

@@ -11,7 +11,7 @@ import pytest
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
 from tests.conftest import read_spec
 

@@ -107,7 +107,7 @@ def test_a_draft_costing_more_than_a_target_step_is_off_in_vllm_everywhere(gpu_c
 def test_vllm_plan_routes_each_domain_as_calibrated_and_falls_back_to_the_decoders_gamma(tmp_path):
     from eval.engine_vllm import engine_plan
     from pipeline.sampling import Sampling
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     tuned, init = tmp_path / "draft", tmp_path / "draft_init"
     tuned.mkdir(), init.mkdir()

@@ -17,7 +17,7 @@ from pipeline.decoding import PLAIN, DraftPlan
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 from tests.conftest import read_spec, REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
 from tests.conftest import tiny_tokenizer as word_tokenizer
 
@@ -53,7 +53,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def models(tmp_path_factory) -> dict[str, Path]:
     """A tiny target, its one-layer derived draft (export with speculative.json), a two-layer undistilled
     draft, and a draft whose tokenizer maps one word differently."""
-    from pipeline.models import derive_draft
+    from pipeline.modelio.models import derive_draft
 
     root = tmp_path_factory.mktemp("models")
     tok = tiny_tokenizer()
@@ -315,7 +315,7 @@ def autoregressive_tokens(model, ids, n: int) -> list[int]:
 def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32(tmp_path):
     from eval.fidelity import fp32_recheck
     from eval.stage import Draft
-    from pipeline.models import derive_draft
+    from pipeline.modelio.models import derive_draft
 
     target = tiny_llama(vocab_size=64, hidden_size=32, layers=3).to(torch.bfloat16)
     draft = Draft(derive_draft(target, [0]), {})
@@ -523,7 +523,7 @@ def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(
                              "eval.temperature=0.0", "eval.gammas=[]", "eval.drafting=2")
     assert forced["domains"]["code"]["speculative"]["n_drafted"] > 0
     # the public API: drafting=None is plain decoding
-    from pipeline.models import load_model
+    from pipeline.modelio.models import load_model
 
     target = load_model(models["target"])
     ids = torch.tensor([[2, 4, 7, 8, 3, 2, 5]])
@@ -544,7 +544,7 @@ def test_heldout_prompts_are_the_reporting_part_the_calibration_predicted_on(tmp
     """eval.prompts_file=heldout: the train prompts whose ids the draft's evidence.json lists for the reporting part,
     nothing else (not the calibration part's, not eval.jsonl's); a draft without that record is one line."""
     from eval.stage import load_eval_prompts
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     prompts = tmp_path / "prompts"
     prompts.mkdir()

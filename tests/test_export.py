@@ -57,7 +57,7 @@ def exported_agreements(setup, out):
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    from pipeline.split import split_by_prompt
+    from pipeline.control.split import split_by_prompt
 
     spec = read_spec(out / "draft")
     vocab = torch.tensor(spec["vocab_subset"])

@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline import models
+from pipeline.modelio import models
 from pipeline.errors import PipelineError
-from pipeline.packaged import WheelFile, fetch_file
+from pipeline.modelio.packaged import WheelFile, fetch_file
 from tests.conftest import REPO, tiny_llama
 
 PRESETS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml") if not p.stem.startswith("_"))
@@ -235,7 +235,7 @@ def test_cli_help_and_cfg_job_work():
 
 @pytest.mark.smoke
 def test_embedded_model_converts_once_and_generates(real_target_path, monkeypatch):
-    from pipeline.chat import encode_chat, stop_token_ids
+    from pipeline.modelio.chat import encode_chat, stop_token_ids
 
     # A second resolution must reuse the converted cache, never convert again.
     monkeypatch.setattr(models, "_convert", lambda *a, **k: pytest.fail("converted twice"))
@@ -259,7 +259,7 @@ def test_accelerate_config_examples_load(name, kind):
 
 
 def test_auto_dtype_on_cpu_is_measured_on_the_target_once_and_cached(tmp_path, monkeypatch, capsys):
-    from pipeline import dtype as dtype_choice
+    from pipeline.modelio import dtype as dtype_choice
 
     model = tiny_llama(vocab_size=64, hidden_size=32, layers=2)
     model.save_pretrained(tmp_path / "model")

@@ -217,7 +217,7 @@ def eval_settings(*overrides: str):
 
 
 def test_eval_guards_each_domain_from_the_draft_calibration():
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     spec = SpeculativeSpec(target={}, sampling=Sampling(0.7), draft={}, cost=COST,
                            per_position_acceptance={"code": [0.4, 0.2], "overall": [0.3, 0.1]})

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from pipeline.split import nested_subset
+from pipeline.control.split import nested_subset
 from pipeline.tools.learning_curve import doubling_gains
 from pipeline.tools.__main__ import main as tools_main
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 
 
 def tool(subcommand: str, drafts: list, out) -> int:

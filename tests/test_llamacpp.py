@@ -18,11 +18,11 @@ def gguf_pair(llamacpp_build, real_target, tmp_path_factory):
     converted and quantised by llama.cpp to the target's family."""
     from omegaconf import OmegaConf
 
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
     from distill.engines import draft_gguf
     from pipeline.engines import llamacpp
     from pipeline.heads import bake_subset
-    from pipeline.models import model_gguf
+    from pipeline.modelio.models import model_gguf
 
     spec = OmegaConf.load(REPO / "conf/model/smollm2-135m.yaml").target
     target_gguf = model_gguf(spec, "target", {"models": REPO / "artifacts/models", "cache": REPO / "artifacts/cache"})
@@ -44,7 +44,7 @@ def test_the_draft_converts_to_the_targets_quantisation_family(gguf_pair):
 
 @pytest.mark.smoke
 def test_llama_server_with_the_draft_gives_the_plain_servers_greedy_tokens(llamacpp_build, gguf_pair, tmp_path):
-    from pipeline.chat import encode_chat, stop_token_ids
+    from pipeline.modelio.chat import encode_chat, stop_token_ids
     from pipeline.engines import llamacpp
 
     target_gguf, draft, _, tokenizer = gguf_pair
@@ -84,7 +84,7 @@ def test_llama_bench_prices_longer_forwards_no_cheaper_than_a_step(llamacpp_buil
 @pytest.mark.smoke
 def test_llama_servers_own_work_per_pass_is_timed_from_its_timings_and_priced(llamacpp_build, gguf_pair):
     from distill.engines import HOST_SETTINGS, engine_cost, server_host
-    from pipeline.chat import encode_chat
+    from pipeline.modelio.chat import encode_chat
     from pipeline.decoding.cost import host_cost, pass_speedup
 
     target_gguf, draft, _, tokenizer = gguf_pair
@@ -146,11 +146,11 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
 
     from hydra import compose, initialize_config_dir
 
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
     from distill.export import ExportParts, save_draft
     from eval.stage import run
     from pipeline.decoding import DraftLength
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
     from tests.conftest import RecordingTracker
 
     model, tokenizer = real_target

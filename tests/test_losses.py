@@ -189,8 +189,8 @@ def test_subset_head_is_full_vocab_on_save(tmp_path):
 
 
 def test_narrower_derived_draft_runs():
-    from pipeline.draft_init import narrow_hidden
-    from pipeline.models import derive_draft
+    from pipeline.modelio.draft_init import narrow_hidden
+    from pipeline.modelio.models import derive_draft
 
     target = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, tie=True)
     draft = narrow_hidden(derive_draft(target, [0]), 32)

@@ -14,7 +14,7 @@ from eval import metrics as M
 from eval.intervals import speedup_stat
 from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
-from pipeline.intervals import N_RESAMPLES
+from pipeline.measure.intervals import N_RESAMPLES
 from tests.conftest import REPO
 
 BAND = tuple(OmegaConf.load(REPO / "conf/eval/default.yaml").control_band)  # the shipped eval.control_band

@@ -56,7 +56,7 @@ def test_interrupted_run_fails_cleanly_and_resumes(quick_run):
 
 
 def test_stage_all_gives_each_budgeted_stage_its_share_of_the_deadline(quick_run):
-    """stage=all plans each stage from the run's clock (pipeline/deadline.py) and the stage runs with that budget."""
+    """stage=all plans each stage from the run's clock (pipeline/control/deadline.py) and the stage runs with that budget."""
     artifacts, _, resumed = quick_run
     plans = dict(re.findall(r"\[pipeline\] deadline: [\d.]+ min left; ([\w.]+)=([\d.]+) ", resumed.stdout))
     assert set(plans) == {"collect.max_minutes", "distill.checkpoint.max_train_minutes", "eval.max_minutes"}, \

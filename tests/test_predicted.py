@@ -7,7 +7,7 @@ import shutil
 from dataclasses import replace
 
 from pipeline.sampling import Sampling
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
 
 

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data import prepare, sources
-from pipeline.prompts import load_prompts, load_split, normalized_text, write_prompts
+from pipeline.control.prompts import load_prompts, load_split, normalized_text, write_prompts
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 
@@ -145,12 +145,12 @@ def test_build_is_deterministic_and_depends_on_the_seed(built, tmp_path):
 
 
 def test_rerun_uses_the_wheel_cache_without_downloading(built, tmp_path, monkeypatch):
-    import pipeline.packaged
+    import pipeline.modelio.packaged
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"unexpected download: {args}")
 
-    monkeypatch.setattr(pipeline.packaged.subprocess, "run", no_network)
+    monkeypatch.setattr(pipeline.modelio.packaged.subprocess, "run", no_network)
     counts = prepare.run(make_cfg(tmp_path / "cached", train_per_domain=3, eval_per_domain=2))
     assert counts["prompts/train/total"] == 3 * len(DOMAINS)
 
@@ -311,7 +311,7 @@ def test_load_split_filters_domains_and_rejects_unknown_ones(built):
 
 def test_the_unseen_domain_prompts_are_a_dozen_outside_every_built_domain():
     from data.prepare import BUILTIN_DOMAINS
-    from pipeline.prompts import load_prompts
+    from pipeline.control.prompts import load_prompts
 
     rows = load_prompts(str(REPO / "data" / "prompts" / "unseen_sql.jsonl"))
     assert len(rows) == 12 and {r["domain"] for r in rows} == {"sql"} and "sql" not in BUILTIN_DOMAINS

@@ -18,11 +18,11 @@ def serving_snippet() -> str:
 @pytest.mark.smoke
 def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target, real_target_path, tmp_path,
                                                                       capsys):
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
     from distill.export import ExportParts, save_draft
     from pipeline.decoding import DraftLength, autoregressive_generate
     from pipeline.sampling import Sampling
-    from pipeline.spec import SpeculativeSpec
+    from pipeline.decoding.spec import SpeculativeSpec
 
     target, tokenizer = real_target
     draft, draft_tokenizer, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})

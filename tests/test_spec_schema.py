@@ -3,7 +3,7 @@ exactly SpeculativeSpec's fields, each in the file its metadata says."""
 import re
 from dataclasses import fields
 
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 from tests.conftest import REPO
 
 WHERE = {"recipe": "recipes", "speculative.json": "speculative.json", "evidence.json": "evidence.json"}

@@ -8,7 +8,7 @@ from tests.conftest import read_spec, run_distill_stage
 
 
 def test_a_draft_as_slow_as_the_target_is_calibrated_off_in_every_domain(setup, distilled, tmp_path):
-    from pipeline.cost_profile import read_profile, write_profile
+    from pipeline.measure.cost_profile import read_profile, write_profile
 
     measured = read_profile(distilled[2] / "draft" / "cost_profile.json")
     slow = json.loads(json.dumps(measured))

@@ -1,4 +1,4 @@
-"""speculation_profile.json (pipeline/speculation_profile.py): calibrate's per-position rates are the held-out
+"""speculation_profile.json (pipeline/measure/speculation_profile.py): calibrate's per-position rates are the held-out
 simulator's own (distill/calibrate.py), eval's are its decoder's counts, both in one shape; the file round-trips;
 its marginals reproduce the mean accepted length the report gives within their interval, and conditional rates
 read as marginals do not; docs/architecture.md names exactly the fields the builder writes."""
@@ -14,7 +14,7 @@ import torch
 from distill import calibrate as cal
 from distill.calibrate_stage import profile_sections
 from eval import metrics as M
-from pipeline import speculation_profile as sp
+from pipeline.measure import speculation_profile as sp
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from tests.conftest import REPO

@@ -365,7 +365,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "
 
 @pytest.mark.smoke
 def test_greedy_speculative_equals_autoregressive_on_real_model(real_target):
-    from pipeline.models import derive_draft
+    from pipeline.modelio.models import derive_draft
 
     torch.set_num_threads(1)
     model, tokenizer = real_target

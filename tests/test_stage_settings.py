@@ -113,6 +113,6 @@ def test_a_bad_setting_in_a_params_file_fails_its_stage_in_one_line(tmp_path):
 
 def test_paths_an_earlier_stage_will_write_are_not_checked_before_it_runs(tmp_path):
     """The draft and the prompts of a fresh run exist only once distill and prepare have run: their checks stay where
-    those load (eval/drafts.py, pipeline/prompts.py), not in the settings check."""
+    those load (eval/drafts.py, pipeline/control/prompts.py), not in the settings check."""
     check_settings(_compose("stage=all", f"eval.draft={tmp_path}/not-yet", f"eval.draft_init={tmp_path}/not-yet-either",
                             f"paths.prompts={tmp_path}/none"))

@@ -3,7 +3,7 @@
 A pass of D draft forwards and one target verify yields 1 + A tokens; with c = draft forward / target 1-token
 forward, r the verify forward over the same step (Leviathan et al. 2023, Thm 3.8, the verify costed as measured)
 and the decoder's host work h_0 per plain pass, h(N) per speculative pass of N drafted tokens or tree nodes
-(pipeline/pass_overhead.py), the speedup over plain decoding is (1 + A)(1 + h_0) / (D·c + r + h(N)); a cost summary
+(pipeline/measure/pass_overhead.py), the speedup over plain decoding is (1 + A)(1 + h_0) / (D·c + r + h(N)); a cost summary
 without a `host` block prices host work at 0. A chain of γ has D = γ; a token tree has D = its depth.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Mapping
 
 def verify_cost(verify_ratio: Mapping | None, drafted: float) -> float:
     """r(N): the target's forward over N drafted tokens (+ the newest committed one) relative to its 1-token
-    forward, from a cost summary's `verify_ratio` {N: r_N} (pipeline/cost_profile.py `summary`), interpolated
+    forward, from a cost summary's `verify_ratio` {N: r_N} (pipeline/measure/cost_profile.py `summary`), interpolated
     linearly from r_0 = 1 and extended along the last segment beyond the table; None = free verification."""
     if not verify_ratio:
         return 1.0

@@ -57,7 +57,7 @@ def _integer(value) -> bool:
 @dataclass(frozen=True)
 class Guard:
     """What one domain's guard prices with: the cost summary of its plan ({"c", "verify_ratio",
-    "tree_verify_ratio"}, pipeline/cost_profile.py `summary`) and the calibrated acceptance P_k (the chance the
+    "tree_verify_ratio"}, pipeline/measure/cost_profile.py `summary`) and the calibrated acceptance P_k (the chance the
     first k drafts of a block are accepted: speculative.json `per_position_acceptance`)."""
     cost: Mapping
     prior: tuple[float, ...]

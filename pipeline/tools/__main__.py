@@ -13,7 +13,7 @@ import sys
 from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.params import CONF, compose_config
+from pipeline.control.params import CONF, compose_config
 
 SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tools/<subcommand>.yaml
     "learning-curve": "pipeline.tools.learning_curve",

@@ -13,10 +13,10 @@ import torch
 
 from distill import calibrate as cal
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
-from pipeline.trained import RECORD, read_record
+from pipeline.modelio.trained import RECORD, read_record
 from pipeline.errors import PipelineError
-from pipeline.models import load_model
-from pipeline.spec import SpeculativeSpec
+from pipeline.modelio.models import load_model
+from pipeline.decoding.spec import SpeculativeSpec
 
 
 TEMPERATURES = ("serving", "calibrated", "argmax")

@@ -1,4 +1,4 @@
-"""Measure a cost profile on this machine (pipeline/cost_profile.py), at the points distill times
+"""Measure a cost profile on this machine (pipeline/measure/cost_profile.py), at the points distill times
 (calibrate.cost). Step times depend on shapes, dtype and hardware, not on weight values, so
 `tool.*_config` builds random weights and a serving machine can be profiled before any training.
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline import cost_profile as cp
+from pipeline.measure import cost_profile as cp
 from pipeline.errors import PipelineError
-from pipeline.models import load_model, resolve_device
-from pipeline.spec import SpeculativeSpec
+from pipeline.modelio.models import load_model, resolve_device
+from pipeline.decoding.spec import SpeculativeSpec
 
 def options(cfg) -> SimpleNamespace:
     """tool.* with exactly one of a directory or a config per role."""

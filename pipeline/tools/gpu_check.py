@@ -27,14 +27,14 @@ from eval.fidelity import divergence
 from eval.harness import by_method, time_requests
 from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
-from pipeline.chat import encode_chat, stop_token_ids
-from pipeline.cost_profile import machine, random_model
+from pipeline.modelio.chat import encode_chat, stop_token_ids
+from pipeline.measure.cost_profile import machine, random_model
 from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
 from pipeline.engines.hf import hf_generate
 from pipeline.errors import PipelineError
-from pipeline.models import load_model, load_tokenizer, resolve_device, resolve_model
+from pipeline.modelio.models import load_model, load_tokenizer, resolve_device, resolve_model
 from pipeline.timing import synced_clock
-from pipeline.prompts import load_prompts
+from pipeline.control.prompts import load_prompts
 
 
 # ---------------------------------------------------------------- the decoders, fn(models, ids, n) -> (tokens, stats)
@@ -119,7 +119,7 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     from distill.settings import OUR_TRAINER_KEYS
     from distill.trainer import DistillConfig, DistillTrainer
     from distill.training import mixed_bf16
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
 
     rows = [r for r in rows if r["completion_ids"]]
     draft = build_draft(cfg.model.draft, m.target, m.tokenizer, cfg.paths, seed=int(cfg.seed))[0].train()

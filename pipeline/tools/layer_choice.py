@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from distill import calibrate as cal
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
 from pipeline.errors import PipelineError
-from pipeline.models import derive_draft
+from pipeline.modelio.models import derive_draft
 from pipeline.tools.compare_drafts import compare, render
 
 SOURCES = ("target", "draft")
@@ -109,7 +109,7 @@ def _source(cfg, inputs):
     """The model whose layers are chosen from: the target, or model.draft's pretrained weights (all its layers)."""
     if cfg.tool.source == "target":
         return inputs.target
-    from pipeline.draft_init import build_draft
+    from pipeline.modelio.draft_init import build_draft
 
     spec = OmegaConf.to_container(cfg.model.draft, resolve=True)
     if (spec.get("init") or "derive") != "pretrained":
@@ -150,15 +150,16 @@ def run(cfg) -> dict:
           f"{judged} on {len(heldouts.calibration.rows)} calibration rows ({inputs.sampling})")
     path = SEARCHES[options.search](source, keep, heldouts.calibration, score=score)
     chosen, baseline = path[-1]["layers"], _baseline(cfg, keep)
-    names = [f"layers {baseline}", f"chosen {chosen}"] if chosen != baseline else [f"layers {baseline}"]
+    names = ["baseline", "chosen"] if chosen != baseline else ["baseline"]  # short: long lists collide in a column
     alphas = {name: score(source, layers, heldouts.reporting) for name, layers in zip(names, (baseline, chosen))}
     print(f"reporting part: {len(heldouts.reporting.rows)} rows, {heldouts.reporting.n_positions} positions; "
-          f"drafts {judged}; Δ = chosen − baseline [95% paired bootstrap over rows]")
+          f"drafts {judged}: baseline {baseline}, chosen {chosen}; Δ = chosen − baseline [95% paired bootstrap over "
+          "rows]")
     table = compare(alphas, heldouts.reporting) if len(names) > 1 else None
     if table:
         print(render(table, names))
-    result = {"source": options.source, "search": options.search, "keep": keep, "steps": steps, "chosen": chosen, "baseline": baseline, "path": path,
-              "sampling": inputs.sampling.to_dict(), "reporting": table,
+    result = {"source": options.source, "search": options.search, "keep": keep, "steps": steps, "chosen": chosen,
+              "baseline": baseline, "path": path, "sampling": inputs.sampling.to_dict(), "reporting": table,
               "set_it": (f"model.draft.derive.layers={chosen}" if options.source == "target"
                          else f"model.draft.keep_layers={chosen}")}
     print(f"[layer-choice] to train it: {result['set_it']}")

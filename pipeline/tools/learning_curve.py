@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
-from pipeline.spec import SpeculativeSpec
+from pipeline.decoding.spec import SpeculativeSpec
 
 OVERALL = "overall"
 
@@ -71,7 +71,7 @@ def budget_minutes(training: dict, train_cpu_s: float | None) -> float | None:
 def trained_as_spec(directory: Path) -> SpeculativeSpec:
     """A distill stage's ${paths.trained} (training.json) in an export's shape: the trained weights' held-out
     acceptance, the training record and the in-run curve; no calibration, so no predicted speedup."""
-    from pipeline.trained import read_record
+    from pipeline.modelio.trained import read_record
 
     record = read_record(directory)
     return SpeculativeSpec(target={}, sampling=None, draft={}, training=record["training"],

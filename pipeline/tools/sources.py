@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data.sources import python_faq_from_rst
 from pipeline.errors import PipelineError
-from pipeline.prompts import write_prompts
+from pipeline.control.prompts import write_prompts
 
 
 def run(cfg) -> list[dict]:

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.models import check_compatible, derive_draft, load_model, load_tokenizer, resolve_model
+from pipeline.modelio.models import check_compatible, derive_draft, load_model, load_tokenizer, resolve_model
 
 INITS = ("derive", "pretrained", "fresh")
 

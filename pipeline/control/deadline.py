@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys
+from pipeline.control.settings import check_keys
 
 STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
@@ -97,8 +97,8 @@ def verify_pass_seconds(cfg: DictConfig) -> float:
     """The unit the fixed work is priced in: the target's 5-token verify pass on the run's device and dtype (the
     dtype probe's cached figure on a CPU). The fixed work is mostly multi-token forwards, whose time tracks this
     pass, not the 1-token step (docs/results.md, "The default run with the fixed work priced in verify passes")."""
-    from pipeline.dtype import VERIFY_FED, cpu_timings, time_forward
-    from pipeline.models import load_model, resolve_device, resolve_model
+    from pipeline.modelio.dtype import VERIFY_FED, cpu_timings, time_forward
+    from pipeline.modelio.models import load_model, resolve_device, resolve_model
 
     path = resolve_model(cfg.model.target, "target", cfg.paths)
     device, dtype = resolve_device(cfg.get("runtime"), path, cfg.paths.models)

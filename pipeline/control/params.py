@@ -15,7 +15,7 @@ from pipeline.atomic import atomic_file
 from pipeline.errors import PipelineError
 
 RUN_KEYS = ("stage", "params_file", "params_out")  # how to run, not what: never written to the file
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

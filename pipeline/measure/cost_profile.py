@@ -26,8 +26,8 @@ from pipeline.errors import PipelineError
 from pipeline.heads import head_logits, head_rows
 from pipeline.decoding.tree import tree_mask
 from pipeline.machine import cpu_name
-from pipeline.models import DTYPES, converted_dir
-from pipeline.pass_overhead import measure_host_overhead
+from pipeline.modelio.models import DTYPES, converted_dir
+from pipeline.measure.pass_overhead import measure_host_overhead
 from pipeline.sampling import Sampling
 from pipeline.timing import synced_clock
 
@@ -37,7 +37,7 @@ CANARY_REPEATS = 5
 CANARY_BAND = (0.87, 1.15)  # the 1-token step's drift within a profile beyond which it reads as measured under load
 SHAPE_KEYS = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REMEASURE = ("measure one with `python -m pipeline.tools cost-profile tool.target=<dir> tool.draft=<dir>` "
              "(or tool.target_config/tool.draft_config)")
 
@@ -120,7 +120,7 @@ def measure_cost_profile(target, draft, vocab: torch.Tensor | None, plan: CostPl
                          host_sampling: Sampling | None = None) -> dict:
     """Time the target's forward of each count in `plan.tokens_fed` at each context length and the draft's 1-token
     step through its `vocab` head, interleaved and paired as `_sweep` says, the draft in the target's dtype; with
-    `host_sampling` the decoder's host work per pass too (pipeline/pass_overhead.py); the 1-token step again before and
+    `host_sampling` the decoder's host work per pass too (pipeline/measure/pass_overhead.py); the 1-token step again before and
     after everything (`canary`: a ratio far from 1 means other load)."""
     tokens_fed, contexts = sorted({int(k) for k in plan.tokens_fed}), sorted({int(n) for n in plan.contexts})
     repeats, warmup, draft_context, seed = int(plan.repeats), int(plan.warmup), int(plan.draft_context), int(plan.seed)
@@ -325,7 +325,7 @@ def _preset_config(preset: Path, role: str):
         for key, value in sizes.items():
             if value:
                 setattr(config, key, int(value))
-        if init == "fresh":  # as pipeline/draft_init.py builds a fresh draft
+        if init == "fresh":  # as pipeline/modelio/draft_init.py builds a fresh draft
             config.head_dim = config.hidden_size // config.num_attention_heads
             if getattr(config, "layer_types", None):
                 config.layer_types = config.layer_types[:1] * config.num_hidden_layers

@@ -31,7 +31,7 @@ def _host_steps(stats) -> tuple[float, float]:
 @torch.inference_mode()
 def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: Sampling, plan) -> dict:
     """profile["host"] (module docstring) for `target`/`draft` decoding `sampling` after a random prompt of the
-    shortest context length of `plan` (pipeline/cost_profile.py's CostPlan, which imports this module), `plan.repeats`
+    shortest context length of `plan` (pipeline/measure/cost_profile.py's CostPlan, which imports this module), `plan.repeats`
     rounds after `plan.warmup`, the draft's head restricted to `vocab` as served."""
     context, repeats, warmup, seed = min(int(n) for n in plan.contexts), int(plan.repeats), int(plan.warmup), int(plan.seed)
     device = next(target.parameters()).device

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.atomic import atomic_dir, exclusive
 from pipeline.errors import PipelineError
-from pipeline.packaged import WheelFile, fetch_file, sha256_of
+from pipeline.modelio.packaged import WheelFile, fetch_file, sha256_of
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -33,7 +33,7 @@ def cpu_has_native_bf16() -> bool:
 def resolve_device(runtime: DictConfig | dict | None, model_path: str | Path | None = None,
                    cache_dir: str | Path | None = None) -> tuple[torch.device, torch.dtype]:
     """`runtime.device` auto → CUDA when available else CPU; `runtime.dtype` auto → bf16 on CUDA; on a CPU the
-    dtype that times faster for the target at `model_path` (pipeline/dtype.py, cached in `cache_dir`), or,
+    dtype that times faster for the target at `model_path` (pipeline/modelio/dtype.py, cached in `cache_dir`), or,
     without a model to time, bf16 where the CPU has native bf16 matmuls and fp32 elsewhere."""
     runtime = runtime or {}
     device = runtime.get("device", "auto") or "auto"
@@ -45,7 +45,7 @@ def resolve_device(runtime: DictConfig | dict | None, model_path: str | Path | N
     if dtype == "auto" and device.startswith("cuda"):
         dtype = "bfloat16"
     elif dtype == "auto" and model_path is not None and Path(model_path).is_dir():
-        from pipeline.dtype import cpu_timings
+        from pipeline.modelio.dtype import cpu_timings
 
         dtype = cpu_timings(model_path, cache_dir)["dtype"]
     elif dtype == "auto":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cost_profile import machine
+from pipeline.measure.cost_profile import machine
 from pipeline.decoding.batch import RaggedCache, autoregressive_generate_batch, speculative_generate_batch
 from pipeline.decoding.cost import verify_cost
 from pipeline.decoding.generate import GREEDY
@@ -24,9 +24,9 @@ from pipeline.sampling import Sampling
 
 VERSION = 1
 CONTEXT = 96  # cached tokens per row before the timed forward: a chat prompt and some answer
-CHAINS = (1, 4)  # γ whose host work is timed, as pipeline/pass_overhead.py: the cost model interpolates between
+CHAINS = (1, 4)  # γ whose host work is timed, as pipeline/measure/pass_overhead.py: the cost model interpolates between
 SHORT, LONG = 8, 40  # new tokens of the two timed calls: SHORT is past pass 2 (the draft's first read of the prompt)
-HOST_ROUNDS = 3  # timed rounds of host calls after one warm-up, as pipeline/pass_overhead.py
+HOST_ROUNDS = 3  # timed rounds of host calls after one warm-up, as pipeline/measure/pass_overhead.py
 
 
 @torch.inference_mode()
