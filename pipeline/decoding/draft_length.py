@@ -35,7 +35,7 @@ class DraftLength:
         unknown = set(values) - {"policy", "max", "threshold"}
         if unknown:
             raise PipelineError(f"draft_length entry has unknown keys {sorted(unknown)}: use policy, max, threshold")
-        return cls(str(values.get("policy", "fixed")), values.get("max", 4), values.get("threshold"))
+        return cls(**values)  # missing keys take the class's defaults: γ's fallback is written once, above
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -98,7 +98,7 @@ class SpeculativeSpec:
             if same and not self.speculates(domain):
                 return PLAIN
             tree = self.for_domain("tree", domain) if same else None
-            chain = self.draft_length_for(domain) or DraftLength("fixed", self.for_domain("gamma", domain) or 4)
+            chain = self.draft_length_for(domain) or DraftLength(max=self.for_domain("gamma", domain) or DraftLength.max)
             drafting = tuple(tree) if tree else chain
         if drafting is None:
             return PLAIN
