@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from distill import calibrate as cal
-from distill.batching import calibrate_batching
+from distill import simulator as sim
+from distill.batch_sizes import calibrate_batching
 from distill.engines import calibrate_engines
 from distill.export import ExportParts, exported_weights, format_table, model_card, save_draft
 from distill.heldouts import acceptances, build_heldouts, load_target_inputs, serving_acceptance, split_collected
 from distill.job import Calibration, HeldOuts, Inputs, Split
-from distill.serving import calibrate, cost_profile, predict_speedup, tree_candidates
+from distill.serving import choose_recipe, cost_profile, predict_speedup, tree_candidates
 from pipeline.modelio.trained import read_record
 from pipeline.measure import speculation_profile as sp
 from pipeline.measure.cost_profile import FILENAME
@@ -90,8 +90,8 @@ def run(cfg: DictConfig, tracker) -> dict:
     log(f"exported {main.out}" + (f" and {init.out}" if init else "") + f" in {time.time() - t_start:.0f}s: "
         f"{laps.summary()}")
     tracker.log_metrics({f"calibrate_seconds/{name}": seconds for name, seconds in laps.parts.items()})
-    return {"acceptance_before": spec.acceptance["before"][cal.OVERALL],
-            "acceptance_after": spec.acceptance["after"][cal.OVERALL], "c": spec.cost["c"], "draft": str(main.out)}
+    return {"acceptance_before": spec.acceptance["before"][sim.OVERALL],
+            "acceptance_after": spec.acceptance["after"][sim.OVERALL], "c": spec.cost["c"], "draft": str(main.out)}
 
 
 # ---------------------------------------------------------------- which drafts
@@ -153,7 +153,7 @@ def calibrate_draft(job: Inputs, split: Split, heldouts: HeldOuts, before: dict,
                     calibration: Calibration | None = None) -> tuple[SpeculativeSpec, Calibration]:
     """The draft's calibration on the calibration part (or `calibration`, already chosen for the same weights)
     and its speculative.json, every number on the reporting part."""
-    calibration = calibration or calibrate(job, split, heldouts.calibration, profile, str(source.out))
+    calibration = calibration or choose_recipe(job, split, heldouts.calibration, profile, str(source.out))
     after = serving_acceptance(job, heldouts.reporting, split.vocab)
     return build_spec(job, split, heldouts, before, after, source, calibration), calibration
 
@@ -162,10 +162,10 @@ def build_spec(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, afte
                calibration: Calibration) -> SpeculativeSpec:
     """speculative.json: the calibration, and every reported number measured on the reporting part."""
     gamma, reporting = int(job.settings.heldout.gamma), heldouts.reporting
-    calibrated = cal.acceptance_at(job.draft, reporting, calibration.temperature, split.vocab)
+    calibrated = sim.acceptance_at(job.draft, reporting, calibration.temperature, split.vocab)
     trees = tree_candidates(job, split, reporting, calibration)
     # what engines that run the exported checkpoint's full head get (export.py writes the subset into it)
-    full_head = cal.acceptance_at(exported_weights(job.draft, split.vocab_list, calibration.head_fill), reporting,
+    full_head = sim.acceptance_at(exported_weights(job.draft, split.vocab_list, calibration.head_fill), reporting,
                                   calibration.temperature)
     return SpeculativeSpec(
         job.target_ident, job.sampling, {**source.info, "parameters": sum(p.numel() for p in job.draft.parameters())},
@@ -194,13 +194,13 @@ def export_init(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, pro
                                selected="init", acceptance={"before": acceptances(before)}, heldout=heldouts.sizes)
         save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out,
                    job.target.generation_config,
-                   ExportParts(spec, head_fill=cal.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab)))
+                   ExportParts(spec, head_fill=sim.out_of_subset_fill(job.draft, heldouts.calibration, split.vocab)))
         return
     spec, calibration = calibrate_draft(job, split, heldouts, before, profile, source, calibration)
     save_calibrated(job, spec, profile, calibration.head_fill, source,
                     speculation=speculation_profile(job, split, heldouts, spec, source))
     log(f"exported {source.out} with its own calibration (predicted speedup "
-        f"{spec.predicted_speedup.get(cal.OVERALL)}×)")
+        f"{spec.predicted_speedup.get(sim.OVERALL)}×)")
 
 
 # ---------------------------------------------------------------- export
@@ -228,8 +228,8 @@ def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: Spe
     as serving_acceptance computed it (one draft pass over the reporting part) because only per-row sums
     give intervals."""
     reporting, sampling = heldouts.reporting, job.sampling
-    alpha = cal.acceptance(job.draft, reporting, [sampling.temperature], split.vocab)[0]
-    sections = profile_sections(alpha, reporting, len(spec.per_position_acceptance[cal.OVERALL]))
+    alpha = sim.acceptance(job.draft, reporting, [sampling.temperature], split.vocab)[0]
+    sections = profile_sections(alpha, reporting, len(spec.per_position_acceptance[sim.OVERALL]))
     conditions = {
         "source": sp.HELDOUT, **sampling.to_dict(), "draft_temperature": sampling.temperature,
         # the rates are of the draft sampled at T, which is what an engine that cannot set τ serves
@@ -243,14 +243,14 @@ def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: Spe
         "units": "held-out rows", "interval": f"percentile bootstrap over units, {sp.N_RESAMPLES} resamples"}
     draft = {"name": job.cfg.model.draft.get("name"), "selected": source.selected, "distilled": source.distilled,
              **spec.draft}
-    return sp.build(sections, cal.OVERALL, conditions, target=spec.target, draft=draft,
+    return sp.build(sections, sim.OVERALL, conditions, target=spec.target, draft=draft,
                     reported={"gamma": spec.mean_accepted_length["gamma"], **spec.mean_accepted_length["after"]})
 
 
-def profile_sections(alpha: torch.Tensor, heldout: cal.HeldOut, k: int) -> dict[str, dict]:
+def profile_sections(alpha: torch.Tensor, heldout: sim.HeldOut, k: int) -> dict[str, dict]:
     """Per domain and overall, the profile's rates of blocks of up to k drafts, with intervals over rows."""
-    return {name: sp.section(*(t.numpy() for t in cal.per_position_windows(alpha, heldout, mask, k)))
-            for name, mask in cal.domain_index(heldout).items()}
+    return {name: sp.section(*(t.numpy() for t in sim.per_position_windows(alpha, heldout, mask, k)))
+            for name, mask in sim.domain_index(heldout).items()}
 
 
 def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
@@ -268,11 +268,11 @@ def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
         inputs.tracker.log_artifact(str(out / name))
 
 
-def _per_domain(alpha: torch.Tensor, heldout: cal.HeldOut) -> dict[str, float]:
-    return {domain: float(alpha[mask].mean()) if mask.any() else 0.0 for domain, mask in cal.domain_index(heldout).items()}
+def _per_domain(alpha: torch.Tensor, heldout: sim.HeldOut) -> dict[str, float]:
+    return {domain: float(alpha[mask].mean()) if mask.any() else 0.0 for domain, mask in sim.domain_index(heldout).items()}
 
 
 def _with_default(per_domain: dict) -> dict:
-    out = {k: v for k, v in per_domain.items() if k != cal.OVERALL}
-    out[DEFAULT] = per_domain[cal.OVERALL]
+    out = {k: v for k, v in per_domain.items() if k != sim.OVERALL}
+    out[DEFAULT] = per_domain[sim.OVERALL]
     return out

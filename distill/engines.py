@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.export import exported_weights
 from distill.policy import pass_profile_rows, simulate
 from pipeline.measure import speculation_profile as sp
@@ -38,25 +38,25 @@ DRAFT_TOP_K = 10  # llama.cpp's draft sampler (common/speculative.cpp: top_k = 1
 
 
 @torch.no_grad()
-def llamacpp_keep(draft, heldout: cal.HeldOut, thresholds: list[float], vocab=None) -> torch.Tensor:
+def llamacpp_keep(draft, heldout: sim.HeldOut, thresholds: list[float], vocab=None) -> torch.Tensor:
     """κ [len(thresholds), N]: 1 where llama.cpp would still propose the draft's token at a held-out position."""
     limits = torch.tensor(thresholds, device=next(draft.parameters()).device).view(-1, 1)
     out = []
-    for logits in cal.draft_logits(draft, heldout, vocab):
+    for logits in sim.draft_logits(draft, heldout, vocab):
         top = logits.topk(min(DRAFT_TOP_K, logits.shape[-1]), -1).values.softmax(-1)[:, 0]
         out.append((top >= limits).float().cpu())
     return torch.cat(out, 1)
 
 
-def weights_for_rule(trained, initial, heldout: cal.HeldOut, vocab=None, rule: str = "interval") -> dict:
+def weights_for_rule(trained, initial, heldout: sim.HeldOut, vocab=None, rule: str = "interval") -> dict:
     """keep_best under greedy drafting, on the calibration part: distill's keep_best judged the trained weights by
     α with the draft sampled at τ (our decoder's rule); an engine that drafts the argmax accepts p_T(argmax q),
     which training can lower while Σ min(p_T, q) rises (docs/results.md: the refined Qwen draft in llama-server).
     Returns speculative.json's `weights` record: {"selected": "distilled" | "init", "acceptance_calibration":
-    {"distilled", "init"}, "difference", "ci95", "rule"}, judged as keep_best judges (distill/calibrate.py)."""
-    greedy = {name: cal.acceptance(model, heldout, [0.0], vocab)[0] for name, model in (("init", initial),
+    {"distilled", "init"}, "difference", "ci95", "rule"}, judged as keep_best judges (distill/simulator.py)."""
+    greedy = {name: sim.acceptance(model, heldout, [0.0], vocab)[0] for name, model in (("init", initial),
                                                                                        ("distilled", trained))}
-    verdict = cal.keep_best(greedy["init"], greedy["distilled"], heldout, rule)
+    verdict = sim.keep_best(greedy["init"], greedy["distilled"], heldout, rule)
     return {"selected": verdict["selected"], "acceptance_calibration": {"distilled": verdict["trained"],
                                                                        "init": verdict["initial"]},
             **{key: verdict[key] for key in ("difference", "ci95", "rule")}}
@@ -115,7 +115,7 @@ def choose_llamacpp(draft, heldouts, vocab, cost: dict, chosen) -> dict[str, dic
     thresholds = sorted({0.0, *chosen.p_min})
     parts = {}
     for name, heldout in (("calibration", heldouts.calibration), ("reporting", heldouts.reporting)):
-        parts[name] = (cal.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
+        parts[name] = (sim.acceptance(draft, heldout, [0.0], vocab)[0], dict(zip(thresholds, llamacpp_keep(
             draft, heldout, thresholds, vocab))), heldout)
 
     def predict(part, mask, setting):
@@ -138,18 +138,18 @@ def choose_llamacpp(draft, heldouts, vocab, cost: dict, chosen) -> dict[str, dic
                              predict, margin, keys)
 
 
-def choose_per_domain(calibration: cal.HeldOut, reporting: cal.HeldOut, options: list, predict, margin: float,
+def choose_per_domain(calibration: sim.HeldOut, reporting: sim.HeldOut, options: list, predict, margin: float,
                       keys) -> dict[str, dict]:
     """Per domain (and default): the option with the best predicted speedup on `calibration` ("off" below 1 + margin)
     and its speedup and acceptance on `reporting`; predict(part, mask, option) -> (speedup, acceptance), keys(option,
     reporting mask) the engine's own keys for it."""
-    out, reporting_masks = {}, cal.domain_index(reporting)
-    for domain, mask in cal.domain_index(calibration).items():
+    out, reporting_masks = {}, sim.domain_index(reporting)
+    for domain, mask in sim.domain_index(calibration).items():
         best = max(options, key=lambda option: predict("calibration", mask, option)[0])
         on = predict("calibration", mask, best)[0] > 1 + margin
-        shown = reporting_masks.get(domain, reporting_masks[cal.OVERALL])
+        shown = reporting_masks.get(domain, reporting_masks[sim.OVERALL])
         speedup, acceptance = predict("reporting", shown, best)
-        out[DEFAULT if domain == cal.OVERALL else domain] = {
+        out[DEFAULT if domain == sim.OVERALL else domain] = {
             "speculate": on, **keys(best, shown), "predicted_speedup": round(speedup if on else 1.0, 3),
             "predicted_speedup_if_on": round(speedup, 3), "predicted_acceptance": round(acceptance, 4)}
     return out
@@ -184,7 +184,7 @@ def draft_gguf(root: Path, draft, tokenizer, out: Path, quant: str | None) -> Pa
         return llamacpp.hf_to_gguf(root, tmp, out, quant)
 
 
-def typical_context(heldout: cal.HeldOut) -> int:
+def typical_context(heldout: sim.HeldOut) -> int:
     """The KV-cache length a verify pass typically runs at: prompt plus half the completion, averaged."""
     lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) // 2 for r in heldout.rows]
     return max(1, int(sum(lengths) / max(len(lengths), 1)))
@@ -220,7 +220,7 @@ def calibrate_engines(inputs, split, heldouts, spec: SpeculativeSpec, head_fill,
         chosen_weights = weights_for_rule(inputs.draft, initial, heldouts.calibration, split.vocab,
                                           settings.keep_best_rule)
         if chosen_weights["selected"] == "init":
-            draft, head_fill = initial, cal.out_of_subset_fill(initial, heldouts.calibration, split.vocab)
+            draft, head_fill = initial, sim.out_of_subset_fill(initial, heldouts.calibration, split.vocab)
         alpha = chosen_weights["acceptance_calibration"]
         log(f"llama.cpp serves the {chosen_weights['selected']} weights: under its greedy drafting the trained ones "
             f"accept {alpha['distilled']:.3f} on the calibration part, the initial ones {alpha['init']:.3f} "
@@ -270,7 +270,7 @@ def rule_alpha(draft, heldouts, vocab, rule: str, filtered: bool = True) -> dict
     """α per position of both held-out parts under an engine's rule (pipeline/engines/rules.py): "greedy" is
     Σ min(p_T, one-hot argmax q) = p_T(argmax q); "tau" is Σ min(p_T, q) with the draft at the serving T."""
     tau = 0.0 if rule == "greedy" else float(heldouts.calibration.sampling.temperature)
-    return {part: cal.acceptance(draft, getattr(heldouts, part), [tau], vocab, filtered)[0]
+    return {part: sim.acceptance(draft, getattr(heldouts, part), [tau], vocab, filtered)[0]
             for part in ("calibration", "reporting")}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distill.batching import format_batching
+from distill.batch_sizes import format_batching
 from pipeline.atomic import atomic_dir, write_json
 from pipeline.engines.rules import EXPRESSES
 from pipeline.heads import bake_subset
@@ -56,7 +56,7 @@ def save_draft(draft, tokenizer, out_dir: str | Path, generation_config=None, pa
 def exported_weights(draft, vocab_subset: list[int] | None, head_fill: torch.Tensor | None = None):
     """The model exactly as it is written to disk: a copy (callers move it to the serving dtype; the draft they
     pass stays as it is) with the FR-Spec subset baked into its full head (rows outside it `head_fill`,
-    distill.calibrate.out_of_subset_fill; None: zero)."""
+    distill.simulator.out_of_subset_fill; None: zero)."""
     if not vocab_subset:
         return copy.deepcopy(draft)
     return bake_subset(copy.deepcopy(draft), torch.tensor(vocab_subset, dtype=torch.long), head_fill)
@@ -104,7 +104,7 @@ def _kv(d: dict | None) -> str:
 
 
 def _shipped_line(spec: SpeculativeSpec) -> str:
-    """Which weights the checkpoint holds and keep_best's reason (distill/calibrate.py keep_best)."""
+    """Which weights the checkpoint holds and keep_best's reason (distill/simulator.py keep_best)."""
     if not spec.training.get("steps"):  # the probe found no step size worth taking, or draft_init
         return "the initial draft: it was not trained"
     verdict = spec.training.get("keep_best") or {}
@@ -174,7 +174,7 @@ def model_card(spec: SpeculativeSpec, title: str) -> str:
               "drafted tokens (a tree: all its nodes)"
               + (f" (measured: {_kv(verify)})" if verify else " (1: free verification)") + "."]
     lines += _engine_lines(spec)
-    if spec.batching:  # calibrate.batch_sizes: γ per batch size (distill/batching.py)
+    if spec.batching:  # calibrate.batch_sizes: γ per batch size (distill/batch_sizes.py)
         lines += ["", "```", format_batching(spec.batching), "```"]
     lines += ["", "Use: `python -m pipeline stage=eval eval.draft=<this directory>`; with HF: "
               "`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(<dir>))`; "

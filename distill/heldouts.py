@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.job import HeldOuts, Inputs
 from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
 from pipeline.modelio.chat import stop_token_ids
@@ -102,7 +102,7 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
     heldout = inputs.settings.heldout
 
     def part(indices):
-        return cal.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, inputs.truncation,
+        return sim.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, inputs.truncation,
                                  int(heldout.support), int(heldout.batch_size), inputs.tokenizer.pad_token_id)
 
     calibration, reporting = part(calibration_idx), part(reporting_idx)
@@ -128,27 +128,27 @@ def as_served(draft, dtype: torch.dtype):
     return copy.deepcopy(draft, memo)
 
 
-def served_acceptance(draft, dtype: torch.dtype, heldout: cal.HeldOut, temperatures: list[float],
+def served_acceptance(draft, dtype: torch.dtype, heldout: sim.HeldOut, temperatures: list[float],
                       vocab: torch.Tensor | None) -> list[torch.Tensor]:
-    """cal.acceptance of the draft as served, its copy freed on return: a copy of a draft in training holds reference
+    """sim.acceptance of the draft as served, its copy freed on return: a copy of a draft in training holds reference
     cycles (accelerate binds the autocast forward to the model as an attribute, and the copy's is bound to the copy),
     which refcounting never frees, so each held-out evaluation would keep one until a rare full collection."""
     served = as_served(draft, dtype)
-    alphas = cal.acceptance(served, heldout, temperatures, vocab)
+    alphas = sim.acceptance(served, heldout, temperatures, vocab)
     if served is not draft:
         del served
         gc.collect()
     return alphas
 
 
-def serving_alpha(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> torch.Tensor:
+def serving_alpha(inputs: Inputs, heldout: sim.HeldOut, vocab: torch.Tensor | None) -> torch.Tensor:
     """α per held-out position of the draft as served, sampling at the serving temperature."""
     return served_acceptance(inputs.draft, inputs.serving_dtype, heldout, [inputs.sampling.temperature], vocab)[0]
 
 
-def serving_acceptance(inputs: Inputs, heldout: cal.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:
+def serving_acceptance(inputs: Inputs, heldout: sim.HeldOut, vocab: torch.Tensor | None) -> dict[str, dict]:
     """Per-domain summary of serving_alpha."""
-    return cal.summarize(serving_alpha(inputs, heldout, vocab), heldout, int(inputs.settings.heldout.gamma))
+    return sim.summarize(serving_alpha(inputs, heldout, vocab), heldout, int(inputs.settings.heldout.gamma))
 
 
 def acceptances(summary: dict) -> dict[str, float]:

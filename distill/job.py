@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from distill import calibrate as cal
-from distill.batch import Truncation
+from distill import simulator as sim
+from distill.aligned import Truncation
 from distill.settings import DistillSettings
 from pipeline.decoding import DraftLength
 from pipeline.sampling import Sampling
@@ -68,8 +68,8 @@ class Split:
 
 @dataclass(frozen=True)
 class HeldOuts:
-    calibration: cal.HeldOut  # chooses keep_best, τ and γ
-    reporting: cal.HeldOut  # gives the reported numbers
+    calibration: sim.HeldOut  # chooses keep_best, τ and γ
+    reporting: sim.HeldOut  # gives the reported numbers
     sizes: dict  # rows and positions of each part, and whether they are disjoint (speculative.json `heldout`)
 
 
@@ -84,4 +84,4 @@ class Calibration:
     tree: dict[str, list | None]
     speculate: dict[str, bool]
     cost: dict
-    head_fill: torch.Tensor | None = None  # distill.calibrate.out_of_subset_fill of these weights; None: no subset
+    head_fill: torch.Tensor | None = None  # distill.simulator.out_of_subset_fill of these weights; None: no subset

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from distill.batch import batches, completion_hidden
+from distill.aligned import batches, completion_hidden
 from pipeline.errors import PipelineError
 from distill.job import Inputs, Split
 from pipeline.atomic import atomic_dir

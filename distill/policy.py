@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from distill.calibrate import HeldOut, by_row, domain_index, draft_logits
+from distill.simulator import HeldOut, by_row, domain_index, draft_logits
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
 

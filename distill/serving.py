@@ -1,11 +1,11 @@
 """The serving settings a draft ships with, chosen on the held-out calibration part: draft temperature τ, the
 cost profile and c, the best fixed γ and draft-length policy, and token trees, per domain; and their predicted
-speedups on the reporting part (distill/calibrate.py, policy.py and tree_choice.py hold the simulators)."""
+speedups on the reporting part (distill/simulator.py, policy.py and tree_choice.py hold the simulators)."""
 from __future__ import annotations
 
 import torch
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill import tree_choice
 from distill.heldouts import log
 from distill.job import Calibration, Inputs, Split
@@ -15,23 +15,23 @@ from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes, tree_key
 
 
-def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: dict, name: str) -> Calibration:
+def choose_recipe(inputs: Inputs, split: Split, heldout: sim.HeldOut, cost_profile: dict, name: str) -> Calibration:
     """Draft temperature τ per domain, the cost summary of `cost_profile` (c and r(N) for every chain and tree
     considered), the best fixed γ and the best draft-length policy per domain, chosen on `heldout` (the
     calibration part). `name` (the draft's export) heads the "off" line: the stage calibrates two drafts."""
     settings, draft, vocab = inputs.settings.calibration, inputs.draft, split.vocab
-    taus = cal.calibrate_temperature(draft, heldout, list(settings.tau_ratios), vocab,
+    taus = sim.calibrate_temperature(draft, heldout, list(settings.tau_ratios), vocab,
                                      int(settings.tau_refine))["temperature"]
     gammas = [int(g) for g in settings.gammas]
     lengths = settings.draft_length
     longest = max(gammas + [int(m) for m in lengths.max_lengths])
     cost = summary(cost_profile, max(longest, tree_choice.MAX_NODES))  # r(N) for chains and tree candidates
     cost.update({key: cost_profile["machine"].get(key) for key in ("device", "device_name", "dtype", "torch_threads")})
-    alpha = cal.acceptance_at(draft, heldout, taus, vocab)
+    alpha = sim.acceptance_at(draft, heldout, taus, vocab)
     best = {}
-    for domain, mask in cal.domain_index(heldout).items():
-        per_position = cal.per_position_acceptance(alpha, heldout, mask, max(gammas))
-        best[domain] = cal.best_gamma(per_position, cost, gammas)[0]
+    for domain, mask in sim.domain_index(heldout).items():
+        per_position = sim.per_position_acceptance(alpha, heldout, mask, max(gammas))
+        best[domain] = sim.best_gamma(per_position, cost, gammas)[0]
     thresholds = [float(t) for t in lengths.thresholds]
     keep = keep_at(draft, heldout, taus, thresholds, vocab)
     options = candidates(gammas, thresholds, [int(m) for m in lengths.max_lengths])
@@ -47,10 +47,10 @@ def calibrate(inputs: Inputs, split: Split, heldout: cal.HeldOut, cost_profile: 
             f"≥ {1 + settings.speculate_margin:.2f}× on the calibration part ({predicted})")
     return Calibration(temperature=taus, gamma=best, cost=cost, tree=trees, speculate=speculate,
                        draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()},
-                       head_fill=cal.out_of_subset_fill(draft, heldout, vocab))
+                       head_fill=sim.out_of_subset_fill(draft, heldout, vocab))
 
 
-def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dict, cost: dict,
+def choose_trees(inputs: Inputs, split: Split, heldout: sim.HeldOut, chains: dict, cost: dict,
                  taus: dict) -> tuple[dict[str, list | None], dict[str, float]]:
     """Per domain the token tree that beats the chosen chain policy's predicted speedup on the calibration part
     (distill/tree_choice.py), else None (the chain), and each chosen tree's predicted speedup. Sampled serving
@@ -66,7 +66,7 @@ def choose_trees(inputs: Inputs, split: Split, heldout: cal.HeldOut, chains: dic
             {domain: tree["predicted_speedup"] for domain, tree in best.items() if wins[domain]})
 
 
-def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibration: Calibration) -> dict[str, dict]:
+def tree_candidates(inputs: Inputs, split: Split, heldout: sim.HeldOut, calibration: Calibration) -> dict[str, dict]:
     """{domain: {"3,1": {accepted, nodes, predicted_speedup}}} for every candidate tree (chains included) on
     `heldout`, where trees are calibrated for this serving (eval's tree sweep sets measured beside predicted)."""
     samples = int(inputs.settings.calibration.tree_samples)
@@ -75,7 +75,7 @@ def tree_candidates(inputs: Inputs, split: Split, heldout: cal.HeldOut, calibrat
     hits = tree_choice.hit_table(inputs.draft, heldout, split.vocab, calibration.temperature, samples,
                                  int(inputs.cfg.seed) + 1)
     out = {}
-    for domain, mask in cal.domain_index(heldout).items():
+    for domain, mask in sim.domain_index(heldout).items():
         out[domain] = {}
         for factors in tree_choice.CANDIDATES:
             accepted = tree_choice.simulate(hits, heldout, mask, factors)
@@ -112,7 +112,7 @@ def cost_profile(inputs: Inputs, vocab: torch.Tensor | None) -> dict:
     return profile
 
 
-def predict_speedup(inputs: Inputs, split: Split, heldout: cal.HeldOut, alpha: torch.Tensor, calibration: Calibration,
+def predict_speedup(inputs: Inputs, split: Split, heldout: sim.HeldOut, alpha: torch.Tensor, calibration: Calibration,
                     trees: dict[str, dict]) -> dict:
     """Per domain, the predicted speedup of its chosen drafting on `heldout`: the tree's from `trees`
     (tree_candidates), else the draft-length policy's (distill/policy.py)."""
@@ -120,12 +120,12 @@ def predict_speedup(inputs: Inputs, split: Split, heldout: cal.HeldOut, alpha: t
     thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
     keep = keep_at(inputs.draft, heldout, calibration.temperature, thresholds, split.vocab) if thresholds else {}
     predicted = {}
-    for domain, mask in cal.domain_index(heldout).items():
-        tree = calibration.tree.get(domain, calibration.tree[cal.OVERALL])
+    for domain, mask in sim.domain_index(heldout).items():
+        tree = calibration.tree.get(domain, calibration.tree[sim.OVERALL])
         if tree:
             predicted[domain] = trees[domain][tree_key(tree)]["predicted_speedup"]
             continue
-        policy = policies.get(domain, policies[cal.OVERALL])
+        policy = policies.get(domain, policies[sim.OVERALL])
         drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
         predicted[domain] = round(pass_speedup(accepted, drafted, drafted, calibration.cost), 3)
     return predicted

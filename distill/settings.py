@@ -121,7 +121,7 @@ class CheckpointSettings:
 
 @dataclass(frozen=True)
 class HeldoutSettings:
-    """`distill.heldout`: the acceptance simulator on the held-out rows (distill/calibrate.py)."""
+    """`distill.heldout`: the acceptance simulator on the held-out rows (distill/simulator.py)."""
     support: int                       # target tokens kept per position for Σ min(p, q)
     batch_size: int                    # rows per target forward (also of the teacher-label pass)
     eval_steps: int                    # held-out acceptance every N steps
@@ -225,7 +225,7 @@ class CalibrationSettings:
     """`calibrate.*`: keep_best (both stages) and the serving settings the calibrate stage gives a draft
     (distill/calibrate_stage.py, distill/serving.py)."""
     keep_best: bool                    # export the initial draft unless training raised held-out acceptance
-    keep_best_rule: str                # what "raised" means: KEEP_BEST_RULES (distill/calibrate.py keep_best)
+    keep_best_rule: str                # what "raised" means: KEEP_BEST_RULES (distill/simulator.py keep_best)
     draft: str | None                  # calibrate this draft directory alone; null = ${paths.trained}'s two
     speculate_margin: float            # a domain speculates only when predicted above 1 + this; else plain decoding
     calibrate_init: bool               # calibrate ${paths.draft_init} too
@@ -236,7 +236,7 @@ class CalibrationSettings:
     tree_samples: int                  # sampled serving: Monte Carlo draws per position for trees; 0 = chains only
     cost: CostSettings
     engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
-    batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batching.py); () = skip
+    batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batch_sizes.py); () = skip
     hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
     gpu: GpuCalibrationSettings        # vLLM, SGLang, TensorRT-LLM (engines=[vllm] / [sglang] / [trtllm])
     llamacpp: LlamaCppCalibrationSettings

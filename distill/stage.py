@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.draft import vocab_subset
 from distill.export import save_draft
 from distill.heldouts import (acceptances, build_heldouts, load_target_inputs, log, serving_acceptance,
@@ -86,8 +86,8 @@ def _run(cfg: DictConfig, tracker) -> dict:
     tracker.log_metrics({f"distill_seconds/{name}": seconds for name, seconds in laps.parts.items()})
     tracker.log_metrics({**{f"heldout_after/acceptance/{k}": v for k, v in acceptances(selected["after"]).items()},
                          "train_tokens": training.tokens, "train_minutes": training.minutes})
-    return {"acceptance_before": before["reporting"][cal.OVERALL]["acceptance"],
-            "acceptance_after": selected["after"][cal.OVERALL]["acceptance"],
+    return {"acceptance_before": before["reporting"][sim.OVERALL]["acceptance"],
+            "acceptance_after": selected["after"][sim.OVERALL]["acceptance"],
             "train_tokens": training.tokens, "train_minutes": training.minutes, "trained": str(cfg.paths.trained)}
 
 
@@ -190,21 +190,21 @@ def measure_before(inputs: Inputs, heldouts: HeldOuts | None, vocab: torch.Tenso
     before = {"calibration_alpha": serving_alpha(inputs, heldouts.calibration, vocab),  # keep_best's paired judge
               "reporting": serving_acceptance(inputs, heldouts.reporting, vocab)}
     gamma = int(inputs.settings.heldout.gamma)
-    inputs.tracker.log_metrics(cal.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
-    log(f"held-out acceptance before: {before['reporting'][cal.OVERALL]['acceptance']:.3f} "
+    inputs.tracker.log_metrics(sim.heldout_metrics(before["reporting"], gamma, "heldout_before"), step=0)
+    log(f"held-out acceptance before: {before['reporting'][sim.OVERALL]['acceptance']:.3f} "
         f"(reporting part, {heldouts.reporting.n_positions} positions, p truncation ≤ "
         f"{float(heldouts.reporting.p_tail.mean()):.4f})")
     return before
 
 
 def select_weights(inputs: Inputs, heldouts: HeldOuts, vocab: torch.Tensor | None, before: dict) -> dict:
-    """keep_best on the calibration part (distill/calibrate.py keep_best): the initial weights unless training raised
+    """keep_best on the calibration part (distill/simulator.py keep_best): the initial weights unless training raised
     held-out acceptance. Returns {"selected", "verdict" (the judge's numbers), "after_training" (reporting part,
     trained weights), "after" (reporting part, the selected weights: the initial draft's are the `before` ones)}."""
     trained_summary = serving_acceptance(inputs, heldouts.reporting, vocab)
     trained = acceptances(trained_summary)
     calibration = inputs.settings.calibration
-    verdict = cal.keep_best(before["calibration_alpha"], serving_alpha(inputs, heldouts.calibration, vocab),
+    verdict = sim.keep_best(before["calibration_alpha"], serving_alpha(inputs, heldouts.calibration, vocab),
                             heldouts.calibration, calibration.keep_best_rule)
     ci = verdict["ci95"] and "[{:+.3f}, {:+.3f}]".format(*verdict["ci95"])
     log(f"keep_best ({calibration.keep_best_rule}): the trained weights {verdict['difference']:+.3f} {ci or ''} over "

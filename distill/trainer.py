@@ -8,7 +8,7 @@ Trainer and accelerate, checkpointing, accumulation, mixed precision and `accele
   (distill/losses.py SparseTeacher, with the subset mass `subset_logmass`);
 - the FR-Spec subset head (pipeline/heads.py SubsetHead): for TRL's generation the draft gets its full head back with
   every token outside the subset suppressed (`generation_config.suppress_tokens`), so it samples its subset's ids;
-- the aligned batch layout for off-policy batches (distill/batch.py), beside TRL's causal layout for generated ones;
+- the aligned batch layout for off-policy batches (distill/aligned.py), beside TRL's causal layout for generated ones;
 - the held-out acceptance callback and the time budget.
 The λ draw is TRL's `random.random()`, seeded by Trainer on every process and checkpointed with it, so every process
 makes the same draws, across a resume too.
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 
-from distill.batch import Truncation, layout
+from distill.aligned import Truncation, layout
 from distill.losses import check_loss, distillation_loss, sparse_teacher
 from distill.settings import ObjectiveSettings
 from pipeline.heads import SubsetHead, column_map, head_inputs, head_logits, head_rows
@@ -44,7 +44,7 @@ CAUSAL = "causal"  # inputs["layout"] of a batch TRL generated
 class DistillCollator:
     """Rows {prompt_ids, completion_ids[, topk_ids, topk_logprobs[, subset_logmass]]} -> aligned tensors.
 
-    Returns the layout of distill/batch.py, the left-padded prompts TRL generates from (`prompts`,
+    Returns the layout of distill/aligned.py, the left-padded prompts TRL generates from (`prompts`,
     `prompt_attention_mask` [B, P]: the first P columns of the layout) and, when every row has them,
     topk_ids [B, Lc, k], topk_logprobs [B, Lc, k] and subset_logmass [B, Lc].
     """
@@ -155,7 +155,7 @@ class Positions:
 
 
 def positions(inputs: dict) -> Positions:
-    """Our aligned layout (distill/batch.py), or TRL's causal one after generation: tokens [prompt | completion],
+    """Our aligned layout (distill/aligned.py), or TRL's causal one after generation: tokens [prompt | completion],
     labels −100 on the first P = prompts width columns, position t predicting token t + 1."""
     if inputs.get("layout") != CAUSAL:
         forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")}

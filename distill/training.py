@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.draft import freeze_shared
 from distill.heldouts import served_acceptance
 from distill.job import HeldOuts, Inputs, Split
@@ -217,11 +217,11 @@ def _watchers(job: Inputs, split: Split, heldouts: HeldOuts | None):
 
     def evaluate(model):
         alpha = served_acceptance(model, dtype, heldouts.reporting, temperature, split.vocab)[0]
-        return cal.heldout_metrics(cal.summarize(alpha, heldouts.reporting, gamma), gamma)
+        return sim.heldout_metrics(sim.summarize(alpha, heldouts.reporting, gamma), gamma)
 
     def judge(model):
         alpha = served_acceptance(model, dtype, heldouts.calibration, temperature, split.vocab)[0]
-        return cal.summarize(alpha, heldouts.calibration, gamma)[cal.OVERALL]["acceptance"]
+        return sim.summarize(alpha, heldouts.calibration, gamma)[sim.OVERALL]["acceptance"]
 
     return evaluate, judge
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.calibrate import OVERALL, HeldOut, domain_index, draft_logits
+from distill.simulator import OVERALL, HeldOut, domain_index, draft_logits
 from distill.policy import visit_weights
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distill import batching
+from distill import batch_sizes
 from eval import sweeps as bench_batch
 from pipeline.measure import batch_profile
 from pipeline.measure.batch_profile import CHAINS, BatchPlan, batch_cost, host_block, measure_batch_profile, validate
@@ -105,7 +105,7 @@ def test_the_formula_check_fails_when_pass_speedup_ignores_host_work(monkeypatch
 
 
 def test_speculative_json_records_the_host_work_and_both_predictions():
-    block = batching.choose(PER_POSITION, constructed_profile(), GAMMAS, 0.05)
+    block = batch_sizes.choose(PER_POSITION, constructed_profile(), GAMMAS, 0.05)
     for size in SLOPE:
         record = block["cost"]["by_batch"][str(size)]
         assert record["host"] == HOST[size]
@@ -114,8 +114,8 @@ def test_speculative_json_records_the_host_work_and_both_predictions():
             by_formula(sum(PER_POSITION["overall"][:gamma]), gamma, batch_cost(constructed_profile(), size)), abs=1e-3)
         no_host = block["predicted_speedup_no_host"]["default"][str(size)]
         assert block["predicted_speedup"]["default"][str(size)] < no_host
-    old = batching.choose(PER_POSITION, constructed_profile(None), GAMMAS, 0.05)
-    zero = batching.choose(PER_POSITION, constructed_profile(zero_host()), GAMMAS, 0.05)
+    old = batch_sizes.choose(PER_POSITION, constructed_profile(None), GAMMAS, 0.05)
+    zero = batch_sizes.choose(PER_POSITION, constructed_profile(zero_host()), GAMMAS, 0.05)
     assert zero["predicted_speedup"] == old["predicted_speedup"] == old["predicted_speedup_no_host"]
     assert "host" not in old["cost"]["by_batch"]["1"]
 
@@ -135,7 +135,7 @@ def test_the_batch_sweep_predicts_through_batch_cost_with_and_without_host(monke
 
 
 def test_the_batch_sweep_reads_both_predictions_from_a_calibrated_export():
-    block = batching.choose(PER_POSITION, constructed_profile(), GAMMAS, 0.05)
+    block = batch_sizes.choose(PER_POSITION, constructed_profile(), GAMMAS, 0.05)
     predicted = bench_batch.predict_calibrated(block, sorted(SLOPE))
     for size, p in predicted.items():
         assert p["predicted"] == block["predicted_speedup"]["default"][str(size)]

@@ -1,4 +1,4 @@
-"""The draft length per batch size (distill/batching.py): γ shrinks as the target's batched verify gets dearer and
+"""The draft length per batch size (distill/batch_sizes.py): γ shrinks as the target's batched verify gets dearer and
 is off from the break-even batch on, speculative.json carries it, vLLM gets the same schedule, bad input is one line."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from distill import batching
+from distill import batch_sizes
 from pipeline.measure.batch_profile import CHAINS, BatchPlan, batch_cost, break_even, measure_batch_profile, validate
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
@@ -50,7 +50,7 @@ def policy_problems(block: dict, profile: dict) -> list[str]:
 
 def test_gamma_shrinks_as_the_batch_grows_and_is_off_from_the_break_even_batch():
     profile = constructed_profile()
-    block = batching.choose(PER_POSITION, profile, GAMMAS, MARGIN)
+    block = batch_sizes.choose(PER_POSITION, profile, GAMMAS, MARGIN)
     assert policy_problems(block, profile) == []
     for name in ("default", "code"):
         gammas = [block["by_domain"][name][str(b)] for b in sorted(SLOPE)]
@@ -63,9 +63,9 @@ def test_gamma_shrinks_as_the_batch_grows_and_is_off_from_the_break_even_batch()
 
 def test_the_check_rejects_a_chooser_that_ignores_the_batch_size(monkeypatch):
     profile = constructed_profile()
-    real = batching.batch_cost
-    monkeypatch.setattr(batching, "batch_cost", lambda p, size: real(p, 1))  # every B priced as B = 1
-    wrong = batching.choose(PER_POSITION, profile, GAMMAS, MARGIN)
+    real = batch_sizes.batch_cost
+    monkeypatch.setattr(batch_sizes, "batch_cost", lambda p, size: real(p, 1))  # every B priced as B = 1
+    wrong = batch_sizes.choose(PER_POSITION, profile, GAMMAS, MARGIN)
     assert wrong["by_domain"]["default"]["16"] > 0
     assert policy_problems(wrong, profile)
 
@@ -82,7 +82,7 @@ def spec_with(per_position=PER_POSITION, engines=None) -> SpeculativeSpec:
 
 
 def test_the_batching_block_round_trips_through_speculative_json(tmp_path):
-    spec = batching.with_batching(spec_with(), constructed_profile(), GAMMAS, MARGIN)
+    spec = batch_sizes.with_batching(spec_with(), constructed_profile(), GAMMAS, MARGIN)
     spec.write(tmp_path)
     back = SpeculativeSpec.read(tmp_path)
     assert back.batching == spec.batching == read_spec(tmp_path)["batching"]
@@ -95,10 +95,10 @@ def test_the_batching_block_round_trips_through_speculative_json(tmp_path):
 
 
 def test_vllm_gets_the_same_schedule_as_inclusive_ranges_from_one():
-    assert batching.vllm_schedule({"1": 3, "2": 3, "4": 1, "8": 0, "16": 0}, 2) == [[1, 2, 2], [3, 4, 1], [5, 16, 0]]
+    assert batch_sizes.vllm_schedule({"1": 3, "2": 3, "4": 1, "8": 0, "16": 0}, 2) == [[1, 2, 2], [3, 4, 1], [5, 16, 0]]
     engines = {"vllm": {"speculative_config": {"code": {"model": ".", "method": "draft_model",
                                                         "num_speculative_tokens": 4}, "default": None}}}
-    spec = batching.with_batching(spec_with(engines=engines), constructed_profile(), GAMMAS, MARGIN)
+    spec = batch_sizes.with_batching(spec_with(engines=engines), constructed_profile(), GAMMAS, MARGIN)
     configs = spec.engines["vllm"]["speculative_config"]
     assert configs["default"] is None  # a domain served without the draft stays so
     schedule = configs["code"]["num_speculative_tokens_per_batch_size"]
@@ -109,16 +109,16 @@ def test_vllm_gets_the_same_schedule_as_inclusive_ranges_from_one():
 def test_tensorrt_llm_gets_thresholds_and_none_where_its_smallest_key_would_not_be_max_draft_len():
     from pipeline.engines.rules import unknown_keys
 
-    assert batching.trtllm_schedule({"4": 1, "1": 3, "2": 3, "8": 0}, 3) == {"1": 3, "2": 3, "4": 1, "8": 0}
-    assert batching.trtllm_schedule({"1": 3, "2": 1}, 2) == {"1": 2, "2": 1}  # clamped to max_draft_len
-    assert batching.trtllm_schedule({"1": 1, "2": 0}, 3) is None  # TensorRT-LLM would refuse schedule[1] != 3
+    assert batch_sizes.trtllm_schedule({"4": 1, "1": 3, "2": 3, "8": 0}, 3) == {"1": 3, "2": 3, "4": 1, "8": 0}
+    assert batch_sizes.trtllm_schedule({"1": 3, "2": 1}, 2) == {"1": 2, "2": 1}  # clamped to max_draft_len
+    assert batch_sizes.trtllm_schedule({"1": 1, "2": 0}, 3) is None  # TensorRT-LLM would refuse schedule[1] != 3
     engines = {"trtllm": {"speculative_config": {"code": {"decoding_type": "Draft_Target", "max_draft_len": 4,
                                                           "speculative_model": ".", "use_rejection_sampling": True},
                                                  "default": None}}}
-    spec = batching.with_batching(spec_with(engines=engines), constructed_profile(), GAMMAS, MARGIN)
+    spec = batch_sizes.with_batching(spec_with(engines=engines), constructed_profile(), GAMMAS, MARGIN)
     configs, table = spec.engines["trtllm"]["speculative_config"], spec.batching["by_domain"]["code"]
     assert configs["default"] is None and int(table["1"]) >= 4  # B = 1 drafts at least k here: the schedule is written
-    assert configs["code"]["draft_len_schedule"] == batching.trtllm_schedule(table, 4)
+    assert configs["code"]["draft_len_schedule"] == batch_sizes.trtllm_schedule(table, 4)
     assert unknown_keys("trtllm", configs["code"]) == []
 
 
@@ -159,6 +159,6 @@ def test_the_distill_step_runs_only_when_batch_sizes_are_set(target, close_draft
         return SimpleNamespace(settings=SimpleNamespace(calibration=calibration), target=target, draft=close_draft)
 
     split, spec = SimpleNamespace(vocab=None), spec_with()
-    assert batching.calibrate_batching(inputs(()), split, spec, print) is spec
-    calibrated = batching.calibrate_batching(inputs((1, 2)), split, spec, print)
+    assert batch_sizes.calibrate_batching(inputs(()), split, spec, print) is spec
+    calibrated = batch_sizes.calibrate_batching(inputs((1, 2)), split, spec, print)
     assert calibrated.batching["batch_sizes"] == [1, 2] and set(calibrated.batching["by_domain"]) == {"default", "code"}

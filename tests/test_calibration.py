@@ -12,8 +12,8 @@ from tests.conftest import WORD_VOCAB as VOCAB, peaked_target
 # ---------------------------------------------------------------- calibration
 def random_heldout(target, temperature: float, rows: int = 6, seed: int = 1):
     """Held-out rows of random prompts and completions in two domains, labelled by `target` at `temperature`."""
-    from distill.batch import Truncation
-    from distill.calibrate import build_heldout
+    from distill.aligned import Truncation
+    from distill.simulator import build_heldout
     from pipeline.sampling import Sampling
 
     g = torch.Generator().manual_seed(seed)
@@ -30,7 +30,7 @@ def test_calibration_recovers_a_known_temperature(scale):
     (s = 1/1.5 is "draft = target logits / 1.5", whose best τ is T/1.5)."""
     import copy
 
-    from distill.calibrate import calibrate_temperature
+    from distill.simulator import calibrate_temperature
 
     target = peaked_target()
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_calibration_recovers_a_known_temperature(scale):
 
 
 def test_best_gamma_follows_the_walltime_formula():
-    from distill.calibrate import best_gamma
+    from distill.simulator import best_gamma
 
     alpha = 0.8
     gamma, speedups = best_gamma([alpha ** k for k in range(1, 9)], {"c": 0.05}, gammas=range(1, 9))
@@ -59,7 +59,7 @@ def test_best_gamma_follows_the_walltime_formula():
 
 
 def test_best_gamma_costs_the_verify_pass_as_measured():
-    from distill.calibrate import best_gamma
+    from distill.simulator import best_gamma
 
     # with verification costing r_γ, the speedup is (1 + Σ P_k) / (γc + r_γ)
     gamma, speedups = best_gamma([0.5, 0.25], {"c": 0.1, "verify_ratio": {1: 1.5, 2: 1.6}}, gammas=[1, 2])
@@ -67,7 +67,7 @@ def test_best_gamma_costs_the_verify_pass_as_measured():
 
 
 def test_best_gamma_prices_the_decoders_host_work_per_pass():
-    from distill.calibrate import best_gamma
+    from distill.simulator import best_gamma
 
     # host work in target steps: 0.05 per plain pass, 0.2 / 0.8 per pass drafting 1 / 4 (linear between)
     host = {"plain": 0.05, "chain": {"1": 0.2, "4": 0.8}, "tree": {"3": 0.3, "6": 0.6}}
@@ -80,7 +80,7 @@ def test_best_gamma_prices_the_decoders_host_work_per_pass():
 
 
 def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when_unsure():
-    from distill.calibrate import HeldOut
+    from distill.simulator import HeldOut
     from distill.policy import choose, simulate
     from pipeline.decoding.draft_length import DraftLength
     from pipeline.sampling import Sampling
@@ -104,7 +104,7 @@ def test_policy_simulator_matches_the_walltime_formula_and_prefers_stopping_when
 
 
 def test_tree_choice_counts_top_k_hits_per_depth_and_prefers_a_tree_where_the_argmax_misses():
-    from distill.calibrate import HeldOut
+    from distill.simulator import HeldOut
     from distill.tree_choice import K_MAX, choose, nodes, simulate
     from pipeline.sampling import Sampling
 
@@ -179,7 +179,7 @@ def test_the_simulator_averages_over_the_passes_the_decoder_runs_not_over_every_
     """Monte Carlo of the decoder's passes over rows with clustered hard and easy stretches (each pass from t draws
     its acceptances with the rows' α and starts the next pass at t + accepted + 1): the simulator's accepted drafts
     per pass match the draws within 3 SE; the average over every start alike (renewal=False) is rejected."""
-    from distill.calibrate import HeldOut
+    from distill.simulator import HeldOut
     from distill.policy import simulate
     from pipeline.sampling import Sampling
 
@@ -217,7 +217,7 @@ def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_und
     the same draft on both sides is a tie, which keeps the trained weights as keep_best does."""
     import copy
 
-    from distill.calibrate import acceptance
+    from distill.simulator import acceptance
     from distill.engines import weights_for_rule
 
     target = peaked_target()
@@ -253,7 +253,7 @@ def test_keep_best_ships_trained_weights_only_for_a_gain_the_rows_resolve():
     """A gain that sits within the rows' spread (half the rows up, half down, a small mean gain) ships under the
     mean rule — the deliberately weaker judge, shown to disagree — and not under the interval rule; a gain every row
     shares ships under both; a loss under neither. One row has no interval: the interval rule judges as the mean."""
-    from distill.calibrate import keep_best
+    from distill.simulator import keep_best
 
     heldout = _rows_heldout(10, 12)
     initial = torch.full((heldout.n_positions,), 0.6)
@@ -292,7 +292,7 @@ def test_the_draft_is_judged_as_it_serves_in_the_serving_dtype():
     import copy
     from types import SimpleNamespace
 
-    from distill.calibrate import acceptance
+    from distill.simulator import acceptance
     from distill.heldouts import as_served, serving_alpha
     from pipeline.sampling import Sampling
 
@@ -323,7 +323,7 @@ def test_the_served_copy_of_a_draft_in_training_is_freed_after_each_held_out_eva
     import weakref
 
     from distill import heldouts
-    from distill.calibrate import acceptance
+    from distill.simulator import acceptance
 
     target = peaked_target()
     heldout = random_heldout(target, 1.0)

@@ -364,7 +364,7 @@ def test_stored_final_hidden_states_give_the_labels_of_a_target_pass(tiny_target
     through the head alone, the collect's own top-k labels and the FR-Spec subset mass of distill's teacher-forced
     target pass; the same states one position off (a wrong alignment) do not."""
     from data.collect_hf import HFBackend
-    from distill.batch import Truncation
+    from distill.aligned import Truncation
     from distill.labels import labels_from_hidden, teacher_labels
     from pipeline.modelio.models import load_model
 

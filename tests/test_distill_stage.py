@@ -98,7 +98,7 @@ def test_teacher_labels_are_computed_once_per_rows_and_subset(setup, tmp_path, m
     from omegaconf import OmegaConf
 
     from distill import labels
-    from distill.batch import Truncation
+    from distill.aligned import Truncation
     from pipeline.modelio.models import load_model
 
     target = load_model(setup["target"], torch.device("cpu"), torch.float32)
@@ -122,7 +122,7 @@ def test_rows_with_stored_hidden_states_need_no_target_pass_for_the_subset_mass(
     from datasets import load_from_disk
 
     from distill import labels
-    from distill.batch import Truncation
+    from distill.aligned import Truncation
     from pipeline.modelio.models import load_model
     from tests.conftest import write_collect_output
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from distill import labels
-from distill.batch import Truncation, batches, completion_hidden
+from distill.aligned import Truncation, batches, completion_hidden
 from tests.conftest import decoder_llama
 
 VOCAB, K, LONGEST = 32, 4, 8  # vocabulary, top-k of the labels, max_prompt_length of these tests
@@ -157,7 +157,7 @@ def test_a_cut_row_with_stored_hidden_states_is_labelled_on_its_truncated_prompt
 # ---------------------------------------------------------------- the paths that were consistent already
 def test_heldout_distribution_is_the_targets_on_the_truncated_prompt(target, rows):
     """build_heldout truncates its rows before its own target pass: nothing cached from collect is used."""
-    from distill.calibrate import build_heldout
+    from distill.simulator import build_heldout
     from pipeline.sampling import Sampling
 
     fresh = labels.teacher_labels(target, rows, TRUNCATION, K, None, 2, 0)

@@ -115,7 +115,7 @@ def test_a_server_that_cannot_start_is_one_line_naming_the_log(llamacpp_build, t
 
 def test_llamacpps_stop_before_rule_drafts_only_sure_tokens():
     """llama.cpp stops before an unsure token (κ of the token itself), HF after it (κ of the token before)."""
-    from distill.calibrate import HeldOut
+    from distill.simulator import HeldOut
     from distill.policy import pass_profile, simulate
 
     n = 6
@@ -244,7 +244,7 @@ def test_per_pass_rates_count_passes_that_drafted_nothing_and_meet_the_predictio
 def test_the_per_pass_prediction_has_an_interval_over_held_out_rows():
     """predicted_per_pass's rates are pass_profile's, with a bootstrap interval over rows: rows that disagree widen
     it, identical rows leave none, and a domain without rows predicts nothing rather than a rate."""
-    from distill.calibrate import HeldOut
+    from distill.simulator import HeldOut
     from distill.engines import per_pass_prediction
     from distill.policy import pass_profile, pass_profile_rows
 

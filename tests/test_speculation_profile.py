@@ -1,5 +1,5 @@
 """speculation_profile.json (pipeline/measure/speculation_profile.py): calibrate's per-position rates are the held-out
-simulator's own (distill/calibrate.py), eval's are its decoder's counts, both in one shape; the file round-trips;
+simulator's own (distill/simulator.py), eval's are its decoder's counts, both in one shape; the file round-trips;
 its marginals reproduce the mean accepted length the report gives within their interval, and conditional rates
 read as marginals do not; docs/architecture.md names exactly the fields the builder writes."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.calibrate_stage import profile_sections
 from eval import metrics as M
 from pipeline.measure import speculation_profile as sp
@@ -22,7 +22,7 @@ from tests.conftest import REPO
 GAMMA, K = 4, 8
 
 
-def heldout(rows_per_domain: int = 40, length: int = 30, seed: int = 0) -> tuple[cal.HeldOut, torch.Tensor]:
+def heldout(rows_per_domain: int = 40, length: int = 30, seed: int = 0) -> tuple[sim.HeldOut, torch.Tensor]:
     """Held-out rows of two domains with per-position α (chat easier than code) and bursts of easy stretches."""
     g = torch.Generator().manual_seed(seed)
     domains = ["chat"] * rows_per_domain + ["code"] * rows_per_domain
@@ -30,35 +30,35 @@ def heldout(rows_per_domain: int = 40, length: int = 30, seed: int = 0) -> tuple
     level = torch.tensor([0.8 if d == "chat" else 0.5 for d in domains])[row_of]
     alpha = (level + 0.3 * (torch.rand(len(row_of), generator=g) - 0.5)).clamp(0, 1)
     n = len(row_of)
-    held = cal.HeldOut([{}] * len(domains), domains, torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1),
+    held = sim.HeldOut([{}] * len(domains), domains, torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1),
                        torch.zeros(n), row_of, Sampling(), 1, 0)
     return held, alpha
 
 
-def profile_of(held: cal.HeldOut, alpha: torch.Tensor) -> tuple[dict, dict]:
+def profile_of(held: sim.HeldOut, alpha: torch.Tensor) -> tuple[dict, dict]:
     """(the profile calibrate writes, the evidence's mean_accepted_length) for the same rows."""
-    summary = cal.summarize(alpha, held, GAMMA, K)
+    summary = sim.summarize(alpha, held, GAMMA, K)
     reported = {"gamma": GAMMA, **{d: s["mean_accepted_length"] for d, s in summary.items()}}
-    profile = sp.build(profile_sections(alpha, held, K), cal.OVERALL, {"source": sp.HELDOUT},
+    profile = sp.build(profile_sections(alpha, held, K), sim.OVERALL, {"source": sp.HELDOUT},
                        target={"name": "t"}, draft={"name": "d"}, reported=reported)
     return profile, reported
 
 
 def sections_of(profile: dict) -> dict[str, dict]:
-    return {cal.OVERALL: profile, **profile["per_category"]}
+    return {sim.OVERALL: profile, **profile["per_category"]}
 
 
 def test_the_marginals_are_calibrates_per_position_acceptance():
     held, alpha = heldout()
-    summary = cal.summarize(alpha, held, GAMMA, K)
+    summary = sim.summarize(alpha, held, GAMMA, K)
     for name, rates in sections_of(profile_of(held, alpha)[0]).items():
         assert rates["marginal_accept_rates"] == pytest.approx(summary[name]["per_position_acceptance"], abs=1e-6)
-        assert rates["num_speculative_tokens"] == K and rates["n_units"] == (80 if name == cal.OVERALL else 40)
+        assert rates["num_speculative_tokens"] == K and rates["n_units"] == (80 if name == sim.OVERALL else 40)
 
 
 def test_a_constant_acceptance_gives_its_powers_as_marginals_and_itself_as_every_conditional():
     held, alpha = heldout()
-    rates = profile_sections(torch.full_like(alpha, 0.6), held, K)[cal.OVERALL]
+    rates = profile_sections(torch.full_like(alpha, 0.6), held, K)[sim.OVERALL]
     assert rates["marginal_accept_rates"] == pytest.approx([0.6 ** k for k in range(1, K + 1)], abs=1e-6)
     assert rates["conditional_accept_rates"] == pytest.approx([0.6] * K, abs=1e-6)
 
@@ -81,8 +81,8 @@ def test_conditional_rates_read_as_marginals_miss_the_reported_mean_accepted_len
 
 
 def test_the_interval_holds_the_estimate_and_narrows_with_more_rows():
-    few = profile_sections(*reversed(heldout(10)), K)[cal.OVERALL]
-    many = profile_sections(*reversed(heldout(160)), K)[cal.OVERALL]
+    few = profile_sections(*reversed(heldout(10)), K)[sim.OVERALL]
+    many = profile_sections(*reversed(heldout(160)), K)[sim.OVERALL]
     for rates in (few, many):
         for (lo, hi), point in zip(rates["marginal_accept_rates_ci95"], rates["marginal_accept_rates"]):
             assert lo <= point <= hi

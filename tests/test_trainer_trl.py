@@ -64,7 +64,7 @@ def rows_and_models(n_rows: int = 8):
 def build(tmp_path, target, draft, rows, vocab=None, **objective):
     from datasets import Dataset
 
-    from distill.batch import Truncation
+    from distill.aligned import Truncation
     from distill.labels import teacher_labels
     from distill.trainer import DistillConfig, DistillTrainer
     from pipeline.heads import use_subset_head
@@ -145,7 +145,7 @@ def test_target_runs_only_when_the_loss_needs_it(tmp_path, teacher):
 
 
 def test_teacher_labels_in_length_sorted_batches_come_back_in_row_order():
-    from distill.batch import Truncation
+    from distill.aligned import Truncation
     from distill.labels import teacher_labels
 
     target, _, rows = rows_and_models(n_rows=11)  # lengths vary, so the sorted order differs from the row order
@@ -162,7 +162,7 @@ def test_teacher_labels_in_length_sorted_batches_come_back_in_row_order():
 def with_states(model, rows, shift: int = 0):
     """`rows` with `final_hidden`: `model`'s final hidden states at each completion position (`shift` > 0: the states
     of the position `shift` later, the last repeated: a deliberately misaligned target)."""
-    from distill.batch import completion_hidden, layout
+    from distill.aligned import completion_hidden, layout
 
     out = []
     for row in rows:

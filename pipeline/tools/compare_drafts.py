@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
 from pipeline.modelio.trained import RECORD, read_record
 from pipeline.errors import PipelineError
@@ -22,7 +22,7 @@ from pipeline.decoding.spec import SpeculativeSpec
 TEMPERATURES = ("serving", "calibrated", "argmax")
 
 
-def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temperature: str) -> torch.Tensor:
+def draft_acceptance(path: str, heldout: sim.HeldOut, dtype: torch.dtype, temperature: str) -> torch.Tensor:
     """α per held-out position [N] of the draft at `path` (an export, or draft/ or draft_init/ of a distill stage's
     ${paths.trained}, uncalibrated), through its own FR-Spec head, the draft at the serving temperature, its own
     calibrated τ, or drafting its argmax (llama.cpp's and SGLang's rule: α = p_T(argmax q))."""
@@ -35,23 +35,23 @@ def draft_acceptance(path: str, heldout: cal.HeldOut, dtype: torch.dtype, temper
     draft = load_model(path, dtype=dtype)
     vocab = torch.tensor(subset) if subset else None
     if calibrated:
-        taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), cal.OVERALL]}
-        return cal.acceptance_at(draft, heldout, taus, vocab)
+        taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), sim.OVERALL]}
+        return sim.acceptance_at(draft, heldout, taus, vocab)
     tau = 0.0 if temperature == "argmax" else heldout.sampling.temperature
     with torch.no_grad():
-        return cal.acceptance(draft, heldout, [tau], vocab)[0]
+        return sim.acceptance(draft, heldout, [tau], vocab)[0]
 
 
-def compare(alphas: dict[str, torch.Tensor], heldout: cal.HeldOut) -> dict:
+def compare(alphas: dict[str, torch.Tensor], heldout: sim.HeldOut) -> dict:
     """{domain: {"rows", "positions", "acceptance": {draft: α}, "difference": {draft: [Δ, [lo, hi]]}}}."""
     names = list(alphas)
     table = {}
-    for domain, mask in cal.domain_index(heldout).items():
-        sums = {name: cal.row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
+    for domain, mask in sim.domain_index(heldout).items():
+        sums = {name: sim.row_sums(alpha, heldout, mask) for name, alpha in alphas.items()}
         counts = sums[names[0]][1]
         table[domain] = {"rows": len(counts), "positions": int(counts.sum()),
                          "acceptance": {name: float(s.sum() / counts.sum()) for name, (s, _) in sums.items()},
-                         "difference": {name: list(cal.paired_difference(sums[names[0]][0], sums[name][0], counts))
+                         "difference": {name: list(sim.paired_difference(sums[names[0]][0], sums[name][0], counts))
                                         for name in names[1:]}}
     return table
 

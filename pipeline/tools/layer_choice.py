@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from distill import calibrate as cal
+from distill import simulator as sim
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
 from pipeline.errors import PipelineError
 from pipeline.modelio.models import derive_draft
@@ -25,10 +25,10 @@ from pipeline.tools.compare_drafts import compare, render
 SOURCES = ("target", "draft")
 
 
-def subset_acceptance(source, layers: list[int], heldout: cal.HeldOut) -> torch.Tensor:
+def subset_acceptance(source, layers: list[int], heldout: sim.HeldOut) -> torch.Tensor:
     """α per held-out position [N] of the draft made of `layers` of `source`, untrained, at the serving temperature."""
     draft = derive_draft(source, layers)
-    return cal.acceptance(draft, heldout, [heldout.sampling.temperature])[0]
+    return sim.acceptance(draft, heldout, [heldout.sampling.temperature])[0]
 
 
 def after_steps(inputs, source, steps: int, out_dir: Path):
@@ -49,7 +49,7 @@ def after_steps(inputs, source, steps: int, out_dir: Path):
     split = attach_teacher_labels(inputs, split, lambda message: None)
     rate = float(inputs.settings.trainer["learning_rate"])
 
-    def score(source, layers: list[int], heldout: cal.HeldOut) -> torch.Tensor:
+    def score(source, layers: list[int], heldout: sim.HeldOut) -> torch.Tensor:
         job = replace(inputs, draft=derive_draft(source, layers).float())
         use_subset_head(job.draft, split.vocab)  # the trainer's draft carries the FR-Spec head, as distill's does
         job.draft.train()
@@ -64,7 +64,7 @@ def after_steps(inputs, source, steps: int, out_dir: Path):
     return score
 
 
-def greedy_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
+def greedy_layers(source, keep: int, heldout: sim.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
     """The search path: from no layers upwards (keep ≤ half the layers) or from all downwards, one layer added or
     removed per step, the one whose subset has the highest mean α (`score`: untrained by default). Returns
     [{"layers", "acceptance"}] per step."""
@@ -85,7 +85,7 @@ def greedy_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptan
     return path
 
 
-def block_layers(source, keep: int, heldout: cal.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
+def block_layers(source, keep: int, heldout: sim.HeldOut, score=subset_acceptance, log=print) -> list[dict]:
     """Every subset that drops one contiguous block of n − keep layers (Gromov et al. 2024, "The Unreasonable
     Ineffectiveness of the Deeper Layers": a pretrained model loses least to one deep-but-not-last block), keep + 1
     candidates where the greedy search judges ~keep·n: a search cheap enough for a deep source. Returns

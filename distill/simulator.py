@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from distill.batch import Truncation, batches, completion_hidden
+from distill.aligned import Truncation, batches, completion_hidden
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.heads import column_map, head_logits, head_rows

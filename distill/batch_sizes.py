@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from distill.calibrate import best_gamma
+from distill.simulator import best_gamma
 from pipeline.measure.batch_profile import (BatchPlan, batch_cost, batch_sizes_of, break_even, forwards_only,
                                      measure_batch_profile)
 from pipeline.decoding.cost import pass_speedup
@@ -20,7 +20,7 @@ from pipeline.errors import PipelineError
 from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import synced_clock
 
-OVERALL = "overall"  # distill's name for the pooled domain (distill/calibrate.py); speculative.json says "default"
+OVERALL = "overall"  # distill's name for the pooled domain (distill/simulator.py); speculative.json says "default"
 
 
 def choose(per_position_by_domain: dict, profile: dict, gammas, margin: float) -> dict:
