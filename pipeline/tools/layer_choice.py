@@ -1,9 +1,10 @@
-"""Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a search (greedy,
-or over contiguous blocks dropped) over the source model's layers (the target, for a derived draft; model.draft, for a pruned pretrained one), each
-candidate subset judged untrained by its held-out acceptance Σ min(p, q) at the serving temperature on the calibration
-part, or after `tool.steps` training steps of distill's recipe each. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared on the
-reporting part with a paired bootstrap CI over rows, so the rows that choose never judge. Equal depth is equal cost
-on a device where a draft's cost follows its depth, so only the acceptance is compared.
+"""Which decoder layers a shallow draft keeps, chosen by measurement on the target's own held-out rows: a search
+(greedy, or over contiguous blocks dropped) over the source model's layers (the target, for a derived draft;
+model.draft, for a pruned pretrained one), each candidate subset judged untrained by its held-out acceptance
+Σ min(p, q) at the serving temperature on the calibration part, or after `tool.steps` training steps of distill's
+recipe each. The chosen subset and a baseline (the configured list, else the first `keep` layers) are then compared
+on the reporting part with a paired bootstrap CI over rows, so the rows that choose never judge. Equal depth is equal
+cost on a device where a draft's cost follows its depth, so only the acceptance is compared.
 
     python -m pipeline.tools layer-choice tool.keep=2 [tool.steps=10] [tool.source=draft] [tool.search=block] \
         [paths.collect=<collect>]
@@ -69,8 +70,6 @@ def greedy_layers(source, keep: int, heldout: sim.HeldOut, score=subset_acceptan
     removed per step, the one whose subset has the highest mean α (`score`: untrained by default). Returns
     [{"layers", "acceptance"}] per step."""
     n = source.config.num_hidden_layers
-    if not 0 < keep < n:
-        raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
     growing = keep <= n // 2
     chosen, path = ([] if growing else list(range(n))), []
     while len(chosen) != keep:
@@ -91,8 +90,6 @@ def block_layers(source, keep: int, heldout: sim.HeldOut, score=subset_acceptanc
     candidates where the greedy search judges ~keep·n: a search cheap enough for a deep source. Returns
     [{"layers", "acceptance"}] per candidate, the best (ties: earlier layers) last."""
     n = source.config.num_hidden_layers
-    if not 0 < keep < n:
-        raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
     path = []
     for start in range(keep + 1):
         layers = [*range(start), *range(start + n - keep, n)]
@@ -140,6 +137,9 @@ def run(cfg) -> dict:
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
     heldouts = build_heldouts(inputs, held_idx)
     source = _source(cfg, inputs)
+    n = source.config.num_hidden_layers
+    if not 0 < keep < n:
+        raise PipelineError(f"tool.keep={keep} must be between 1 and {n - 1} for a {n}-layer source")
     steps = int(options.steps)
     if steps < 0:
         raise PipelineError(f"tool.steps={steps} must be ≥ 0 (0 = judge the subsets untrained)")
