@@ -9,8 +9,8 @@ mapping of which only the keys the stage reads must be there (`TRAINER_READ`). T
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from types import MappingProxyType
-from typing import Any, Mapping, get_type_hints
+from types import MappingProxyType, UnionType
+from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +22,9 @@ TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,
 # but for OUR_TRAINER_KEYS, which are not TrainingArguments names (the stage takes them out).
 OUR_TRAINER_KEYS = ("max_epochs", "lr_probe", "stop_patience")
+# The `distill` groups the calibrate stage reads: the held-out rows (split, heldout), their truncation (objective) and
+# the serving sampling; trainer and checkpoint decide only training (dvc.yaml lists exactly these for calibrate).
+CALIBRATE_READS = ("objective", "split", "heldout", "serving")
 TRAINER_READ = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "learning_rate",
                 *OUR_TRAINER_KEYS)
 
@@ -273,9 +276,10 @@ class ServingSettings:
 class DistillSettings:
     """`distill.*` of the composed config, checked and normalised (see the module docstring)."""
     objective: ObjectiveSettings       # what the draft learns (fingerprinted: decides the weights)
-    trainer: Mapping[str, Any]         # TrainingArguments by name, and OUR_TRAINER_KEYS (fingerprinted); read-only
+    trainer: Mapping[str, Any] | None  # TrainingArguments by name, and OUR_TRAINER_KEYS (fingerprinted); read-only;
+                                       #   None in the calibrate stage, which trains nothing (CALIBRATE_READS)
     split: SplitSettings               # held-out prompts and the train share (fingerprinted)
-    checkpoint: CheckpointSettings     # checkpoint cadence, resume, time budget
+    checkpoint: CheckpointSettings | None  # checkpoint cadence, resume, time budget; None in the calibrate stage
     heldout: HeldoutSettings           # the held-out acceptance simulator
     serving: ServingSettings           # the serving sampling tuned for
     calibration: CalibrationSettings | KeepBest  # `calibrate.*` (the distill stage: keep_best's two keys)
@@ -285,15 +289,17 @@ class DistillSettings:
         """The settings of `cfg.distill` and `cfg.calibrate` (interpolations resolved): every key of
         conf/distill/default.yaml and conf/calibrate/default.yaml, no other (`trainer` aside: any TrainingArguments
         name). Calibrate's group is the `calibration` field; for the distill stage only the two keys it reads
-        (`KeepBest`), so a calibration setting never reruns training (dvc.yaml)."""
+        (`KeepBest`), so a calibration setting never reruns training, and for the calibrate stage only the distill
+        groups it reads (CALIBRATE_READS), so a trainer setting never reruns calibration (dvc.yaml)."""
         if stage == "distill":
-            calibration = KeepBest.from_config(cfg)
-        else:
-            calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate",
-                                 "conf/calibrate/default.yaml")
-        return _build(cls, _group(cfg, "distill"), "distill", built={"calibration": calibration})
+            return _build(cls, _group(cfg, "distill"), "distill", built={"calibration": KeepBest.from_config(cfg)})
+        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate", "conf/calibrate/default.yaml")
+        distill = _group(cfg, "distill", CALIBRATE_READS)
+        return _build(cls, distill, "distill", built={"calibration": calibration, "trainer": None, "checkpoint": None})
 
     def __post_init__(self):
+        if self.trainer is None:  # the calibrate stage's settings
+            return
         if not isinstance(self.trainer, Mapping):
             raise PipelineError(f"distill.trainer={self.trainer!r} is not a group of settings: restore it from "
                                 "conf/distill/default.yaml")
@@ -358,11 +364,19 @@ def _check_lr_probe(probe) -> None:
                             "(0, 1], steps: >= 1}: use e.g. distill.trainer.lr_probe.factors=[1.0,0.1,0.01]")
 
 
-def _group(cfg: DictConfig, name: str):
+def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
+    """The group `name` as plain containers; with `keys`, only those of its sub-groups (reading no other)."""
     if name not in cfg:
         raise PipelineError(f"the composed config has no `{name}` group: restore conf/{name}/default.yaml and its line "
                             "in conf/config.yaml's defaults")
-    return OmegaConf.to_container(cfg[name], resolve=True)
+    if keys is None:
+        return OmegaConf.to_container(cfg[name], resolve=True)
+    missing = [key for key in keys if key not in cfg[name]]
+    if missing:
+        raise PipelineError(f"setting(s) {', '.join(f'{name}.{key}' for key in missing)} missing from the composed "
+                            f"config: restore them in conf/{name}/default.yaml, where every setting is declared")
+    return {key: OmegaConf.to_container(cfg[name][key], resolve=True) if isinstance(cfg[name][key], DictConfig)
+            else cfg[name][key] for key in keys}
 
 
 def _build(cls, values, where: str, source: str = "conf/distill/default.yaml", built: dict | None = None):
@@ -373,9 +387,15 @@ def _build(cls, values, where: str, source: str = "conf/distill/default.yaml", b
     built = built or {}
     names = [f.name for f in fields(cls) if f.name not in built]
     check_keys(values, names, where, source)
-    types = get_type_hints(cls)
+    types = {name: _settings_type(hint) for name, hint in get_type_hints(cls).items()}
     return cls(**built, **{name: _build(types[name], values[name], f"{where}.{name}", source)
                            if is_dataclass(types[name]) else values[name] for name in names})
+
+
+def _settings_type(hint):
+    """`X | None` -> X, so an optional group of settings is built as its dataclass where it is given."""
+    args = [arg for arg in get_args(hint) if arg is not type(None)]
+    return args[0] if get_origin(hint) in (Union, UnionType) and len(args) == 1 else hint
 
 
 def _plain(value):
@@ -390,5 +410,8 @@ def _plain(value):
 
 def check_settings(cfg: DictConfig) -> None:
     """`distill.*` and `calibrate.*` checked as the stages build them first, before any row or model loads
-    (pipeline/__main__.py runs it before any stage); the distill stage alone checks only calibrate's keep_best."""
-    DistillSettings.from_config(cfg, "distill" if cfg.get("stage") == "distill" else "calibrate")
+    (pipeline/__main__.py runs it before any stage): the distill or the calibrate stage alone checks what it reads;
+    a run of several stages checks both."""
+    stage = cfg.get("stage")
+    for reader in (stage,) if stage in ("distill", "calibrate") else ("distill", "calibrate"):
+        DistillSettings.from_config(cfg, reader)

@@ -125,6 +125,18 @@ def test_a_calibration_setting_reruns_calibrate_and_not_distill_under_dvc():
     assert calibration_keys_rerunning({**params, "distill": ["distill", "calibrate"]}, "distill")
 
 
+def test_a_training_setting_reruns_distill_and_not_calibrate_under_dvc():
+    params = stage_params()
+    defaults = yaml.safe_load((REPO / "params.yaml").read_text())["distill"]
+    training = [k for group in ("trainer", "checkpoint") for k in leaf_keys(defaults[group], f"distill.{group}")]
+    assert training and all(reads(params["distill"], k) for k in training)
+    assert [k for k in training if reads(params["calibrate"], k)] == []
+    assert reads(params["calibrate"], "distill.heldout.support")
+    assert reads(params["calibrate"], "distill.split.heldout_fraction")
+    # the deliberately wrong dvc.yaml: calibrate reading the whole distill group
+    assert any(reads(["calibrate", "distill"], k) for k in training)
+
+
 def test_an_engine_judges_the_trained_weights_only_where_keep_best_may_choose():
     from types import SimpleNamespace
 

@@ -80,6 +80,18 @@ def test_a_stage_run_alone_checks_only_its_own_settings():
         check_settings(_compose("stage=eval", "eval.temperature=-1"))
 
 
+def test_the_calibrate_stage_reads_no_training_setting_and_a_run_of_both_checks_them():
+    from distill.settings import DistillSettings
+
+    settings = DistillSettings.from_config(_compose("stage=calibrate"), "calibrate")
+    assert settings.trainer is None and settings.checkpoint is None and settings.split.calibration_share > 0
+    check_settings(_compose("stage=calibrate", "distill.trainer.learning_rate=-1"))  # calibration trains nothing
+    with pytest.raises(PipelineError, match="learning_rate=-1 is out of range"):
+        check_settings(_compose("stage=all", "distill.trainer.learning_rate=-1"))
+    with pytest.raises(PipelineError, match="calibration_share"):
+        check_settings(_compose("stage=calibrate", "distill.split.calibration_share=2"))
+
+
 def test_an_unknown_stage_is_refused_by_the_check():
     with pytest.raises(PipelineError, match="unknown stage 'bogus'"):
         check_settings(_compose("stage=bogus"))

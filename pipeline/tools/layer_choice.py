@@ -133,7 +133,7 @@ def run(cfg) -> dict:
     if options.search not in SEARCHES:
         raise PipelineError(f"tool.search={options.search!r}: use {' or '.join(SEARCHES)}")
     keep = int(options.keep)
-    inputs = load_target_inputs(cfg, None, "calibrate")
+    inputs = load_target_inputs(cfg, None, "distill")  # it trains: the trainer settings
     _, held_idx = split_collected(inputs.collected, inputs.settings.split, int(cfg.seed))
     heldouts = build_heldouts(inputs, held_idx)
     source = _source(cfg, inputs)
