@@ -169,11 +169,8 @@ def build_spec(job: Inputs, split: Split, heldouts: HeldOuts, before: dict, afte
                                   calibration.temperature)
     return SpeculativeSpec(
         job.target_ident, job.sampling, {**source.info, "parameters": sum(p.numel() for p in job.draft.parameters())},
-        split.vocab_list, distilled=source.distilled, gamma=_with_default(calibration.gamma),
-        draft_length=_with_default({k: v.to_dict() for k, v in calibration.draft_length.items()}),
-        tree=_with_default(calibration.tree), tree_candidates=_with_default(trees) if trees else {},
-        speculate=_with_default(calibration.speculate),
-        draft_temperature=_with_default(calibration.temperature), selected=source.selected,
+        split.vocab_list, distilled=source.distilled, recipes=_with_default(calibration.recipes),
+        tree_candidates=_with_default(trees) if trees else {}, selected=source.selected,
         acceptance={"before": acceptances(before), "after": acceptances(after),
                     "after_training": source.after_training or acceptances(after),
                     "after_calibrated": _per_domain(calibrated, reporting), "full_head": _per_domain(full_head, reporting)},
@@ -212,7 +209,7 @@ def save_calibrated(job: Inputs, spec: SpeculativeSpec, profile: dict, head_fill
     hf_setting = ((spec.engines.get("hf") or {}).get("generation_config") or {}).get(DEFAULT)
     # HF assisted generation reads these from the assistant: HF's own calibration where there is one (a default
     # calibrated "off" keeps our decoder's; the card says to serve without the draft there)
-    for key, value in (hf_setting or spec.draft_length_for(DEFAULT).hf_generation_config()).items():
+    for key, value in (hf_setting or spec.recipe(DEFAULT).chain.hf_generation_config()).items():
         setattr(generation_config, key, value)
     card = model_card(spec, f"{job.cfg.model.draft.name} ({source.label})")
     save_draft(copy.deepcopy(job.draft).to(job.serving_dtype), job.draft_tokenizer, source.out, generation_config,
@@ -233,9 +230,9 @@ def speculation_profile(job: Inputs, split: Split, heldouts: HeldOuts, spec: Spe
     conditions = {
         "source": sp.HELDOUT, **sampling.to_dict(), "draft_temperature": sampling.temperature,
         # the rates are of the draft sampled at T, which is what an engine that cannot set τ serves
-        "recipe_draft_temperature": spec.draft_temperature,
+        "recipe_draft_temperature": {d: r.draft_temperature for d, r in spec.recipes.items()},
         "draft_length_policy": "every block of k = 1..K drafts at every completion position, teacher-forced",
-        "recipe_drafting": {d: r["drafting"] for d, r in spec.recipes().items()},
+        "recipe_drafting": {d: r.to_dict()["drafting"] for d, r in spec.recipes.items()},
         "draft_dtype": str(job.draft.dtype).removeprefix("torch."),
         "target_dtype": str(job.serving_dtype).removeprefix("torch."),
         "device": str(next(job.target.parameters()).device),
@@ -261,8 +258,8 @@ def report(inputs: Inputs, spec: SpeculativeSpec, out: Path) -> None:
     inputs.tracker.log_metrics({
         **{f"calibrated_acceptance/{k}": v for k, v in acceptance["after_calibrated"].items()},
         **{f"full_head_acceptance/{k}": v for k, v in acceptance["full_head"].items()},
-        **{f"draft_temperature/{k}": v for k, v in spec.draft_temperature.items()},
-        **{f"best_gamma/{k}": v for k, v in spec.gamma.items()},
+        **{f"draft_temperature/{k}": r.draft_temperature for k, r in spec.recipes.items()},
+        **{f"best_gamma/{k}": r.gamma for k, r in spec.recipes.items()},
         **{f"predicted_speedup/{k}": v for k, v in spec.predicted_speedup.items()}, "c": spec.cost["c"]})
     for name in ("speculative.json", "README.md", sp.FILENAME):
         inputs.tracker.log_artifact(str(out / name))

@@ -65,23 +65,22 @@ def exported_weights(draft, vocab_subset: list[int] | None, head_fill: torch.Ten
 def _describe(spec: SpeculativeSpec, domain: str) -> str:
     """The domain's drafting: off (plain decoding), a token tree (greedy serving) or the chain's draft-length
     policy."""
-    if not spec.speculates(domain):
+    recipe = spec.recipe(domain)
+    if not recipe.speculate:
         return "off (plain decoding)"
-    tree = spec.for_domain("tree", domain)
-    if tree:
-        return "tree (" + ", ".join(map(str, tree)) + ")"
-    policy = spec.draft_length_for(domain)
-    return "–" if policy is None else policy.describe()
+    if recipe.tree:
+        return "tree (" + ", ".join(map(str, recipe.tree)) + ")"
+    return "–" if recipe.chain is None else recipe.chain.describe()
 
 
 def _off_line(spec: SpeculativeSpec, domains: list[str]) -> str:
-    off = [d for d in domains if not spec.speculates(d)]
+    off = [d for d in domains if not spec.recipe(d).speculate]
     if not off:
         return "every domain (each predicted faster than plain decoding by the calibration margin)"
     return (f"off for {', '.join(off)}: no drafting was predicted faster than plain decoding by the margin on this "
             "device, so serve those with the target alone. HF's generation_config holds one setting for every domain "
             "(the default's) and cannot switch assisted generation off per domain: call generate without "
-            "assistant_model there; this project's decoder does it itself (SpeculativeSpec.drafting_for → None)")
+            "assistant_model there; this project's decoder does it itself (its Recipe's drafting → None)")
 
 
 def _subset_line(spec: SpeculativeSpec) -> str:
@@ -192,8 +191,8 @@ def format_table(spec: SpeculativeSpec) -> str:
     for domain in [d for d in acceptance["after"] if d not in (DEFAULT, "overall")] + ["overall"]:
         lines.append(f"| {domain} | {_fmt(acceptance['before'].get(domain))} | {_fmt(acceptance['after'].get(domain))} | "
                      f"{_fmt(acceptance['after_calibrated'].get(domain))} | {_fmt(length['before'].get(domain), 2)} | "
-                     f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.for_domain('draft_temperature', domain), 2)} | "
-                     f"{spec.for_domain('gamma', domain)} | {_describe(spec, domain)} | "
+                     f"{_fmt(length['after'].get(domain), 2)} | {_fmt(spec.recipe(domain).draft_temperature, 2)} | "
+                     f"{spec.recipe(domain).gamma} | {_describe(spec, domain)} | "
                      f"{_fmt(spec.predicted_speedup.get(domain), 2)} |")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from distill import simulator as sim
 from distill.aligned import Truncation
 from distill.settings import DistillSettings
-from pipeline.decoding import DraftLength
+from pipeline.decoding.spec import Recipe
 from pipeline.sampling import Sampling
 
 
@@ -75,13 +75,14 @@ class HeldOuts:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per domain (and overall): the draft temperature, the best fixed γ, the draft-length policy and the tree
-    (None: a chain), whether to speculate at all (False: plain decoding is predicted no slower); the cost
-    summary they were chosen with; the head row the export gives tokens outside the FR-Spec subset."""
-    temperature: dict[str, float]
-    gamma: dict[str, int]
-    draft_length: dict[str, DraftLength]
-    tree: dict[str, list | None]
-    speculate: dict[str, bool]
+    """The serving recipe chosen on the calibration part, per domain and overall (the one Recipe type
+    speculative.json carries); the cost summary it was chosen with; the head row the export gives tokens outside
+    the FR-Spec subset."""
+    recipes: dict[str, Recipe]
     cost: dict
     head_fill: torch.Tensor | None = None  # distill.simulator.out_of_subset_fill of these weights; None: no subset
+
+    @property
+    def temperature(self) -> dict[str, float]:
+        """τ per domain and overall, as the simulators take it."""
+        return {domain: recipe.draft_temperature for domain, recipe in self.recipes.items()}

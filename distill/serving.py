@@ -12,6 +12,7 @@ from distill.job import Calibration, Inputs, Split
 from distill.policy import candidates, choose, keep_at, simulate
 from pipeline.measure.cost_profile import CostPlan, canary_warning, measure_cost_profile, read_profile, summary
 from pipeline.decoding.cost import pass_speedup
+from pipeline.decoding.spec import Recipe
 from pipeline.decoding.tree import nodes, tree_key
 
 
@@ -45,9 +46,10 @@ def choose_recipe(inputs: Inputs, split: Split, heldout: sim.HeldOut, cost_profi
         predicted = ", ".join(f"{d} {best_speedup[d]:.2f}×" for d in off)
         log(f"{name}: plain decoding (off) for {', '.join(off)}: no drafting predicted "
             f"≥ {1 + settings.speculate_margin:.2f}× on the calibration part ({predicted})")
-    return Calibration(temperature=taus, gamma=best, cost=cost, tree=trees, speculate=speculate,
-                       draft_length={domain: entry["draft_length"] for domain, entry in chosen.items()},
-                       head_fill=sim.out_of_subset_fill(draft, heldout, vocab))
+    recipes = {domain: Recipe(speculate[domain], entry["draft_length"], best[domain],
+                              tuple(trees[domain]) if trees[domain] else None, taus[domain])
+               for domain, entry in chosen.items()}
+    return Calibration(recipes, cost, sim.out_of_subset_fill(draft, heldout, vocab))
 
 
 def choose_trees(inputs: Inputs, split: Split, heldout: sim.HeldOut, chains: dict, cost: dict,
@@ -116,16 +118,16 @@ def predict_speedup(inputs: Inputs, split: Split, heldout: sim.HeldOut, alpha: t
                     trees: dict[str, dict]) -> dict:
     """Per domain, the predicted speedup of its chosen drafting on `heldout`: the tree's from `trees`
     (tree_candidates), else the draft-length policy's (distill/policy.py)."""
-    policies = calibration.draft_length
-    thresholds = sorted({p.threshold for p in policies.values() if p.policy == "confidence"})
+    recipes = calibration.recipes
+    thresholds = sorted({r.chain.threshold for r in recipes.values() if r.chain.policy == "confidence"})
     keep = keep_at(inputs.draft, heldout, calibration.temperature, thresholds, split.vocab) if thresholds else {}
     predicted = {}
     for domain, mask in sim.domain_index(heldout).items():
-        tree = calibration.tree.get(domain, calibration.tree[sim.OVERALL])
-        if tree:
-            predicted[domain] = trees[domain][tree_key(tree)]["predicted_speedup"]
+        recipe = recipes.get(domain, recipes[sim.OVERALL])
+        if recipe.tree:
+            predicted[domain] = trees[domain][tree_key(recipe.tree)]["predicted_speedup"]
             continue
-        policy = policies.get(domain, policies[sim.OVERALL])
+        policy = recipe.chain
         drafted, accepted = simulate(alpha, keep.get(policy.threshold), heldout, mask, policy.max)
         predicted[domain] = round(pass_speedup(accepted, drafted, drafted, calibration.cost), 3)
     return predicted

@@ -53,7 +53,7 @@ def speculative_config(spec: SpeculativeSpec | None, domain: str, draft_dir: Pat
     if table:
         config = table.get(domain, table.get(DEFAULT))
         return None if config is None else {**config, "model": str(draft_dir)}
-    k = (spec.for_domain("gamma", domain) if spec is not None else None) or default_k
+    k = (spec.recipe(domain).gamma if spec is not None else None) or default_k
     return {"model": str(draft_dir), "method": "draft_model", "num_speculative_tokens": int(k)}
 
 

@@ -26,7 +26,7 @@ from pipeline.decoding.draft_length import UNCALIBRATED_CONFIDENCE
 from pipeline.engines.hf import assistant_configs, hf_generate
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.decoding.spec import CALIBRATED, SpeculativeSpec
+from pipeline.decoding.spec import CALIBRATED, Recipe, SpeculativeSpec
 from pipeline.timing import Laps
 
 # ---------------------------------------------------------------- inputs
@@ -92,7 +92,7 @@ def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Samp
     else:
         plan = spec.plan(domain, sampling, drafting=shape, guard=settings.guard_settings, vocab=False)
         if not plan.speculates:  # off: the chain's τ, for a sweep that forces drafting here
-            plan = replace(spec.plan(domain, sampling, drafting=spec.draft_length_for(domain) or DraftLength()),
+            plan = replace(spec.plan(domain, sampling, drafting=spec.recipe(domain).chain or DraftLength()),
                            drafting=None)
     tau = plan.draft_temperature if settings.draft_temperature is None else settings.draft_temperature
     return replace(plan, draft_temperature=None if sampling.greedy else tau, draft_vocab=draft.vocab)
@@ -101,14 +101,14 @@ def draft_plan(draft: Draft, domain: str, settings: EvalSettings, sampling: Samp
 def drafting_shape(wanted, spec, domain: str, sampling: Sampling):
     """eval.drafting as what spec.plan's `drafting` takes: CALIBRATED (the recipe's own), None (plain), a policy
     or a tree. A policy the calibration chose is used with its calibrated parameters."""
-    calibrated = spec.draft_length_for(domain) if spec is not None else None
-    gamma = (spec.for_domain("gamma", domain) if spec is not None else None) or DraftLength().max
+    recipe = spec.recipe(domain) if spec is not None else Recipe()
+    calibrated, gamma = recipe.chain, recipe.gamma or DraftLength().max
     if wanted in ("calibrated", "uncalibrated"):
         return CALIBRATED
     if wanted == "off":
         return None
     if wanted == "chain":  # the calibrated chain, "off" still honoured
-        off = spec is not None and spec.sampling == sampling and not spec.speculates(domain)
+        off = spec is not None and spec.sampling == sampling and not recipe.speculate
         return None if off else calibrated or DraftLength("fixed", gamma)
     if isinstance(wanted, dict):
         return DraftLength.from_dict(wanted)
@@ -124,7 +124,7 @@ def fixed_gamma(draft: Draft, domain: str, settings: EvalSettings) -> int:
     if isinstance(settings.drafting, int):
         return settings.drafting
     spec = draft.spec if settings.drafting != "uncalibrated" else None
-    return (spec.for_domain("gamma", domain) if spec is not None else None) or DraftLength().max
+    return (spec.recipe(domain).gamma if spec is not None else None) or DraftLength().max
 
 
 def make_plans(evaluation: Evaluation, domains: list[str]) -> dict:
@@ -240,7 +240,7 @@ def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:
     if spec is None or overridden or spec.sampling != evaluation.sampling:
         return None
     table = {d: spec.predicted_speedup.get(d, spec.predicted_speedup.get("overall")) for d in domains}
-    return {d: {"speedup": float(v) if spec.speculates(d) else 1.0, "speculate": spec.speculates(d)}
+    return {d: {"speedup": float(v) if spec.recipe(d).speculate else 1.0, "speculate": spec.recipe(d).speculate}
             for d, v in table.items() if v is not None}
 
 
@@ -274,7 +274,7 @@ def setup_section(evaluation: Evaluation, prompts: dict, source: str) -> dict:
     """Where and with what the numbers were measured."""
     settings = evaluation.settings
     tuned, init = evaluation.drafts["speculative"], evaluation.drafts.get("speculative_init")
-    calibrated = settings.drafting == "calibrated" and tuned.spec is not None and tuned.spec.gamma
+    calibrated = settings.drafting == "calibrated" and tuned.spec is not None and bool(tuned.spec.recipes)
     return {
         "machine": machine(), "device": str(evaluation.device), "dtype": str(evaluation.dtype).removeprefix("torch."),
         "target": evaluation.target_identity,

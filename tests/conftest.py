@@ -144,13 +144,15 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 def read_spec(directory) -> dict:
-    """An export's calibration (speculative.json and evidence.json) as one flat dict of SpeculativeSpec's fields."""
+    """An export's calibration (speculative.json and evidence.json) as one flat dict of SpeculativeSpec's fields, as
+    JSON values (each recipe as its speculative.json entry)."""
     from dataclasses import fields
 
     from pipeline.decoding.spec import SpeculativeSpec
 
     spec = SpeculativeSpec.read(directory)
-    return {f.name: getattr(spec, f.name) for f in fields(spec)} | {"sampling": spec.sampling.to_dict()}
+    return {f.name: getattr(spec, f.name) for f in fields(spec)} | {
+        "sampling": spec.sampling.to_dict(), "recipes": {d: r.to_dict() for d, r in spec.recipes.items()}}
 
 
 def planned(kwargs: dict) -> dict:

@@ -13,8 +13,7 @@ from pipeline.measure import speculation_profile as sp
 from pipeline.errors import PipelineError
 from tests.conftest import REPO, read_spec, run_calibrate_stage
 
-RECIPE = ("vocab_subset", "distilled", "selected", "gamma", "draft_length", "tree", "speculate", "draft_temperature",
-          "acceptance", "mean_accepted_length", "predicted_speedup", "cost", "training", "learning_curve", "heldout")
+RECIPE = ("vocab_subset", "distilled", "selected", "recipes", "acceptance", "mean_accepted_length", "predicted_speedup", "cost", "training", "learning_curve", "heldout")
 
 
 def spec_of(directory: Path) -> dict:
@@ -41,8 +40,8 @@ def test_calibrate_alone_reproduces_the_runs_recipe_and_a_changed_setting_leaves
     run_calibrate_stage(setup, changed, f"paths.trained={trained}", f"calibrate.cost.profile={profile}",
                         "calibrate.tau_ratios=[1.0]", "calibrate.tau_refine=0")
     serving = spec_of(run / "draft")["sampling"]["temperature"]
-    assert set(spec_of(changed / "draft")["draft_temperature"].values()) == {serving}
-    assert set(spec_of(run / "draft")["draft_temperature"].values()) != {serving}
+    taus = {name: {r["draft_temperature"] for r in spec_of(name / "draft")["recipes"].values()} for name in (changed, run)}
+    assert taus[changed] == {serving} and taus[run] != {serving}
     assert digest(trained) == before
     assert not (same / "distill_ckpt").exists() and not (changed / "distill_ckpt").exists()  # nothing trained
 
@@ -52,7 +51,7 @@ def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
     plain = tmp_path / "plain"  # weights alone (distill's draft_init): no speculative.json to read provenance from
     run_calibrate_stage(setup, plain, f"calibrate.draft={run / 'trained' / 'draft_init'}")
     spec = spec_of(plain / "draft")
-    assert spec["distilled"] is False and spec["draft"]["init"] == "pretrained" and spec["gamma"]
+    assert spec["distilled"] is False and spec["draft"]["init"] == "pretrained" and spec["recipes"]
     assert spec["acceptance"]["before"] == spec["acceptance"]["after"]  # its own numbers: nothing to compare with
     assert not (plain / "draft_init").exists()  # a given draft is calibrated alone
     published = tmp_path / "published"  # an export: its FR-Spec head and provenance travel with it

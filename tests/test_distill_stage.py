@@ -179,9 +179,10 @@ def test_distill_leaves_the_collected_data_untouched(distilled, setup):
 def test_export_has_weights_tokenizer_calibration_and_model_card(distilled):
     _, _, out = distilled
     spec = read_spec(out / "draft")
-    for key in ("version", "target", "sampling", "draft_temperature", "gamma", "vocab_subset", "acceptance", "cost"):
+    for key in ("version", "target", "sampling", "recipes", "vocab_subset", "acceptance", "cost"):
         assert key in spec
-    assert set(spec["draft_temperature"]) == set(spec["gamma"]) == {"chat", "code", "default"}
+    assert set(spec["recipes"]) == {"chat", "code", "default"}
+    assert all(r["draft_temperature"] is not None and r["gamma"] >= 1 and r["chain"] for r in spec["recipes"].values())
     assert spec["acceptance"]["after"]["overall"] > spec["acceptance"]["before"]["overall"]
     assert_cost_is_the_ratio_of_its_forward_times(spec["cost"])
     card = (out / "draft" / "README.md").read_text()
@@ -196,7 +197,7 @@ def test_the_undistilled_draft_ships_with_its_own_calibration(distilled):
     _, _, out = distilled
     init, tuned = SpeculativeSpec.read(out / "draft_init"), SpeculativeSpec.read(out / "draft")
     assert not init.distilled and init.selected == "init" and tuned.distilled
-    assert set(init.gamma) == set(init.draft_length) == {"chat", "code", "default"}
+    assert set(init.recipes) == {"chat", "code", "default"} and all(r.chain for r in init.recipes.values())
     assert init.cost == tuned.cost  # one cost profile: the draft's shape sets it, not its weights
     assert init.acceptance["after"] == init.acceptance["before"] == tuned.acceptance["before"]
     assert init.predicted_speedup != tuned.predicted_speedup  # calibrated on the initial weights, not copied
@@ -211,8 +212,8 @@ def test_export_carries_the_draft_length_policy_for_our_decoder_and_for_hf(disti
 
     _, _, out = distilled
     spec = SpeculativeSpec.read(out / "draft")
-    assert set(spec.draft_length) == {"chat", "code", "default"}
-    default = spec.draft_length_for("default")
+    assert set(spec.recipes) == {"chat", "code", "default"}
+    default = spec.recipe("default").chain
     assert isinstance(default, DraftLength) and default.max >= 1
     assert all(v > 0 for v in spec.predicted_speedup.values())
     config = GenerationConfig.from_pretrained(out / "draft")
@@ -227,10 +228,10 @@ def test_greedy_serving_calibrates_a_tree_or_a_chain_per_domain(setup, tmp_path)
 
     run_stage(setup, tmp_path, "distill.serving.temperature=0", "distill.trainer.max_steps=20")
     spec = SpeculativeSpec.read(tmp_path / "draft")
-    assert set(spec.tree) == {"chat", "code", "default"}
+    assert set(spec.recipes) == {"chat", "code", "default"}
     assert_trees_are_candidates_with_their_predicted_speedup(spec)
     # this run (session setup, seed 0) picks a tree for at least one domain: the check above is not vacuous
-    assert any(tree is not None for tree in spec.tree.values()), spec.tree
+    assert any(r.tree is not None for r in spec.recipes.values()), spec.recipes
 
 
 def assert_cost_is_the_ratio_of_its_forward_times(cost: dict) -> None:
@@ -247,8 +248,8 @@ def assert_trees_are_candidates_with_their_predicted_speedup(spec):
     tree's own figure on the reporting part (tree_candidates); a domain on a chain has no tree."""
     from distill.tree_choice import CANDIDATES
 
-    assert set(spec.tree_candidates) == set(spec.tree)
-    for domain, tree in spec.tree.items():
+    assert set(spec.tree_candidates) == set(spec.recipes)
+    for domain, tree in ((d, r.tree) for d, r in spec.recipes.items()):
         predicted = spec.predicted_speedup["overall" if domain == "default" else domain]
         if tree is None:
             continue
@@ -262,10 +263,10 @@ def test_sampled_serving_calibrates_trees_from_the_sibling_acceptance(setup, tmp
 
     run_stage(setup, tmp_path, "distill.trainer.max_steps=20", "calibrate.tree_samples=4")
     spec = SpeculativeSpec.read(tmp_path / "draft")
-    assert not spec.sampling.greedy and set(spec.tree) == {"chat", "code", "default"}
+    assert not spec.sampling.greedy and set(spec.recipes) == {"chat", "code", "default"}
     assert_trees_are_candidates_with_their_predicted_speedup(spec)
     run_stage(setup, tmp_path / "chains", "distill.trainer.max_steps=20", "calibrate.tree_samples=0")
-    assert set(SpeculativeSpec.read(tmp_path / "chains" / "draft").tree.values()) == {None}
+    assert {r.tree for r in SpeculativeSpec.read(tmp_path / "chains" / "draft").recipes.values()} == {None}
 
 
 def test_export_works_as_hf_assistant_model_with_greedy_output_equal_to_target(distilled, setup):
@@ -325,7 +326,10 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
 
     yaml = OmegaConf.load(REPO / "conf/distill/default.yaml")
     calibrate = OmegaConf.load(REPO / "conf/calibrate/default.yaml")
-    settings = DistillSettings.from_config(OmegaConf.create({"distill": yaml, "calibrate": calibrate}), "calibrate")
+    both = OmegaConf.create({"distill": yaml, "calibrate": calibrate})
+    # the distill stage builds every distill key, the calibrate stage every calibrate key: together the whole shape
+    settings = dataclasses.replace(DistillSettings.from_config(both, "distill"),
+                                   calibration=DistillSettings.from_config(both, "calibrate").calibration)
     with open_dict(yaml):
         yaml.calibration = calibrate  # the shape of the settings: calibrate's group is their `calibration` field
 
@@ -365,7 +369,8 @@ def test_distill_settings_are_the_yaml_keys_frozen_and_checked_on_every_build():
     one_line(r"unknown setting\(s\) distill\.heldout\.no_such_knob",
              lambda: DistillSettings.from_config(unknown, "calibrate"))
     one_line(r"calibrate\.cost\.repeats missing", lambda: DistillSettings.from_config(missing, "calibrate"))
-    one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread, "calibrate"))
+    one_line(r"distill\.trainer\.bf16 missing", lambda: DistillSettings.from_config(unread, "distill"))
+    assert DistillSettings.from_config(unread, "calibrate").trainer is None  # calibration reads no trainer key
     # the distill stage reads calibrate's keep_best and keep_best_rule alone: the rest of the group is calibrate's
     assert DistillSettings.from_config(missing, "distill").calibration.keep_best == calibrate.keep_best
     with open_dict(missing):

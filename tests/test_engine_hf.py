@@ -35,8 +35,8 @@ def test_hf_engine_serves_a_domain_calibrated_off_with_hf_plain(tmp_path, models
     variant = tmp_path / "draft_off"
     shutil.copytree(models["draft"], variant)
     spec = SpeculativeSpec.read(variant)
-    replace(spec, sampling=Sampling(0.0), speculate={"code": False, "default": True},
-            draft_length={"default": DraftLength("fixed", 3).to_dict()}).write(variant)
+    replace(spec, sampling=Sampling(0.0), recipes={d: replace(r, speculate=d != "code", chain=DraftLength("fixed", 3))
+                                                   for d, r in spec.recipes.items()}).write(variant)
     metrics, _, _ = run_stage(tmp_path, models, "eval.engine=hf", f"eval.draft={variant}", "eval.draft_init=none",
                               "eval.temperature=0", "eval.gammas=[]")
     code, chat = metrics["domains"]["code"]["speculative"], metrics["domains"]["chat"]["speculative"]

@@ -107,12 +107,12 @@ def test_a_draft_costing_more_than_a_target_step_is_off_in_vllm_everywhere(gpu_c
 def test_vllm_plan_routes_each_domain_as_calibrated_and_falls_back_to_the_decoders_gamma(tmp_path):
     from eval.engine_vllm import engine_plan
     from pipeline.sampling import Sampling
-    from pipeline.decoding.spec import SpeculativeSpec
+    from pipeline.decoding.spec import Recipe, SpeculativeSpec
 
     tuned, init = tmp_path / "draft", tmp_path / "draft_init"
     tuned.mkdir(), init.mkdir()
-    spec = SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.0), draft={}, gamma={"code": 2, "default": 3},
-                           engines={"vllm": {"speculative_config": {
+    spec = SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.0), draft={},
+                           recipes={"code": Recipe(gamma=2), "default": Recipe(gamma=3)}, engines={"vllm": {"speculative_config": {
                                "code": {"model": ".", "method": "draft_model", "num_speculative_tokens": 4},
                                "chat": None, "default": {"model": ".", "method": "draft_model",
                                                          "num_speculative_tokens": 1}}}})
@@ -124,7 +124,8 @@ def test_vllm_plan_routes_each_domain_as_calibrated_and_falls_back_to_the_decode
                                                        "num_speculative_tokens": 4}
     assert json.loads(plan["speculative"]["math"])["num_speculative_tokens"] == 1  # the default entry
     assert json.loads(plan["speculative_init"]["code"])["model"] == str(init)
-    SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.0), draft={}, gamma={"code": 2, "default": 3}).write(tuned)
+    SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.0), draft={},
+                    recipes={"code": Recipe(gamma=2), "default": Recipe(gamma=3)}).write(tuned)
     fallback = engine_plan({"speculative": tuned}, ["code", "chat"], 5)  # no vLLM calibration: the decoder's γ
     assert [json.loads(fallback["speculative"][d])["num_speculative_tokens"] for d in ("code", "chat")] == [2, 3]
 

@@ -17,7 +17,7 @@ from pipeline.decoding import PLAIN, DraftPlan
 from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
-from pipeline.decoding.spec import SpeculativeSpec
+from pipeline.decoding.spec import Recipe, SpeculativeSpec
 from tests.conftest import read_spec, REPO, RecordingTracker, assert_headlines_match_requests, tiny_llama
 from tests.conftest import tiny_tokenizer as word_tokenizer
 
@@ -60,8 +60,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     target = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=4, seed=0, tie=False)
     # Calibrated for serving at T=0.8, top-k 20: the sampled test below evaluates with exactly that.
     calibration = SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.8, 20), draft={"init": "derive"},
-                                  vocab_subset=list(range(48)), gamma={"chat": 2, "default": 3},
-                                  draft_temperature={"code": 1.3, "default": 1.1})
+                                  vocab_subset=list(range(48)),
+                                  recipes={"chat": Recipe(gamma=2, draft_temperature=1.1),
+                                           "code": Recipe(gamma=3, draft_temperature=1.3),
+                                           "default": Recipe(gamma=3, draft_temperature=1.1)})
     undistilled = SpeculativeSpec(target={"path": "tiny"}, sampling=Sampling(0.8, 20), draft={"init": "derive"},
                                   distilled=False, selected="init")
     bad_words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
@@ -331,9 +333,9 @@ def test_fp32_recheck_reruns_only_the_mismatched_requests_in_float32(tmp_path):
 def test_draft_length_comes_from_the_calibration_unless_overridden(tmp_path):
     from eval.stage import Draft, draft_plan
 
-    spec = SpeculativeSpec(target={}, sampling=Sampling(0.0), draft={}, gamma={"code": 5, "default": 3},
-                           draft_length={"code": {"policy": "confidence", "max": 16, "threshold": 0.3},
-                                         "default": {"policy": "fixed", "max": 3, "threshold": None}})
+    spec = SpeculativeSpec(target={}, sampling=Sampling(0.0), draft={},
+                           recipes={"code": Recipe(chain=DraftLength("confidence", 16, 0.3), gamma=5),
+                                    "default": Recipe(chain=DraftLength("fixed", 3), gamma=3)})
     draft = Draft(None, {}, spec)
     settings = eval_settings(tmp_path)  # calibrated
     policy = lambda domain, **over: draft_plan(draft, domain, replace(settings, **over), Sampling(0.0)).drafting
@@ -398,8 +400,9 @@ def test_a_speculative_json_of_another_version_is_refused_in_one_line(tmp_path, 
 def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibrated_for(tmp_path):
     from eval.stage import Draft, draft_plan
 
-    spec = SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={}, gamma={"code": 5, "default": 3},
-                           draft_temperature={"code": 1.3, "default": 1.1})
+    spec = SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={},
+                           recipes={"code": Recipe(gamma=5, draft_temperature=1.3),
+                                    "default": Recipe(gamma=3, draft_temperature=1.1)})
     draft = Draft(None, {}, spec)
     settings = eval_settings(tmp_path)  # calibrated, no override, default_gamma 4
 
@@ -419,7 +422,7 @@ def test_draft_plan_uses_the_calibration_only_for_the_distribution_it_was_calibr
     assert draft_plan(Draft(None, {}), "code", settings, Sampling(0.8, 20)).gamma == 4
     # A token tree chosen for sampled serving runs at that sampling only.
     with_tree = Draft(None, {}, SpeculativeSpec(target={}, sampling=Sampling(0.8, 20), draft={},
-                                                tree={"code": [3, 1], "default": None}))
+                                                recipes={"code": Recipe(tree=(3, 1)), "default": Recipe()}))
     assert draft_plan(with_tree, "code", settings, Sampling(0.8, 20)).tree == (3, 1)
     assert draft_plan(with_tree, "chat", settings, Sampling(0.8, 20)).tree is None
     assert draft_plan(with_tree, "code", settings, Sampling(0.0)).tree is None
@@ -452,7 +455,8 @@ def test_tree_sweep_measures_each_tree_beside_the_predicted_speedup(tmp_path, mo
 
     draft = shutil.copytree(models["draft"], tmp_path / "draft_with_trees")
     spec = SpeculativeSpec.read(draft)
-    spec.sampling, spec.draft_temperature = Sampling(0.0), None  # calibrated for greedy serving
+    spec.sampling = Sampling(0.0)  # calibrated for greedy serving: no τ
+    spec.recipes = {d: replace(r, draft_temperature=None) for d, r in spec.recipes.items()}
     spec.tree_candidates = {"chat": {"2,1": {"predicted_speedup": 1.2}, "1,1": {"predicted_speedup": 1.1}},
                             "default": {"2,1": {"predicted_speedup": 1.4}, "1,1": {"predicted_speedup": 1.3}}}
     spec.write(draft)
@@ -508,10 +512,10 @@ def test_a_domain_calibrated_off_is_decoded_plainly_unless_a_drafting_is_forced(
     variant = tmp_path / "draft_off"
     shutil.copytree(models["draft"], variant)
     spec = SpeculativeSpec.read(variant)
-    spec = replace(spec, sampling=Sampling(0.0), speculate={"code": False, "default": True},
-                   draft_length={"default": DraftLength("fixed", 3).to_dict()})
+    spec = replace(spec, sampling=Sampling(0.0), recipes={d: replace(r, speculate=d != "code", chain=DraftLength("fixed", 3))
+                                                          for d, r in spec.recipes.items()})
     spec.write(variant)
-    assert spec.drafting_for("code") is None and spec.drafting_for("chat") == DraftLength("fixed", 3)
+    assert spec.recipe("code").drafting is None and spec.recipe("chat").drafting == DraftLength("fixed", 3)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     metrics, _, _ = run_stage(tmp_path / "a", models, f"eval.draft={variant}", "eval.draft_init=none",

@@ -191,6 +191,25 @@ def test_the_sizing_projects_each_draft_on_its_own_curve_and_finds_the_tokens_to
     assert chain_speedup(0.45 + 0.05 * (doublings - 0.1), {"c": 0.10}) < bar  # ... and not a tenth of a doubling before
 
 
+def test_a_calibrated_published_draft_is_a_sizing_reference_and_an_uncalibrated_one_is_refused(tmp_path, capsys):
+    from dataclasses import replace
+
+    published = tmp_path / "published"
+    published.mkdir()
+    SpeculativeSpec(target={"path": "t"}, sampling=Sampling(0.7), draft={"init": "pretrained"}, distilled=False,
+                    acceptance={"before": {"overall": 0.75}, "after": {"overall": 0.75}}, cost={"c": 0.30},
+                    predicted_speedup={"overall": 1.4}).write(published)
+    shallow = _candidate(tmp_path / "shallow", {"init": "derive", "layers": [0, 1]}, 0.10, 20000, 0.40)
+    assert tool("learning-curve", [str(published), shallow], tmp_path / "report") == 0
+    data = json.loads((tmp_path / "report" / "learning_curve.json").read_text())
+    assert [r["acceptance"] for r in data["sizing"]] == [0.75, 0.40]  # the reference: its calibrated acceptance
+    assert [p["data_tokens"] for p in data["runs"]] == [20000]  # no training: no point of the data-size curve
+    spec = SpeculativeSpec.read(published)
+    replace(spec, cost={}).write(published)  # the wrong variant: nothing to price it with
+    assert tool("learning-curve", [str(published), shallow], tmp_path / "report2") == 2
+    assert "undistilled export with no calibration" in capsys.readouterr().err
+
+
 def test_the_report_of_several_drafts_carries_the_sizing_table(tmp_path):
     published = _candidate(tmp_path / "published", {"init": "pretrained"}, 0.30, 20000, 0.70)
     shallow = _candidate(tmp_path / "shallow", {"init": "derive", "layers": [0, 1]}, 0.10, 20000, 0.40)

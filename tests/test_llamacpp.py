@@ -150,14 +150,14 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
     from distill.export import ExportParts, save_draft
     from eval.stage import run
     from pipeline.decoding import DraftLength
-    from pipeline.decoding.spec import SpeculativeSpec
+    from pipeline.decoding.spec import Recipe, SpeculativeSpec
     from tests.conftest import RecordingTracker
 
     model, tokenizer = real_target
     draft, draft_tokenizer, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, model, tokenizer, {})
     on = {"speculate": True, "n_max": 2, "p_min": 0.0, "predicted_per_pass": {"proposed": [1, 1], "accepted": [.5, .2]}}
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
-                           draft_length={"default": DraftLength("fixed", 2).to_dict()},
+                           recipes={"default": Recipe(chain=DraftLength("fixed", 2))},
                            engines={"llamacpp": {"by_domain": {"code": on, "default": {**on, "speculate": False}}}})
     save_draft(draft, draft_tokenizer, tmp_path / "draft", model.generation_config, ExportParts(spec, "# card"))
     prompts = tmp_path / "prompts.jsonl"

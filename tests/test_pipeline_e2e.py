@@ -191,7 +191,7 @@ def test_calibrate_calibrates_the_export_for_llama_cpp_with_off_as_an_answer(qui
     spec = read_spec(artifacts / "draft")
     llama = spec["engines"]["llamacpp"]
     assert (artifacts / "draft" / llama["draft_gguf"]).stat().st_size > 0 and llama["quant"] == "Q4_1"
-    assert set(llama["by_domain"]) == set(spec["gamma"]) and llama["cost"]["c"] > 0
+    assert set(llama["by_domain"]) == set(spec["recipes"]) and llama["cost"]["c"] > 0
     for domain, entry in llama["by_domain"].items():
         assert entry["predicted_speedup"] == (entry["predicted_speedup_if_on"] if entry["speculate"] else 1.0)
         assert (entry["predicted_speedup_if_on"] > 1.05) == entry["speculate"]  # the 5% margin of conf/distill

@@ -15,7 +15,8 @@ def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tm
     variant = tmp_path / "draft_predicted"
     shutil.copytree(models["draft"], variant)
     spec = SpeculativeSpec.read(variant)
-    replace(spec, sampling=Sampling(0.0), speculate={"code": False, "default": True},
+    recipes = {d: replace(r, speculate=True) for d, r in spec.recipes.items()}
+    replace(spec, sampling=Sampling(0.0), recipes=recipes | {"code": replace(spec.recipe("code"), speculate=False)},
             predicted_speedup={"chat": 1.2, "code": 0.9, "default": 1.1}).write(variant)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     metrics, out, _ = run_stage(tmp_path / "a", models, f"eval.draft={variant}", "eval.draft_init=none",

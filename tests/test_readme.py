@@ -22,13 +22,12 @@ def test_the_readme_serving_snippet_runs_and_decodes_like_the_target(real_target
     from distill.export import ExportParts, save_draft
     from pipeline.decoding import DraftLength, autoregressive_generate
     from pipeline.sampling import Sampling
-    from pipeline.decoding.spec import SpeculativeSpec
+    from pipeline.decoding.spec import Recipe, SpeculativeSpec
 
     target, tokenizer = real_target
     draft, draft_tokenizer, info = build_draft({"init": "derive", "derive": {"layers": [0, 1]}}, target, tokenizer, {})
     spec = SpeculativeSpec({"name": "SmolLM2"}, Sampling(), info, list(range(4096)),
-                           draft_length={"default": DraftLength("fixed", 3).to_dict()}, tree={"default": None},
-                           draft_temperature={"default": 0.0})
+                           recipes={"default": Recipe(chain=DraftLength("fixed", 3), draft_temperature=0.0)})
     save_draft(draft, draft_tokenizer, tmp_path / "draft", target.generation_config, ExportParts(spec, "# card"))
     code = serving_snippet()
     paths = 'target_dir, draft_dir = "artifacts/models/SmolLM2-135M-Instruct-b179c9523d0e", "artifacts/draft"'

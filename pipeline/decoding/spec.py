@@ -25,26 +25,62 @@ VERSION = 3
 DEFAULT = "default"
 OFF = "off"  # a recipe's drafting when the calibration chose plain decoding
 CALIBRATED = object()  # spec.plan's drafting: the recipe's own
-RECIPE, SERVING, PROOF = "recipe", FILENAME, EVIDENCE  # metadata["file"]: a recipe key, a speculative.json key, evidence
+SERVING, PROOF = FILENAME, EVIDENCE  # metadata["file"]: a speculative.json key, an evidence.json key
 
 
-def _in(where: str, key: str | None = None, **kw):
-    return field(metadata={"file": where, "key": key}, **kw)
+def _in(where: str, **kw):
+    return field(metadata={"file": where}, **kw)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One domain's serving recipe, speculative.json's `recipes[domain]`, as calibrated for the spec's sampling:
+    whether to draft at all (False: plain decoding, "off"), the chain's draft-length policy, the best fixed γ, the
+    token tree (branching factors; None: the chain) and the draft temperature τ. `spec.plan` turns it into the
+    DraftPlan a decoder takes; every engine export reads the same object."""
+    speculate: bool = True
+    chain: DraftLength | None = None
+    gamma: int | None = None
+    tree: tuple | None = None
+    draft_temperature: float | None = None
+
+    @property
+    def drafting(self) -> DraftLength | tuple | None:
+        """What the recipe drafts: its tree, else its chain; None when it is off (or has neither)."""
+        return (self.tree or self.chain) if self.speculate else None
+
+    def to_dict(self) -> dict:
+        """speculative.json's entry: `drafting` ("off", the chain policy or the tree), and each part by name."""
+        chain = self.chain.to_dict() if self.chain is not None else None
+        drafting = OFF if not self.speculate else list(self.tree) if self.tree else chain
+        return {"drafting": drafting, "chain": chain, "gamma": self.gamma, "draft_temperature": self.draft_temperature,
+                "tree": list(self.tree) if self.tree else None}
+
+    @classmethod
+    def from_dict(cls, entry: dict, where: str) -> "Recipe":
+        """An entry of `recipes` (one without `tree`, as format 3 wrote for chain-only calibrations, takes a list
+        `drafting` as its tree)."""
+        drafting = entry.get("drafting")
+        tree = entry["tree"] if "tree" in entry else drafting if isinstance(drafting, list) else None
+        try:
+            chain = None if entry.get("chain") is None else DraftLength.from_dict(entry["chain"])
+        except (PipelineError, TypeError, AttributeError) as e:
+            raise PipelineError(f"{where}: invalid drafting entry {entry.get('chain')!r} ({e}): re-export the "
+                                "draft") from None
+        return cls(drafting != OFF, chain, entry.get("gamma"), tuple(tree) if tree else None,
+                   entry.get("draft_temperature"))
 
 
 @dataclass
 class SpeculativeSpec:
-    """One draft export's calibration. Recipe fields are per domain (`{domain: value, "default": value}`) in the
-    constructor and live as `recipes[domain][key]` on disk; evidence fields live in evidence.json."""
+    """One draft export's calibration: what it is valid for, a Recipe per domain (and `default`), the engines' own
+    recipes (speculative.json), and what they were chosen from (evidence.json)."""
     target: dict = _in(SERVING)
     sampling: Sampling = _in(SERVING)
     draft: dict = _in(SERVING)
     vocab_subset: list[int] | None = _in(SERVING, default=None)
     distilled: bool = _in(SERVING, default=True)
-    gamma: dict[str, int] | None = _in(RECIPE, "gamma", default=None)
-    draft_length: dict[str, dict] | None = _in(RECIPE, "chain", default=None)
-    tree: dict[str, list | None] | None = _in(RECIPE, "drafting", default=None)
-    draft_temperature: dict[str, float] | None = _in(RECIPE, "draft_temperature", default=None)
+    recipes: dict[str, Recipe] = _in(SERVING, default_factory=dict)  # per domain and `default`
     selected: str = _in(SERVING, default="distilled")
     acceptance: dict = _in(PROOF, default_factory=dict)
     mean_accepted_length: dict = _in(PROOF, default_factory=dict)
@@ -55,35 +91,14 @@ class SpeculativeSpec:
     learning_curve: list = _in(PROOF, default_factory=list)
     tree_candidates: dict = _in(PROOF, default_factory=dict)
     engines: dict = _in(SERVING, default_factory=dict)  # {engine: its own recipe}, e.g. llamacpp, vllm, hf
-    speculate: dict = _in(RECIPE, "drafting", default_factory=dict)  # per domain, False = plain decoding ("off")
     batching: dict = _in(SERVING, default_factory=dict)  # per domain and batch size, γ (0 = plain decoding)
     heldout: dict = _in(PROOF, default_factory=dict)
     version: int = _in(SERVING, default=VERSION)
 
-    def for_domain(self, key: str, domain: str):
-        """A per-domain calibration value (`gamma`, `draft_temperature`): the domain's, else `default`, else None."""
-        values = getattr(self, key)
-        if not values:
-            return None
-        return values.get(domain, values.get(DEFAULT))
-
-    def draft_length_for(self, domain: str) -> DraftLength | None:
-        """The calibrated chain policy of a domain (else `default`), or None when not calibrated."""
-        entry = self.for_domain("draft_length", domain)
-        return None if entry is None else DraftLength.from_dict(entry)
-
-    def speculates(self, domain: str) -> bool:
-        """False when the calibration chose plain decoding for the domain (no drafting predicted to pay)."""
-        on = self.for_domain("speculate", domain)
-        return True if on is None else bool(on)
-
-    def drafting_for(self, domain: str) -> DraftLength | tuple | None:
-        """The recipe's drafting of a domain: its token tree (branching factors) when it has one, else its
-        chain policy; None when the domain is calibrated off (plain decoding) or not calibrated."""
-        if not self.speculates(domain):
-            return None
-        tree = self.for_domain("tree", domain)
-        return tuple(tree) if tree else self.draft_length_for(domain)
+    def recipe(self, domain: str) -> Recipe:
+        """The domain's recipe, else the `default` one, else an uncalibrated Recipe() (a chain of DraftLength's
+        default, drafting everywhere)."""
+        return self.recipes.get(domain) or self.recipes.get(DEFAULT) or Recipe()
 
     def plan(self, domain: str, sampling: Sampling, *, drafting=CALIBRATED, guard: GuardSettings | None = None,
              vocab: bool = True) -> DraftPlan:
@@ -93,16 +108,15 @@ class SpeculativeSpec:
         `drafting` replaces the recipe's shape (None = plain decoding), keeping its τ, vocabulary and guard;
         `guard` (its knobs) adds the online guard priced with this export's cost and acceptance; `vocab=False`
         drafts over the full vocabulary."""
-        same = self.sampling == sampling
+        same, recipe = self.sampling == sampling, self.recipe(domain)
         if drafting is CALIBRATED:
-            if same and not self.speculates(domain):
+            if same and not recipe.speculate:
                 return PLAIN
-            tree = self.for_domain("tree", domain) if same else None
-            chain = self.draft_length_for(domain) or DraftLength(max=self.for_domain("gamma", domain) or DraftLength.max)
-            drafting = tuple(tree) if tree else chain
+            tree = recipe.tree if same else None
+            drafting = tree or recipe.chain or DraftLength(max=recipe.gamma or DraftLength.max)
         if drafting is None:
             return PLAIN
-        tau = self.for_domain("draft_temperature", domain) if same and not sampling.greedy else None
+        tau = recipe.draft_temperature if same and not sampling.greedy else None
         plan = DraftPlan(drafting, None if tau is None else float(tau), self.vocab() if vocab else None)
         return DraftPlan(plan.drafting, plan.draft_temperature, plan.draft_vocab, self.guard(domain, plan, guard))
 
@@ -138,26 +152,10 @@ class SpeculativeSpec:
 
     # ------------------------------------------------------------ the two files
 
-    def recipes(self) -> dict[str, dict]:
-        """{domain: {"drafting": "off" | chain policy | branching factors, "chain", "gamma", "draft_temperature"}}, and
-        "tree" (the domain's tree, or null for a chain) when the calibration chose among trees."""
-        keyed = [f.name for f in fields(self) if f.metadata["file"] == RECIPE]
-        domains = sorted({d for name in keyed for d in (getattr(self, name) or {})})
-        out = {}
-        for d in domains:
-            chain = self.for_domain("draft_length", d)
-            tree = self.for_domain("tree", d)
-            out[d] = {"drafting": OFF if not self.speculates(d) else (list(tree) if tree else chain),
-                      "chain": chain, "gamma": self.for_domain("gamma", d),
-                      "draft_temperature": self.for_domain("draft_temperature", d)}
-            if self.tree is not None:  # calibrated for trees: the tree (or null, a chain) it would run were it on
-                out[d]["tree"] = list(tree) if tree else None
-        return out
-
     def to_dict(self) -> dict:
         """speculative.json: the serving recipe."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["file"] == SERVING}
-        return out | {"sampling": self.sampling.to_dict(), "recipes": self.recipes()}
+        return out | {"sampling": self.sampling.to_dict(), "recipes": {d: r.to_dict() for d, r in self.recipes.items()}}
 
     def evidence(self) -> dict:
         """evidence.json: what the recipe was chosen from."""
@@ -177,14 +175,13 @@ class SpeculativeSpec:
         if not isinstance(data, dict):
             raise PipelineError(f"{where} is not a JSON object: re-export the draft with stage=calibrate")
         version = data.get("version")
-        if version == 2:  # format 2 kept every field flat in one file: the constructor's own keywords
-            return cls._checked(dict(data) | {"version": VERSION}, where)
+        if version == 2:  # format 2 kept every field flat in one file, the recipes as per-domain maps per part
+            return cls._checked(_from_format_2(data, where) | {"version": VERSION}, where)
         if version != VERSION:
             raise PipelineError(f"{where} has format version {version} (this code reads {VERSION} and 2): re-export "
                                 "the draft with `python -m pipeline stage=calibrate`, or delete the file to use the "
                                 "draft uncalibrated")
-        values = {k: v for k, v in data.items() if k != "recipes"}
-        values |= _unpacked(data.get("recipes"), where)
+        values = dict(data) | {"recipes": _recipes(data.get("recipes"), where)}
         values |= {k: v for k, v in (evidence or {}).items() if k != "version"}
         return cls._checked(values, where)
 
@@ -199,11 +196,6 @@ class SpeculativeSpec:
                                               f"missing keys {missing}" if missing else ""]))
             raise PipelineError(f"{where} does not match format version {VERSION} ({problem}): re-export the draft "
                                 "with `python -m pipeline stage=calibrate`")
-        for entry in (values.get("draft_length") or {}).values():
-            try:
-                DraftLength.from_dict(entry)
-            except (PipelineError, TypeError, AttributeError) as e:
-                raise PipelineError(f"{where}: invalid drafting entry {entry!r} ({e}): re-export the draft") from None
         try:
             values["sampling"] = Sampling.from_dict(values["sampling"] or {})
         except (AttributeError, TypeError, ValueError, PipelineError) as e:
@@ -229,21 +221,24 @@ def _json(path: Path):
         raise PipelineError(f"{path} is not valid JSON ({e.msg}): re-export the draft or delete the file") from None
 
 
-def _unpacked(recipes, where: str) -> dict:
-    """The constructor's per-domain fields from speculative.json's `recipes`."""
+def _recipes(recipes, where: str) -> dict[str, Recipe]:
+    """speculative.json's `recipes` as Recipe objects."""
     if recipes is None or not isinstance(recipes, dict) or not all(isinstance(r, dict) for r in recipes.values()):
         raise PipelineError(f"{where}: `recipes` is not {{domain: recipe}}: re-export the draft")
-    if not recipes:
-        return {}
-    pick = {"gamma": "gamma", "draft_length": "chain", "draft_temperature": "draft_temperature"}
-    out = {name: {d: r.get(key) for d, r in recipes.items()} for name, key in pick.items()}
-    out = {name: values if any(v is not None for v in values.values()) else None for name, values in out.items()}
-    drafting = {d: r.get("drafting") for d, r in recipes.items()}
-    out["speculate"] = {d: v != OFF for d, v in drafting.items()}
-    if any("tree" in r for r in recipes.values()):  # kept for domains calibrated off too
-        return out | {"tree": {d: r.get("tree") for d, r in recipes.items()}}
-    trees = {d: v if isinstance(v, list) else None for d, v in drafting.items()}
-    return out | {"tree": trees if any(trees.values()) else None}
+    return {domain: Recipe.from_dict(entry, where) for domain, entry in recipes.items()}
+
+
+def _from_format_2(data: dict, where: str) -> dict:
+    """A format-2 file's fields with its per-domain maps (`gamma`, `draft_length`, `tree`, `draft_temperature`,
+    `speculate`) folded into recipes."""
+    parts = {"gamma": "gamma", "draft_length": "chain", "tree": "tree", "draft_temperature": "draft_temperature"}
+    maps = {name: data.get(name) or {} for name in (*parts, "speculate")}
+    domains = sorted({d for values in maps.values() for d in values})
+    entries = {d: {key: maps[name].get(d) for name, key in parts.items()} for d in domains}
+    for d, entry in entries.items():
+        entry["drafting"] = OFF if maps["speculate"].get(d) is False else None
+    return ({k: v for k, v in data.items() if k not in (*parts, "speculate")}
+            | {"recipes": _recipes(entries, where)})
 
 
 def tree_prior(candidates: dict | None, tree: list) -> list[float] | None:

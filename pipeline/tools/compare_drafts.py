@@ -35,7 +35,7 @@ def draft_acceptance(path: str, heldout: sim.HeldOut, dtype: torch.dtype, temper
     draft = load_model(path, dtype=dtype)
     vocab = torch.tensor(subset) if subset else None
     if calibrated:
-        taus = {d: spec.for_domain("draft_temperature", d) for d in [*set(heldout.domains), sim.OVERALL]}
+        taus = {d: spec.recipe(d).draft_temperature for d in [*set(heldout.domains), sim.OVERALL]}
         return sim.acceptance_at(draft, heldout, taus, vocab)
     tau = 0.0 if temperature == "argmax" else heldout.sampling.temperature
     with torch.no_grad():

@@ -88,8 +88,9 @@ def load_exports(dirs: list[str]) -> list[tuple[str, SpeculativeSpec]]:
         if spec is None:
             raise PipelineError(f"{d} has no speculative.json: point at a draft export (a distill stage's paths.draft)"
                                 " or a distill stage's paths.trained")
-        if not spec.distilled:
-            raise PipelineError(f"{d} is an undistilled reference export (no training): point at paths.draft")
+        if not spec.distilled and not spec.cost.get("c"):
+            raise PipelineError(f"{d} is an undistilled export with no calibration: point at paths.draft, or calibrate "
+                                "it (stage=calibrate calibrate.draft=<dir>) to size it as a reference")
         out.append((str(d), spec))
     return out
 
@@ -349,8 +350,8 @@ def drafts_and_out(tool) -> tuple[list[str], Path]:
 
 def run(cfg) -> dict:
     drafts, out = drafts_and_out(cfg.tool)
-    exports = load_exports(drafts)
-    load_order = list(exports)  # the sizing's reference is the first draft named
+    load_order = load_exports(drafts)  # the sizing's reference is the first draft named
+    exports = [(src, spec) for src, spec in load_order if spec.distilled]  # an undistilled one: the sizing's alone
     rate = label_rate(cfg.paths.get("collect"))
     points = sorted((run_point(spec, src, rate) for src, spec in exports), key=lambda p: p["data_tokens"] or 0)
     exports.sort(key=lambda e: e[1].training.get("data_tokens") or 0)
