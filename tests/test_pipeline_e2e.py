@@ -85,7 +85,7 @@ def test_every_artifact_is_written_with_its_schema(quick_run):
         assert (artifacts / "trained" / name / "config.json").exists() and (artifacts / name / "config.json").exists()
     assert json.loads((artifacts / "trained/training.json").read_text())["heldout_idx"]
     spec = read_spec(artifacts / "draft")
-    assert {"target", "draft_temperature", "gamma"} <= set(spec)
+    assert {"target", "recipes"} <= set(spec) and spec["recipes"]["default"]["gamma"] >= 1
     assert (artifacts / "draft/README.md").read_text().strip()
 
     metrics = json.loads((artifacts / "eval/metrics.json").read_text())
