@@ -371,12 +371,9 @@ def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
                             "in conf/config.yaml's defaults")
     if keys is None:
         return OmegaConf.to_container(cfg[name], resolve=True)
-    missing = [key for key in keys if key not in cfg[name]]
-    if missing:
-        raise PipelineError(f"setting(s) {', '.join(f'{name}.{key}' for key in missing)} missing from the composed "
-                            f"config: restore them in conf/{name}/default.yaml, where every setting is declared")
-    return {key: OmegaConf.to_container(cfg[name][key], resolve=True) if isinstance(cfg[name][key], DictConfig)
-            else cfg[name][key] for key in keys}
+    group = cfg[name]  # a key it lacks is left out, for _build's check_keys to name
+    return {key: OmegaConf.to_container(group[key], resolve=True) if isinstance(group[key], DictConfig) else group[key]
+            for key in keys if key in group}
 
 
 def _build(cls, values, where: str, source: str = "conf/distill/default.yaml", built: dict | None = None):
