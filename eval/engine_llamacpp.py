@@ -208,6 +208,17 @@ def method_metrics(records: list[dict], greedy: bool, predictions: dict | None =
     return out
 
 
+def draft_comparisons(records: list[dict]) -> dict:
+    """Every pair of drafting methods on the same requests ({"<a>_vs_<b>": eval/intervals.py `compare`}): the tuned
+    draft, calibrated and at the server's defaults, against the draft before it or a published one, paired."""
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        if r["method"] != "autoregressive":
+            by.setdefault(r["method"], []).append(r)
+    names = list(by)
+    return {f"{a}_vs_{b}": M.compare(by[a], by[b]) for i, a in enumerate(names) for b in names[i + 1:]}
+
+
 def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
     """The eval stage inside llama.cpp (module docstring): metrics.json and report.md under `out_dir`."""
     engine = cfg.engines.llamacpp
@@ -218,7 +229,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
     draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
     init = Path(settings.draft_init or cfg.paths.draft_init)
-    if settings.draft_init != "none" and init.is_dir():
+    if settings.draft_init != "none" and (init.is_dir() or init.suffix == ".gguf" and init.is_file()):
         draft_dirs["speculative_init"] = init
     for path in draft_dirs.values():
         if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
@@ -245,7 +256,9 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
                    "domains": {d: method_metrics([r for r in records if r["domain"] == d], greedy,
                                                  {m: predicted_per_pass(specs.get(by[d][0]), d, by[d][1])
                                                   for m, by in plan.items()}) for d in prompts},
-                   "overall": method_metrics(records, greedy, overall_predictions(specs, plan))}
+                   "overall": method_metrics(records, greedy, overall_predictions(specs, plan)),
+                   "comparisons": {scope: draft_comparisons([r for r in records if scope in ("overall", r["domain"])])
+                                   for scope in [*prompts, "overall"]}}
         write_engine_outputs(tmp, metrics, records)
     return finish(metrics, tracker)
 
@@ -299,7 +312,18 @@ def report(metrics: dict) -> str:
                 speed = f"off (plain server: {speed})"
             accept = "–" if not m.get("n_drafted") else f"{m['acceptance_rate']:.3f}{_interval(aci)}"
             lines.append(f"| {domain} | {method} | {m['tokens_per_s']:.1f} | {speed} | {accept} |")
-    return "\n".join(lines + control_flags(metrics) + per_pass_table(metrics)) + "\n"
+    return "\n".join(lines + comparison_table(metrics) + control_flags(metrics) + per_pass_table(metrics)) + "\n"
+
+
+def comparison_table(metrics: dict) -> list[str]:
+    """The paired draft-against-draft ratios (tokens/s on the same requests), where two drafts ran."""
+    rows = [(scope, key, c) for scope, pairs in (metrics.get("comparisons") or {}).items() for key, c in pairs.items()]
+    if not rows:
+        return []
+    lines = ["", "Draft against draft, paired on the same requests (tokens/s ratio, 95% CI over requests):", "",
+             "| domain | methods | ratio [95% CI] | requests |", "|---|---|---|---|"]
+    return lines + [f"| {scope} | {key.replace('_vs_', ' / ')} | {c['ratio']:.2f}×{_interval(c['ci95'], '.2f')} | "
+                    f"{c['n_requests']} |" for scope, key, c in rows]
 
 
 def _plain_only(by_domain: dict | None, domain: str) -> bool:

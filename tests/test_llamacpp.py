@@ -328,6 +328,32 @@ def test_an_off_domain_reads_off_and_a_disturbed_plain_against_plain_reading_is_
     assert "**Timings disturbed:**" in loud and "chat speculative 1.40×" in loud and "code speculative" not in loud
 
 
+def test_two_drafts_in_one_llama_server_eval_are_compared_paired_on_the_same_requests():
+    """eval.engine=llamacpp with the tuned draft and a published one (eval.draft_init): each drafting method against
+    each later one as a paired tokens/s ratio with its interval, in metrics and the report; plain decoding is never
+    one of the pair. The wrong variant, unpaired means of per-request rates, reads another figure."""
+    from eval.engine_llamacpp import EngineStats, comparison_table, draft_comparisons
+
+    def rec(method, prompt, seconds, tokens=10):
+        return {"method": method, "domain": "code", "prompt_id": prompt, "turn": 0, "time_s": seconds,
+                "tokens": [0] * tokens, "stats": EngineStats([1], [2])}
+
+    fast = [0.5, 0.6, 0.4, 0.5, 0.9, 0.5, 0.45, 0.55]
+    records = [rec(m, p, s * f) for p, s in enumerate([1.0, 2.0, 1.5, 1.0, 3.0, 1.2, 1.1, 0.9])
+               for m, f in [("autoregressive", 1.0), ("speculative", fast[p]), ("speculative_init", 0.8)]]
+    out = draft_comparisons(records)
+    assert list(out) == ["speculative_vs_speculative_init"]
+    c = out["speculative_vs_speculative_init"]
+    seconds = {m: sum(r["time_s"] for r in records if r["method"] == m) for m in ("speculative", "speculative_init")}
+    assert c["ratio"] == pytest.approx(seconds["speculative_init"] / seconds["speculative"])
+    assert c["n_requests"] == 8 and c["ci95"][0] < c["ratio"] < c["ci95"][1] and c["within_noise"] is False
+    unpaired = sum(0.8 / f for f in fast) / len(fast)  # mean of per-request ratios: not the pooled paired ratio
+    assert c["ratio"] != pytest.approx(unpaired, rel=1e-3)
+    table = comparison_table({"comparisons": {"overall": out}})
+    assert "| overall | speculative / speculative_init | " in "\n".join(table)
+    assert comparison_table({}) == []
+
+
 def test_a_cached_build_with_other_flags_is_rebuilt_and_x86_builds_leave_out_the_amx_kernels(tmp_path):
     """A tree built before a flag changed (ggml's AMX kernels segfault on multi-token batches in the pinned version)
     is not taken as built: the build is redone with today's flags."""
