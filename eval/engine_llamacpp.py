@@ -219,6 +219,17 @@ def draft_comparisons(records: list[dict]) -> dict:
     return {f"{a}_vs_{b}": M.compare(by[a], by[b]) for i, a in enumerate(names) for b in names[i + 1:]}
 
 
+def draft_sources(settings, paths) -> dict[str, Path]:
+    """The drafts an engine eval serves: the tuned export (eval.draft, else ${paths.draft}) and, unless `none`, the
+    one before it (eval.draft_init, else ${paths.draft_init}) where it exists: a directory or a .gguf file (a
+    published draft as packaged)."""
+    drafts = {"speculative": Path(settings.draft or paths.draft)}
+    init = Path(settings.draft_init or paths.draft_init)
+    if settings.draft_init != "none" and (init.is_dir() or init.suffix == ".gguf" and init.is_file()):
+        drafts["speculative_init"] = init
+    return drafts
+
+
 def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str, out_dir: Path) -> dict:
     """The eval stage inside llama.cpp (module docstring): metrics.json and report.md under `out_dir`."""
     engine = cfg.engines.llamacpp
@@ -227,10 +238,7 @@ def run_llamacpp(cfg: DictConfig, tracker, settings, prompts: dict, source: str,
     gguf_dir = Path(cfg.paths.engines) / "gguf"
     target = model_gguf(cfg.model.target, "target", cfg.paths) or cached_gguf(root, Path(target_path), gguf_dir, None)
     quant = engine.draft_quant or llamacpp.gguf_file_type(target)
-    draft_dirs = {"speculative": Path(settings.draft or cfg.paths.draft)}
-    init = Path(settings.draft_init or cfg.paths.draft_init)
-    if settings.draft_init != "none" and (init.is_dir() or init.suffix == ".gguf" and init.is_file()):
-        draft_dirs["speculative_init"] = init
+    draft_dirs = draft_sources(settings, cfg.paths)
     for path in draft_dirs.values():
         if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
             raise PipelineError(f"no draft export at {path}: run stage=distill first or set eval.draft=<dir | .gguf>")

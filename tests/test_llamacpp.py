@@ -184,6 +184,7 @@ def test_eval_inside_llama_cpp_routes_each_domain_as_calibrated_and_decodes_loss
         len(by[("speculative", "code")]["passes"]) / code["passes"], abs=1e-6)  # n_max 2, p_min 0: every pass drafts
     assert metrics["domains"]["math"]["speculative"]["per_pass"] is None  # off: the plain server drafts nothing
     assert "Per draft position k" in (tmp_path / "eval" / "report.md").read_text()
+    assert list(metrics["comparisons"]["overall"]) == ["speculative_vs_speculative_defaults"]  # drafts paired
     for domain in ("code", "math"):
         entry = metrics["domains"][domain]
         assert entry["speculative"]["greedy_match"] == 1.0
@@ -352,6 +353,28 @@ def test_two_drafts_in_one_llama_server_eval_are_compared_paired_on_the_same_req
     table = comparison_table({"comparisons": {"overall": out}})
     assert "| overall | speculative / speculative_init | " in "\n".join(table)
     assert comparison_table({}) == []
+
+
+def test_an_engine_eval_takes_a_published_drafts_gguf_as_the_draft_before(tmp_path):
+    """eval.draft_init may name a .gguf (a published draft as packaged) beside a directory; `none`, or a path that is
+    neither an existing directory nor a .gguf file, serves the tuned draft alone."""
+    from types import SimpleNamespace
+
+    from eval.engine_llamacpp import draft_sources
+
+    paths = SimpleNamespace(draft=str(tmp_path / "draft"), draft_init=str(tmp_path / "missing"))
+    published = tmp_path / "published-Q4_K_M.gguf"
+    published.write_bytes(b"GGUF")
+    (tmp_path / "init").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+
+    def sources(draft_init):
+        return draft_sources(SimpleNamespace(draft=None, draft_init=draft_init), paths)
+
+    assert sources(str(published)) == {"speculative": tmp_path / "draft", "speculative_init": published}
+    assert sources(str(tmp_path / "init"))["speculative_init"] == tmp_path / "init"
+    assert list(sources("none")) == list(sources(None)) == list(sources(str(tmp_path / "weights.bin"))) == ["speculative"]
+    assert list(sources(str(tmp_path / "absent.gguf"))) == ["speculative"]
 
 
 def test_a_cached_build_with_other_flags_is_rebuilt_and_x86_builds_leave_out_the_amx_kernels(tmp_path):
