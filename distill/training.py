@@ -134,17 +134,28 @@ def recipe_record(recipe: dict, stop: BestWeightsCallback | None) -> dict:
 
 
 # ---------------------------------------------------------------- training
+def last_complete_checkpoint(out_dir: Path, remove_partial: bool = True) -> str | None:
+    """The newest checkpoint the Trainer finished writing: it writes trainer_state.json last and not atomically, so
+    a crash or a full disk mid-save leaves a newer folder without it, from which a resume would fail; such folders
+    are removed (by the main process only: `remove_partial`) and the one before is resumed."""
+    steps = {int(path.name.split("-")[1]): path for path in (out_dir.glob("checkpoint-*") if out_dir.exists() else [])
+             if path.is_dir() and path.name.split("-")[1].isdigit()}
+    complete = [step for step in sorted(steps) if (steps[step] / "trainer_state.json").exists()]
+    newest = complete[-1] if complete else -1
+    for step in (step for step in steps if step > newest and remove_partial):
+        shutil.rmtree(steps[step], ignore_errors=True)
+    return str(steps[newest]) if complete else None
+
+
 def train_draft(job: Inputs, split: Split, heldouts: HeldOuts | None, log) -> TrainingResult:
     """Runs DistillTrainer on the split's train rows at the step size the probe fits to the draft, resuming from the
     last checkpoint of this fingerprint; the main process watches held-out acceptance (`heldouts`: the curve on the
     reporting part, the probe and the stop rule on the calibration part; None off the main process)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     out_dir = Path(job.cfg.paths.artifacts) / "distill_ckpt" / split.fingerprint
     if not job.settings.checkpoint.resume and out_dir.exists() and job.is_main:
         shutil.rmtree(out_dir)
     job.state.wait_for_everyone()
-    last = get_last_checkpoint(str(out_dir)) if out_dir.exists() else None
+    last = last_complete_checkpoint(out_dir, remove_partial=job.is_main)
     objective, trainer_settings = job.settings.objective, job.settings.trainer
     trainable = freeze_shared(job.draft) if objective.freeze_shared else sum(
         p.numel() for p in job.draft.parameters() if p.requires_grad)

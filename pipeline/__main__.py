@@ -6,6 +6,7 @@ stage's `run(cfg, tracker)`; bad input is one line and exit 2. `stage=params` wr
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import sys
@@ -85,6 +86,21 @@ def main(cfg: DictConfig) -> dict:
         if _verbose():
             raise
         _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - only a full disk is turned into a line; anything else propagates
+        if _verbose() or not _disk_full(e):
+            raise
+        _fail(f"the disk is full ({e}): free space under paths.artifacts and rerun the same command; "
+              "collect and distill resume from their last complete shard and checkpoint")
+
+
+def _disk_full(error: BaseException) -> bool:
+    """A write that ran out of space, as OSError (ENOSPC, EDQUOT) or as a library's own error that names it
+    (safetensors raises SafetensorError with the OS message), anywhere in the exception's chain."""
+    while error is not None:
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _main(cfg: DictConfig) -> dict:

@@ -53,10 +53,15 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     checkpoints = list((tmp_path / "distill_ckpt").glob("*/checkpoint-*"))
     assert [c.name for c in checkpoints] == ["checkpoint-20"]
     assert not (tmp_path / "draft").exists()  # nothing half-exported
+    # a save cut short (a crash or a full disk while checkpoint-30 was written: weights, no trainer_state.json)
+    partial = checkpoints[0].parent / "checkpoint-30"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\0" * 64)
     monkeypatch.setattr(DistillTrainer, "compute_loss", compute)
     capsys.readouterr()
     result, _ = run_stage(setup, tmp_path)
-    assert "resuming from" in capsys.readouterr().out and "checkpoint-20" in str(checkpoints[0])
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "checkpoint-20" in out and not partial.exists(), out[-2000:]
     uninterrupted = read_spec(distilled[2] / "draft")
     resumed = read_spec(tmp_path / "draft")
     # The resumed run trains the same steps to the same weights as the uninterrupted one (CPU, fp32, seed 0, the
@@ -74,6 +79,27 @@ def test_resume_continues_from_the_last_checkpoint(setup, distilled, tmp_path, m
     assert 0 < resumed["learning_curve"][0]["train_cpu_s"] < resumed["learning_curve"][1]["train_cpu_s"]
     assert resumed["training"]["train_cpu_s"] == resumed["learning_curve"][1]["train_cpu_s"]
     assert set(resumed["learning_curve"][1]["by_domain"]) == set(uninterrupted["acceptance"]["after"]) - {"overall"}
+
+
+def test_only_a_checkpoint_the_trainer_finished_is_resumed(tmp_path):
+    from distill.training import last_complete_checkpoint
+
+    assert last_complete_checkpoint(tmp_path / "none") is None
+    for step, complete in ((10, True), (20, True), (30, False), (5, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-notes").mkdir()  # not a checkpoint: left alone
+    assert last_complete_checkpoint(tmp_path, remove_partial=False) == str(tmp_path / "checkpoint-20")
+    assert (tmp_path / "checkpoint-30").exists()  # only the main process removes
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-20")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-20", "checkpoint-5",
+                                                          "checkpoint-notes"]
+    (tmp_path / "checkpoint-10" / "trainer_state.json").unlink()
+    (tmp_path / "checkpoint-20" / "trainer_state.json").unlink()
+    assert last_complete_checkpoint(tmp_path) is None  # nothing finished: a fresh start, no half-written folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-notes"]
 
 
 def test_a_resume_with_the_budget_spent_trains_no_further_step(setup, tmp_path, monkeypatch):

@@ -128,3 +128,28 @@ def test_paths_an_earlier_stage_will_write_are_not_checked_before_it_runs(tmp_pa
     those load (eval/drafts.py, pipeline/control/prompts.py), not in the settings check."""
     check_settings(_compose("stage=all", f"eval.draft={tmp_path}/not-yet", f"eval.draft_init={tmp_path}/not-yet-either",
                             f"paths.prompts={tmp_path}/none"))
+
+
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"),
+])
+def test_a_full_disk_is_one_line_and_exit_2(monkeypatch, capsys, error):
+    """A stage that runs out of disk mid-write (an OSError, or safetensors' own error naming it, as the 2026-12-06
+    run that filled this machine's disk raised) ends in one line that says what to do; other errors propagate."""
+    import pipeline.__main__ as entry
+
+    def full(cfg):
+        try:
+            raise error
+        except Exception as inner:  # as a library re-raises: the full disk is the cause, not the error itself
+            raise ValueError("writing the checkpoint failed") from inner
+
+    monkeypatch.setattr(entry, "_main", full)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.main.__wrapped__(None)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "disk is full" in err, err
+    monkeypatch.setattr(entry, "_main", lambda cfg: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        entry.main.__wrapped__(None)
