@@ -87,20 +87,23 @@ def main(cfg: DictConfig) -> dict:
             raise
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - only a full disk is turned into a line; anything else propagates
-        if _verbose() or not _disk_full(e):
+        full = None if _verbose() else _disk_full(e)
+        if full is None:
             raise
-        _fail(f"the disk is full ({e}): free space under paths.artifacts and rerun the same command; "
-              "collect and distill resume from their last complete shard and checkpoint")
+        _fail(f"the disk is full ({(str(full).strip().splitlines() or ['no space left'])[0]}): free space under paths.artifacts and rerun the "
+              "same command; collect and distill resume from their last complete shard and checkpoint")
 
 
-def _disk_full(error: BaseException) -> bool:
-    """A write that ran out of space, as OSError (ENOSPC, EDQUOT) or as a library's own error that names it
-    (safetensors raises SafetensorError with the OS message), anywhere in the exception's chain."""
-    while error is not None:
+def _disk_full(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain that says a write ran out of space: an OSError (ENOSPC, EDQUOT) or a library's own
+    error that names it (safetensors raises SafetensorError with the OS message); None when none does."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
         if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error):
-            return True
+            return error
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def _main(cfg: DictConfig) -> dict:

@@ -132,7 +132,8 @@ def test_paths_an_earlier_stage_will_write_are_not_checked_before_it_runs(tmp_pa
 
 @pytest.mark.parametrize("error", [
     OSError(28, "No space left on device"),
-    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"),
+    RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"
+                 "\n  while writing model.safetensors"),  # a library's message over two lines: still one line out
 ])
 def test_a_full_disk_is_one_line_and_exit_2(monkeypatch, capsys, error):
     """A stage that runs out of disk mid-write (an OSError, or safetensors' own error naming it, as the 2026-12-06
