@@ -14,45 +14,160 @@ from omegaconf import DictConfig, OmegaConf
 from data.collect_text import TextSettings
 from pipeline.modelio.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys
+from pipeline.control.settings import check_keys, group, register, setting
 from pipeline.sampling import Sampling, derive_seed
 
 BACKENDS = ("hf", "vllm", "server")
-_FIX = "fix the override or conf/collect/default.yaml"
+DECLARED = "data/collect_rows.py"
+_FIX = f"fix the override (the settings: {DECLARED})"
 
 
 # ----------------------------------------------------------------------------- settings
 
 @dataclass(frozen=True)
-class CollectSettings:
-    """`collect.*`, declared once and validated in one place (as eval/settings.py): one field per key of
-    conf/collect/default.yaml, but `temperature`, `top_k` and `top_p` are the one `sampling`. Built by
-    `from_config(cfg.collect, cfg.seed)`, which refuses a missing or unknown key (`server`, `onpolicy`,
-    `text` alone have defaults); what needs the target or the process group is checked where those are known. Validation also
-    normalises (idempotent, so `dataclasses.replace` works)."""
-    sampling: Sampling                  # the target's serving sampling (collect.temperature, top_k, top_p)
-    max_new_tokens: int                 # generation length per completion
-    samples_per_prompt: int             # completions per prompt turn
-    topk: int                           # white-box label width; 0 = no labels
-    hidden_states: bool                 # store the target's final hidden state per completion token (hf backend)
-    batch_size: int                     # sequences per generate call
-    shard_size: int                     # prompts per shard and domain
-    backend: str                        # hf | vllm | server
-    seed: int                           # collect.seed (null = the root seed)
-    keep_shards: bool                   # keep the shards after the merge
-    domains: tuple[str, ...] | None     # domains to collect; None = every train domain
-    max_prompts_per_domain: int | None  # the first N prompts per domain; None (or 0) = all
-    max_minutes: float | None           # no shard starts that would end past this many minutes; None = no limit
-    vllm: Mapping[str, Any]             # collect.backend=vllm only: the options of data/collect_vllm.py
-    # collect.backend=server only (data/collect_server.py): a mapping is checked; the two fields with a default,
-    # None = no servers / no on-policy rows, so code that builds settings for other uses need not name them
-    server: "ServerSettings | Mapping | None" = None
-    onpolicy: "OnPolicySettings | Mapping | None" = None  # the draft's samples labelled by the target
-    text: "TextSettings | Mapping | None" = None          # given text labelled by the target (data/collect_text.py)
+class OnPolicySettings:
+    """`collect.onpolicy.*` ; checked whatever the backend."""
+    share: float = setting(0.0, "of each domain's train prompts (never held-out ones), answered by the draft at the "
+                           "serving sampling and labelled by the target in one forward over prompt + completion: a "
+                           "target row's labels for a prefill's cost. 0 = off; needs backend=hf and topk > 0")
+    draft: str | None = setting(None, "a draft model directory; null = model.draft, the draft distill starts from")
 
-    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")  # the conf keys of `sampling`
+    @classmethod
+    def from_mapping(cls, values) -> "OnPolicySettings":
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise PipelineError(f"collect.onpolicy={values!r} is not a group of settings: {_FIX}")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.onpolicy", DECLARED)
+        settings = cls(_config_number("onpolicy.share", values["share"], float), values["draft"])
+        if not 0.0 <= settings.share <= 1.0:
+            raise PipelineError(f"collect.onpolicy.share={settings.share} must be in [0, 1] (0 = off): {_FIX}")
+        if settings.draft is not None and not isinstance(settings.draft, str):
+            raise PipelineError(f"collect.onpolicy.draft={settings.draft!r} must be a draft directory or null "
+                                f"(model.draft): {_FIX}")
+        return settings
+
+
+ENDPOINTS = ("completions", "chat")
+ENGINES = ("auto", "llamacpp", "vllm", "sglang", "openai")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """`collect.server.*`: the OpenAI-compatible servers of collect.backend=server . Checked when the settings are built, whatever the backend."""
+    urls: tuple[str, ...] = setting([], "base URLs, e.g. [http://10.0.0.5:8080]; requests spread over all")
+    launch: bool = setting(False, "true (urls empty): start one llama-server on 127.0.0.1 on the target's GGUF for the "
+                           "run (engines.llamacpp), one slot per request in flight")
+    model: str | None = setting(None, "the served model's name as GET /v1/models lists it; null = the one it serves")
+    endpoint: str = setting("completions", "completions (prompt sent as our chat-templated token ids: identical "
+                            "prompt_ids by construction) | chat (the server's template, checked against ours)")
+    engine: str = setting("auto", "auto (from /v1/models owned_by) | llamacpp | vllm | sglang | openai (standard fields "
+                          "only): decides the engine-specific fields (token ids back, stop ids, top_k)")
+    concurrency: int = setting(1, "requests in flight per server; match its parallel slots (llama-server -np)")
+    timeout: float = setting(600, "seconds per request before it counts as a failed try")
+    retries: int = setting(4, "extra tries per request on a refused connection, a timeout, 429 or 5xx ...")
+    backoff: float = setting(1.0, "... after backoff x 2^try seconds; a server failing them all is dropped")
+    logprobs: bool = setting(False, "true: the rows' labels are the server's log-probs, only where it returns the raw "
+                             "T=1 distribution (llama-server; vLLM with --logprobs-mode raw_logprobs); false: "
+                             "distill's label pass computes them")
+
+    @classmethod
+    def from_mapping(cls, values) -> "ServerSettings":
+        if values is None:  # no servers
+            return cls()
+        if not isinstance(values, Mapping):
+            raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.server", DECLARED)
+        urls = values["urls"]
+        urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
+        numbers = {key: _config_number(f"server.{key}", values[key], kind)
+                   for key, kind in (("concurrency", int), ("timeout", float), ("retries", int), ("backoff", float))}
+        settings = cls(urls=tuple(u.rstrip("/") for u in urls), model=values["model"], endpoint=values["endpoint"],
+                       engine=values["engine"], logprobs=values["logprobs"], launch=values["launch"], **numbers)
+        checks = [
+            (any(not u.startswith(("http://", "https://")) for u in settings.urls),
+             f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
+            (len(set(settings.urls)) < len(settings.urls),
+             f"collect.server.urls={list(urls)} lists a server twice: use collect.server.concurrency for more "
+             "requests in flight"),
+            (settings.model is not None and not isinstance(settings.model, str),
+             f"collect.server.model={settings.model!r} must be a model name or null: {_FIX}"),
+            (settings.endpoint not in ENDPOINTS,
+             f"unknown collect.server.endpoint={settings.endpoint!r}: use completions or chat"),
+            (settings.engine not in ENGINES,
+             f"unknown collect.server.engine={settings.engine!r}: use {', '.join(ENGINES)}"),
+            (settings.concurrency < 1, f"collect.server.concurrency={settings.concurrency} must be ≥ 1: {_FIX}"),
+            (settings.timeout <= 0, f"collect.server.timeout={settings.timeout} must be > 0 seconds: {_FIX}"),
+            (settings.retries < 0, f"collect.server.retries={settings.retries} must be ≥ 0: {_FIX}"),
+            (settings.backoff < 0, f"collect.server.backoff={settings.backoff} must be ≥ 0 seconds: {_FIX}"),
+            (not isinstance(settings.logprobs, bool),
+             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}"),
+            (not isinstance(settings.launch, bool),
+             f"collect.server.launch={settings.launch!r} is not true or false: {_FIX}"),
+            (settings.launch and settings.urls,
+             "collect.server.launch=true starts its own llama-server: leave collect.server.urls empty")]
+        for bad, message in checks:
+            if bad:
+                raise PipelineError(message)
+        return settings
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """`collect.*`, the collect stage (data/collect.py): the target's own generations on the train prompts, into
+    ${paths.collect}/dataset + manifest.json, resumable shards under ${paths.collect}/shards/<fingerprint>/. Declared
+    once (registered as `collect/default`) and validated in one place (as eval/settings.py); what needs the target or
+    the process group is checked where those are known. Validation also normalises (idempotent, so
+    `dataclasses.replace` works)."""
+    domains: tuple[str, ...] | None = setting(None, "domains to collect, e.g. [code, math]; null = every train domain")
+    max_prompts_per_domain: int | None = setting(64, "cap per domain (first N in file order); null = all. Sized so the "
+                                                 "default CPU run fits 15 minutes on 2 cores (~34k target tokens: the "
+                                                 "learning curve's first-order gain, docs/results.md)")
+    backend: str = setting("hf", "hf (transformers generate) | vllm (CUDA) | server (OpenAI-compatible servers already "
+                           "serving the target: collect.server)")
+    max_minutes: float | None = setting(5, "no shard starts that would end past this (at the mean shard time so far; "
+                                        "each domain's first always runs; a rerun continues); null = no limit")
+    temperature: float = setting(0.7, "the serving temperature the draft learns (the checkpoint's generation_config is "
+                                 "ignored on purpose); 0 = greedy; 0.7, a usual chat serving temperature")
+    top_p: float = setting(1.0, "1 = off")
+    top_k: int = setting(0, "0 = off (passed explicitly: HF generate's default is 50)")
+    max_new_tokens: int = setting(96, "tokens per completion (a turn's answer)")
+    samples_per_prompt: int = setting(1, "completions per prompt turn; later turns follow sample 0's answer")
+    seed: int | None = setting("${seed}", "each shard's RNG is seeded from (seed, domain, shard, turn); null = the root "
+                               "seed")
+    topk: int = setting(32, "white-box labels: per position the target's top-k ids and T=1 log-probs from the forward "
+                        "that produced the token (k x 6 + 8 bytes per token); distill's cached teacher; 0 = off")
+    hidden_states: bool = setting(True, "hf backend: also store the target's final hidden state per token (fp16): "
+                                  "distill then needs no second target pass over the rows (101 s of a default run on "
+                                  "2 cores, docs/results.md)")
+    onpolicy: OnPolicySettings = group(OnPolicySettings, "on-policy rows (DistillSpec): the draft answers, the target "
+                                       "labels (data/collect_onpolicy.py)")
+    text: TextSettings = group(TextSettings, "rows of given text labelled by the target in one forward pass "
+                               "(data/collect_text.py): a prefill's cost per label, no generation")
+    batch_size: int = setting(16, "sequences per generate call (left-padded); halved on CUDA out-of-memory")
+    shard_size: int = setting(32, "prompts per shard and domain: the unit of resume, of process splitting and of a "
+                              "budget's cut; 16-prompt shards collected at 135 tokens/s where 64-prompt ones reached 203")
+    keep_shards: bool = setting(True, "keep shards after the merge (a rerun then only re-merges)")
+    vllm: dict[str, Any] = setting({"gpu_memory_utilization": 0.85, "tensor_parallel_size": 1, "max_model_len": None},
+                                   "backend=vllm only (data/collect_vllm.py): its share of GPU memory (its own "
+                                   "default 0.9), GPUs the target is split over, max_model_len (null = the model's)")
+    server: ServerSettings = group(ServerSettings, "backend=server only (data/collect_server.py): llama-server, vLLM, "
+                                   "SGLang, ...")
+
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_k", "top_p")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The target's serving sampling."""
+        return Sampling(self.temperature, self.top_k, self.top_p)
 
     def __post_init__(self):
+        for key, kind in zip(self.SAMPLING, (float, int, float)):
+            self._normalise(key, _config_number(key, getattr(self, key), kind))
+        try:
+            self.sampling  # noqa: B018  (validates the serving distribution)
+        except PipelineError as e:  # the core names the field; the user needs the collect.* key
+            raise PipelineError(f"collect.{e} ({_FIX})") from None
         for key, kind in (("max_new_tokens", int), ("samples_per_prompt", int), ("topk", int), ("batch_size", int),
                           ("shard_size", int), ("seed", int)):
             self._normalise(key, _config_number(key, getattr(self, key), kind))
@@ -115,20 +230,13 @@ class CollectSettings:
 
     @classmethod
     def from_config(cls, collect_cfg: DictConfig, default_seed: int) -> "CollectSettings":
-        """The settings in `cfg.collect` (interpolations resolved; a null collect.seed is `default_seed`, the
-        root seed): every key of conf/collect/default.yaml, no other; checked before anything is loaded."""
+        """The settings in `cfg.collect` (interpolations resolved; a null collect.seed is `default_seed`, the root
+        seed); checked before anything is loaded."""
         values = OmegaConf.to_container(collect_cfg, resolve=True)
-        keys = [name for name in (f.name for f in fields(cls)) if name != "sampling"] + list(cls.SAMPLING)
-        check_keys(values, keys, "collect", "conf/collect/default.yaml")
-        temperature, top_k, top_p = (_config_number(key, values.pop(key), kind)
-                                     for key, kind in zip(cls.SAMPLING, (float, int, float)))
-        try:
-            sampling = Sampling(temperature, top_k, top_p)
-        except PipelineError as e:  # the core names the field; the user needs the collect.* key
-            raise PipelineError(f"collect.{e} ({_FIX})") from None
+        check_keys(values, [f.name for f in fields(cls)], "collect", DECLARED)
         if values["seed"] is None:
             values["seed"] = default_seed
-        return cls(sampling=sampling, **values)
+        return cls(**values)
 
     def _normalise(self, key: str, value) -> None:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
@@ -170,89 +278,6 @@ class CollectSettings:
         if self.backend == "server":
             return "server" if self.server.logprobs else "distill"  # distill: its own target pass labels the rows
         return "target-forward"
-
-
-@dataclass(frozen=True)
-class OnPolicySettings:
-    """`collect.onpolicy.*` (what each key does: conf/collect/default.yaml); checked whatever the backend."""
-    share: float        # of each domain's train prompts, answered by the draft and labelled by the target
-    draft: str | None   # a draft model directory; None = model.draft, the draft distill starts from
-
-    @classmethod
-    def from_mapping(cls, values) -> "OnPolicySettings":
-        if values is None:
-            return cls(0.0, None)
-        if not isinstance(values, Mapping):
-            raise PipelineError(f"collect.onpolicy={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.onpolicy", "conf/collect/default.yaml")
-        settings = cls(_config_number("onpolicy.share", values["share"], float), values["draft"])
-        if not 0.0 <= settings.share <= 1.0:
-            raise PipelineError(f"collect.onpolicy.share={settings.share} must be in [0, 1] (0 = off): {_FIX}")
-        if settings.draft is not None and not isinstance(settings.draft, str):
-            raise PipelineError(f"collect.onpolicy.draft={settings.draft!r} must be a draft directory or null "
-                                f"(model.draft): {_FIX}")
-        return settings
-
-
-ENDPOINTS = ("completions", "chat")
-ENGINES = ("auto", "llamacpp", "vllm", "sglang", "openai")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """`collect.server.*`: the OpenAI-compatible servers of collect.backend=server (what each key does:
-    conf/collect/default.yaml). Checked when the settings are built, whatever the backend."""
-    urls: tuple[str, ...]
-    model: str | None
-    endpoint: str
-    engine: str
-    concurrency: int
-    timeout: float
-    retries: int
-    backoff: float
-    logprobs: bool
-    launch: bool
-
-    @classmethod
-    def from_mapping(cls, values) -> "ServerSettings":
-        if values is None:  # no servers
-            return cls(urls=(), model=None, endpoint="completions", engine="auto", concurrency=1, timeout=600.0,
-                       retries=0, backoff=0.0, logprobs=False, launch=False)
-        if not isinstance(values, Mapping):
-            raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.server", "conf/collect/default.yaml")
-        urls = values["urls"]
-        urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
-        numbers = {key: _config_number(f"server.{key}", values[key], kind)
-                   for key, kind in (("concurrency", int), ("timeout", float), ("retries", int), ("backoff", float))}
-        settings = cls(urls=tuple(u.rstrip("/") for u in urls), model=values["model"], endpoint=values["endpoint"],
-                       engine=values["engine"], logprobs=values["logprobs"], launch=values["launch"], **numbers)
-        checks = [
-            (any(not u.startswith(("http://", "https://")) for u in settings.urls),
-             f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
-            (len(set(settings.urls)) < len(settings.urls),
-             f"collect.server.urls={list(urls)} lists a server twice: use collect.server.concurrency for more "
-             "requests in flight"),
-            (settings.model is not None and not isinstance(settings.model, str),
-             f"collect.server.model={settings.model!r} must be a model name or null: {_FIX}"),
-            (settings.endpoint not in ENDPOINTS,
-             f"unknown collect.server.endpoint={settings.endpoint!r}: use completions or chat"),
-            (settings.engine not in ENGINES,
-             f"unknown collect.server.engine={settings.engine!r}: use {', '.join(ENGINES)}"),
-            (settings.concurrency < 1, f"collect.server.concurrency={settings.concurrency} must be ≥ 1: {_FIX}"),
-            (settings.timeout <= 0, f"collect.server.timeout={settings.timeout} must be > 0 seconds: {_FIX}"),
-            (settings.retries < 0, f"collect.server.retries={settings.retries} must be ≥ 0: {_FIX}"),
-            (settings.backoff < 0, f"collect.server.backoff={settings.backoff} must be ≥ 0 seconds: {_FIX}"),
-            (not isinstance(settings.logprobs, bool),
-             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}"),
-            (not isinstance(settings.launch, bool),
-             f"collect.server.launch={settings.launch!r} is not true or false: {_FIX}"),
-            (settings.launch and settings.urls,
-             "collect.server.launch=true starts its own llama-server: leave collect.server.urls empty")]
-        for bad, message in checks:
-            if bad:
-                raise PipelineError(message)
-        return settings
 
 
 def _config_number(key: str, value, kind: type):
@@ -398,3 +423,6 @@ def format_summary(summary: dict[str, dict]) -> str:
         lines.append(f"{domain:<16}{counts['prompts']:>9}{counts['completions']:>13}{counts['tokens']:>10}"
                      f"{counts['mean_length']:>10.1f}{counts['eos_share']:>11.2f}")
     return "\n".join(lines)
+
+
+register("collect", CollectSettings)

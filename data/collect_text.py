@@ -17,9 +17,9 @@ from typing import Mapping
 
 from pipeline.errors import PipelineError
 from pipeline.control.prompts import TEXT_FILE
-from pipeline.control.settings import check_keys
+from pipeline.control.settings import check_keys, setting
 
-_FIX = "fix the override or conf/collect/default.yaml"
+_FIX = "fix the override (the settings: data/collect_text.py)"
 _FORMATS = '{"messages": [...]}, {"conversations": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
           "gpt": "assistant", "model": "assistant", "bot": "assistant"}  # ShareGPT's "from" names beside OpenAI's
@@ -27,20 +27,24 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "u
 
 @dataclass(frozen=True)
 class TextSettings:
-    """`collect.text.*` (what each key does: conf/collect/default.yaml)."""
-    paths: tuple[str, ...]      # files or folders; () = off
-    prepared: bool              # also the prepare stage's text (${paths.prompts}/text.jsonl, data.text)
-    domain: str                 # the rows' domain where a row names none
-    max_tokens: int | None      # label at most this many completion tokens, in file order; None = all
-    chunk_tokens: int           # tokens per row of plain text, and the most of a conversation's answer
+    """`collect.text.*`: rows of given text labelled by the target (collect.topk labels), origin "text"."""
+    paths: tuple[str, ...] = setting([], "files or folders: .jsonl / .json chat logs ({messages}, ShareGPT "
+                                     "{conversations}, {prompt, completion}, {text}; a row may name its domain), any "
+                                     "other file plain text; [] = off. Needs backend=hf and topk > 0; never held out")
+    prepared: bool = setting(True, "also label the prepare stage's text (${paths.prompts}/text.jsonl: the running "
+                             "Python's stdlib source and language reference, data.text) with backend=hf and topk > 0: "
+                             "in-domain text for code and qa at a prefill's cost (docs/results.md)")
+    domain: str = setting("text", "the rows' domain where a row names none (a log of chat traffic: chat)")
+    max_tokens: int | None = setting(None, "label at most this many completion tokens, in file order; null = all")
+    chunk_tokens: int = setting(256, "tokens per row of plain text, and the most of one answer of a conversation")
 
     @classmethod
     def from_mapping(cls, values) -> "TextSettings":
         if values is None:
-            return cls((), False, "text", None, 256)
+            return cls(prepared=False)
         if not isinstance(values, Mapping):
             raise PipelineError(f"collect.text={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.text", "conf/collect/default.yaml")
+        check_keys(dict(values), [f.name for f in fields(cls)], "collect.text", "data/collect_text.py")
         paths = values["paths"] or ()
         paths = (paths,) if isinstance(paths, str) else tuple(str(p) for p in paths)
         numbers = {}

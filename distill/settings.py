@@ -1,10 +1,9 @@
-"""The distill stage's settings (`distill.*`): one frozen dataclass per group of conf/distill/default.yaml (whose
-comments say what each key does) and of conf/calibrate/default.yaml (the calibrate stage's group, the `calibration`
-field), built by `DistillSettings.from_config(cfg, stage)`, which refuses a missing or an
-unknown key, and checked before anything loads (as eval/settings.py); what needs files or models is checked where they
-load. `trainer` goes to `transformers.TrainingArguments` by name (which validates it), so it stays a read-only
-mapping of which only the keys the stage reads must be there (`TRAINER_READ`). The checkpoint fingerprint
-(distill/stage.py) hashes the composed config's groups, not these values.
+"""The distill and calibrate stages' settings (`distill.*`, `calibrate.*`), declared once: one frozen dataclass per
+group, each field with its default, type and help (pipeline/control/settings.py), registered as Hydra's structured
+configs `distill/default` and `calibrate/default`. `DistillSettings.from_config(cfg, stage)` builds the checked
+instance before anything loads (as eval/settings.py); what needs files or models is checked where they load.
+`trainer` goes to `transformers.TrainingArguments` by name (which validates it further) as a read-only mapping. The
+checkpoint fingerprint (distill/stage.py) hashes the composed config's groups, not these values.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys
+from pipeline.control.settings import check_keys, group, register, setting
 
 TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,
@@ -25,8 +24,7 @@ OUR_TRAINER_KEYS = ("max_epochs", "lr_probe", "stop_patience")
 # The `distill` groups the calibrate stage reads: the held-out rows (split, heldout), their truncation (objective) and
 # the serving sampling; trainer and checkpoint decide only training (dvc.yaml lists exactly these for calibrate).
 CALIBRATE_READS = ("objective", "split", "heldout", "serving")
-TRAINER_READ = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "learning_rate",
-                *OUR_TRAINER_KEYS)
+DECLARED = "distill/settings.py"
 
 
 def _tuple(group, where: str, *keys: str) -> None:
@@ -58,21 +56,34 @@ def loss_temperature(objective: "ObjectiveSettings", serving_temperature: float)
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
-    """`distill.objective`: what the draft learns (distill/losses.py); the DistillConfig knobs of that name."""
-    loss: str                          # one of distill.losses.LOSSES
-    beta: float                        # JSD(β) interpolation (loss=jsd)
-    loss_temperature: float | str      # softmax temperature of both models inside the loss; "serving" = the serving T
-    teacher: str                       # topk (cached labels) | online (a target forward per batch)
-    topk: int                          # k of the labels when the stage computes them
-    topk_tail: str                     # bucket | renormalize
-    lmbda: float                       # on-policy share of batches (GKD's λ)
-    temperature: float                 # sampling temperature of on-policy and seq-KD generation
-    seq_kd: bool                       # off-policy batches are the target's own continuations
-    hidden_weight: float               # weight of the final-hidden-state recovery loss; 0 = logits only
-    freeze_shared: bool                # freeze the embeddings and the (tied) head
-    max_prompt_length: int             # prompt tokens kept (the last ones)
-    max_completion_length: int         # completion tokens trained on (the first ones)
-    max_new_tokens: int | None         # on-policy / seq-KD continuation length; null = the collect's
+    """`distill.objective`: what the draft learns (distill/losses.py); p = target, q = draft."""
+    loss: str = setting("fkl", "fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce | top1. fkl: of fkl, ce and tvd it "
+                        "gains the most acceptance per step in a short CPU run (docs/results.md); tvd (= 1 - acceptance) "
+                        "has weak gradients early on, which the LK losses (arXiv 2602.23881) are built to avoid; top1 = "
+                        "-log q(target argmax), what greedy serving accepts")
+    beta: float = setting(0.5, "JSD(beta) interpolation, loss=jsd only (GKD, Agarwal et al. 2024); 0.5 = symmetric JS")
+    loss_temperature: Any = setting(1.0, "softmax temperature of both models inside the loss (not ce); 1 = the models' "
+                                    "own distributions, where the cached top-k labels are exact; serving = the "
+                                    "serving temperature (1 when greedy), the distribution acceptance is measured at")
+    teacher: str = setting("topk", "topk: collect's cached top-k labels (computed here once if absent) | online: a "
+                           "target forward per batch (exact, one target forward per step)")
+    topk: int = setting(32, "k when the labels are computed here; collect.topk's default")
+    topk_tail: str = setting("bucket", "bucket: the tail is one 'other' class (exact on k+1 classes at T=1, reverse KL "
+                             "stays finite) | renormalize: the top-k renormalised")
+    lmbda: float = setting(0.0, "on-policy share: batches the draft continues itself, labelled by the target (GKD's "
+                           "lambda); 0 = off-policy only")
+    temperature: float = setting(1.0, "sampling temperature of on-policy and seq-KD generation")
+    seq_kd: bool = setting(False, "the other batches are continuations the target generates (Kim & Rush 2016); false: "
+                           "the collected rows already are the target's own continuations")
+    hidden_weight: float = setting(0.0, "weight of a recovery loss on the head's input, ||h_q - h_p||^2 / ||h_p||^2 "
+                                   "per position against collect.hidden_states (as EAGLE, Li et al. 2024); 0 = logits only")
+    freeze_shared: bool = setting(False, "freeze the embeddings and (tied) head; training them gains acceptance at equal "
+                                  "steps (docs/results.md)")
+    max_prompt_length: int = setting(384, "prompt tokens kept (the last ones: the context nearest the completion)")
+    max_completion_length: int = setting(256, "completion tokens trained on (the first ones); above collect's "
+                                         "max_new_tokens, so the default run trains on whole completions")
+    max_new_tokens: int | None = setting(None, "length of on-policy and seq-KD continuations; null = collect's "
+                                         "max_new_tokens")
 
     def __post_init__(self):
         check_loss(self.loss, self.beta, self.topk_tail, self.teacher)
@@ -94,10 +105,14 @@ class ObjectiveSettings:
 @dataclass(frozen=True)
 class SplitSettings:
     """`distill.split`: the held-out prompts and the train share."""
-    heldout_fraction: float            # share of each domain's prompts held out
-    heldout_max_prompts_per_domain: int | None  # at most this many held out per domain
-    train_fraction: float              # share of the train prompts trained on (< 1: a learning-curve point)
-    calibration_share: float           # share of the held-out prompts that choose keep_best, τ and γ
+    heldout_fraction: float = setting(0.15, "share of each domain's prompts held out (at least one where a domain has "
+                                      "two or more)")
+    heldout_max_prompts_per_domain: int | None = setting(40, "at most this many held out per domain (null = no cap): "
+                                                         "enough positions for the acceptance estimates")
+    train_fraction: float = setting(1.0, "share of the train prompts trained on, nested (a smaller share's prompts are "
+                                    "among a larger one's); < 1 = a learning-curve point (experiment=curve)")
+    calibration_share: float = setting(0.5, "of the held-out prompts, those keep_best, tau and gamma are chosen on; the "
+                                       "rest (the reporting part) gives speculative.json's numbers, free of that choice")
 
     def __post_init__(self):
         if not 0.0 < float(self.heldout_fraction) < 1.0:
@@ -114,28 +129,30 @@ class SplitSettings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     """`distill.checkpoint`: the checkpoint cadence, resume and the time budget."""
-    save_steps: int                    # TrainingArguments.save_steps
-    save_total_limit: int              # TrainingArguments.save_total_limit
-    logging_steps: int                 # TrainingArguments.logging_steps
-    resume: bool                       # continue from the last checkpoint of the same fingerprint
-    keep: bool                         # keep the checkpoints once the draft is exported
-    max_train_minutes: float | None    # stop (and checkpoint) after this long; null = off
+    save_steps: int = setting(50, "a checkpoint every N steps: a crash loses at most N steps")
+    save_total_limit: int = setting(1, "checkpoints kept: a resume needs only the last")
+    logging_steps: int = setting(10, "training loss logged every N steps")
+    resume: bool = setting(True, "continue from the last checkpoint of the same fingerprint")
+    keep: bool = setting(False, "keep the checkpoints once the draft is exported; false frees the disk")
+    max_train_minutes: float | None = setting(4.5, "stop (and checkpoint) after this long: the default run's budget; "
+                                              "null = off")
 
 
 @dataclass(frozen=True)
 class HeldoutSettings:
     """`distill.heldout`: the acceptance simulator on the held-out rows (distill/simulator.py)."""
-    support: int                       # target tokens kept per position for Σ min(p, q)
-    batch_size: int                    # rows per target forward (also of the teacher-label pass)
-    eval_steps: int                    # held-out acceptance every N steps
-    gamma: int                         # γ of the reported mean accepted length
+    support: int = setting(128, "target tokens kept per position for sum min(p, q) (the tail bound is printed)")
+    batch_size: int = setting(8, "rows per target forward on the held-out rows and the teacher-label pass")
+    eval_steps: int = setting(50, "held-out acceptance every N steps (the learning curve, one pass over the reporting "
+                              "part), logged to MLflow")
+    gamma: int = setting(4, "gamma of the reported mean accepted length; eval.drafting=uncalibrated uses it too")
 
 
 @dataclass(frozen=True)
 class DraftLengthSettings:
     """`calibrate.draft_length`: the confidence-policy settings compared against fixed γ."""
-    thresholds: tuple[float, ...]      # stop thresholds
-    max_lengths: tuple[int, ...]       # most drafts per target pass
+    thresholds: tuple[float, ...] = setting([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9], "stop thresholds")
+    max_lengths: tuple[int, ...] = setting([8, 16], "most drafts per target pass: the longest fixed gamma, and twice that")
 
     def __post_init__(self):
         _tuple(self, "calibrate.draft_length", "thresholds", "max_lengths")
@@ -144,11 +161,13 @@ class DraftLengthSettings:
 @dataclass(frozen=True)
 class CostSettings:
     """`calibrate.cost`: the device's cost profile (pipeline/measure/cost_profile.py)."""
-    profile: str | None                # a cost_profile.json to calibrate for; null = measure one here
-    tokens_fed: tuple[int, ...]        # target forward widths timed
-    contexts: tuple[int, ...]          # KV-cache lengths they are timed at
-    repeats: int                       # timed rounds
-    warmup: int                        # untimed rounds first
+    profile: str | None = setting(None, "a cost_profile.json (python -m pipeline.tools cost-profile) to calibrate for "
+                                  "that device; null = measure one here")
+    tokens_fed: tuple[int, ...] = setting([1, 2, 4, 8, 16, 32], "target forward widths timed (1 = a decoding step, "
+                                          "k = a verify of k-1 drafts)")
+    contexts: tuple[int, ...] = setting([64, 256], "KV-cache lengths they are timed at")
+    repeats: int = setting(5, "timed rounds per point (the median is kept)")
+    warmup: int = setting(2, "untimed rounds first: allocator and kernel selection")
 
     def __post_init__(self):
         _tuple(self, "calibrate.cost", "tokens_fed", "contexts")
@@ -157,10 +176,12 @@ class CostSettings:
 @dataclass(frozen=True)
 class LlamaCppCalibrationSettings:
     """`calibrate.llamacpp`: the llama.cpp settings compared per domain (distill/engines.py)."""
-    n_max: tuple[int, ...]             # --spec-draft-n-max values compared
-    p_min: tuple[float, ...]           # --spec-draft-p-min values compared
-    margin: float                      # "off" unless the best is predicted above 1 + margin
-    repeats: int                       # llama-bench repetitions per measured forward
+    n_max: tuple[int, ...] = setting([1, 2, 3, 4, 6, 8], "--spec-draft-n-max values compared")
+    p_min: tuple[float, ...] = setting([0.0, 0.3, 0.5, 0.7, 0.8, 0.9], "--spec-draft-p-min values compared: llama.cpp "
+                                       "stops before a draft token less likely than this")
+    margin: float = setting(0.05, "'off' unless a setting is predicted at least this much faster than plain decoding: "
+                            "the prediction error a choice must clear to be worth a second model in memory")
+    repeats: int = setting(3, "llama-bench repetitions per forward size")
 
     def __post_init__(self):
         _tuple(self, "calibrate.llamacpp", "n_max", "p_min")
@@ -172,10 +193,12 @@ class LlamaCppCalibrationSettings:
 @dataclass(frozen=True)
 class GpuCalibrationSettings:
     """`calibrate.gpu`: how vLLM, SGLang and TensorRT-LLM are planned (distill/engines.py calibrate_gpu_engines)."""
-    gammas: tuple[int, ...]            # num_speculative_tokens values compared
-    margin: float                      # "off" unless the best is predicted above 1 + margin
-    c: float | None                    # draft step / target step measured on the serving GPU; null = weights ratio
-    verify_ratio: float                # a verify pass of up to max(gammas) drafts, in target steps
+    gammas: tuple[int, ...] = setting([1, 2, 3, 4, 5, 6, 8], "num_speculative_tokens compared per domain")
+    margin: float = setting(0.05, "'off' unless k is predicted at least this much faster than plain decoding")
+    c: float | None = setting(None, "draft step / target step measured on the serving GPU; null = the memory-bound "
+                              "estimate (weights read per step, draft / target)")
+    verify_ratio: float = setting(1.0, "a verify of up to max(gammas) drafts, in target steps (batch-1 GPU decoding "
+                                  "is memory-bound)")
 
     def __post_init__(self):
         _tuple(self, "calibrate.gpu", "gammas")
@@ -187,10 +210,10 @@ class GpuCalibrationSettings:
 @dataclass(frozen=True)
 class HfCalibrationSettings:
     """`calibrate.hf`: HF assisted generation's settings compared and how its passes are timed."""
-    gammas: tuple[int, ...]            # num_assistant_tokens values compared (constant schedule)
-    margin: float                      # "off" unless the best is predicted above 1 + margin
-    prompts: int                       # calibration prompts HF's passes are timed on
-    max_new_tokens: int                # tokens per timed request
+    gammas: tuple[int, ...] = setting([1, 2, 3, 4], "num_assistant_tokens compared per domain (constant schedule)")
+    margin: float = setting(0.05, "'off' unless predicted at least this much faster than HF plain generate")
+    prompts: int = setting(6, "calibration prompts HF's own passes are timed on (plain and each gamma back to back)")
+    max_new_tokens: int = setting(48, "tokens per timed request")
 
     def __post_init__(self):
         _tuple(self, "calibrate.hf", "gammas")
@@ -219,7 +242,7 @@ class KeepBest:
         group = cfg.get("calibrate")
         if group is None or any(key not in group for key in ("keep_best", "keep_best_rule")):
             raise PipelineError("calibrate.keep_best or calibrate.keep_best_rule is missing from the composed config: "
-                                "restore them in conf/calibrate/default.yaml")
+                                f"see {DECLARED}")
         return cls(group.keep_best, group.keep_best_rule)
 
 
@@ -227,22 +250,37 @@ class KeepBest:
 class CalibrationSettings:
     """`calibrate.*`: keep_best (both stages) and the serving settings the calibrate stage gives a draft
     (distill/calibrate_stage.py, distill/serving.py)."""
-    keep_best: bool                    # export the initial draft unless training raised held-out acceptance
-    keep_best_rule: str                # what "raised" means: KEEP_BEST_RULES (distill/simulator.py keep_best)
-    draft: str | None                  # calibrate this draft directory alone; null = ${paths.trained}'s two
-    speculate_margin: float            # a domain speculates only when predicted above 1 + this; else plain decoding
-    calibrate_init: bool               # calibrate ${paths.draft_init} too
-    tau_ratios: tuple[float, ...]      # τ / T grid, then refined
-    tau_refine: int                    # refinement steps of τ
-    gammas: tuple[int, ...]            # fixed draft lengths compared
-    draft_length: DraftLengthSettings
-    tree_samples: int                  # sampled serving: Monte Carlo draws per position for trees; 0 = chains only
-    cost: CostSettings
-    engines: tuple[str, ...]           # serving engines to calibrate the export for too (ENGINES)
-    batch_sizes: tuple[int, ...]       # batch sizes the draft length is calibrated for (distill/batch_sizes.py); () = skip
-    hf: HfCalibrationSettings          # HF assisted generation (engines=[hf])
-    gpu: GpuCalibrationSettings        # vLLM, SGLang, TensorRT-LLM (engines=[vllm] / [sglang] / [trtllm])
-    llamacpp: LlamaCppCalibrationSettings
+    keep_best: bool = setting(True, "ship the initial weights unless training raised held-out acceptance (calibration "
+                              "part); the distill stage reads it too")
+    keep_best_rule: str = setting("interval", "raised = the paired 95% interval over rows of (trained - initial) lies "
+                                  "above 0 (a gain the part cannot resolve keeps the draft the user brought); mean = "
+                                  "not lower on average")
+    draft: str | None = setting(None, "null = calibrate ${paths.trained}'s draft and draft_init; a draft directory (a "
+                                "published draft, another run's export) = calibrate that one alone into ${paths.draft}")
+    speculate_margin: float = setting(0.05, "a domain speculates only when its best drafting is predicted this much "
+                                      "faster than plain decoding, else 'off': the prediction error a choice must clear")
+    calibrate_init: bool = setting(True, "${paths.draft_init} gets its own tau, gamma, policy and tree too: a fair "
+                                   "'before' in eval, which otherwise credits distillation with what calibration buys")
+    tau_ratios: tuple[float, ...] = setting([0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5],
+                                            "tau / T grid, then refined")
+    tau_refine: int = setting(5, "points (geometric) between the best ratio's neighbours: one more held-out pass")
+    gammas: tuple[int, ...] = setting([1, 2, 3, 4, 5, 6, 7, 8], "fixed draft lengths gamma compared")
+    draft_length: DraftLengthSettings = group(DraftLengthSettings, "the confidence policy "
+                                              "(pipeline/decoding/draft_length.py) at these settings, per domain")
+    tree_samples: int = setting(8, "sampled serving: Monte Carlo draws per held-out position for the sibling "
+                                "acceptance of token trees (distill/tree_choice.py); 0 = chains only when sampling")
+    cost: CostSettings = group(CostSettings, "the device's cost profile: c = draft step / target step and the "
+                               "target's verify cost per gamma (Leviathan et al. 2023, Thm 3.8, verify as measured)")
+    engines: tuple[str, ...] = setting([], "serving engines to calibrate the export for too (ENGINES): hf times HF "
+                                       "assisted generation; llamacpp builds llama.cpp and prices its passes with "
+                                       "llama-bench; vllm / sglang / trtllm are planned with calibrate.gpu")
+    batch_sizes: tuple[int, ...] = setting([], "batch sizes to calibrate gamma for (distill/batch_sizes.py), e.g. "
+                                           "[1,2,4,8,16]; [] or null = skip (about a minute on 2 cores)")
+    hf: HfCalibrationSettings = group(HfCalibrationSettings, "HF assisted generation (engines=[hf])")
+    gpu: GpuCalibrationSettings = group(GpuCalibrationSettings, "vLLM (draft_model), SGLang (STANDALONE), "
+                                        "TensorRT-LLM (Draft_Target): a fixed k per pass")
+    llamacpp: LlamaCppCalibrationSettings = group(LlamaCppCalibrationSettings, "the llama.cpp drafting settings "
+                                                  "compared per domain (distill/engines.py)")
 
     def __post_init__(self):
         if self.batch_sizes is None:  # null = skip, as an empty list
@@ -267,47 +305,88 @@ class CalibrationSettings:
 @dataclass(frozen=True)
 class ServingSettings:
     """`distill.serving`: the serving sampling the draft is tuned for; null = the collect manifest's."""
-    temperature: float | None
-    top_k: int | None
-    top_p: float | None
+    temperature: float | None = setting(None, "null = the collect manifest's: the sampling the rows were generated with")
+    top_k: int | None = setting(None, "null = the collect manifest's")
+    top_p: float | None = setting(None, "null = the collect manifest's")
 
 
 @dataclass(frozen=True)
-class DistillSettings:
-    """`distill.*` of the composed config, checked and normalised (see the module docstring)."""
-    objective: ObjectiveSettings       # what the draft learns (fingerprinted: decides the weights)
-    trainer: Mapping[str, Any] | None  # TrainingArguments by name, and OUR_TRAINER_KEYS (fingerprinted); read-only;
-                                       #   None in the calibrate stage, which trains nothing (CALIBRATE_READS)
-    split: SplitSettings               # held-out prompts and the train share (fingerprinted)
-    checkpoint: CheckpointSettings | None  # checkpoint cadence, resume, time budget; None in the calibrate stage
-    heldout: HeldoutSettings           # the held-out acceptance simulator
-    serving: ServingSettings           # the serving sampling tuned for
-    calibration: CalibrationSettings | KeepBest  # `calibrate.*` (the distill stage: keep_best's two keys)
+class LrProbeSettings:
+    """`distill.trainer.lr_probe`: the step size fitted to the draft brought."""
+    factors: tuple[float, ...] = setting([1.0, 0.1, 0.01], "shares of learning_rate tried, largest first, `steps` steps "
+                                         "each from the initial weights, judged by held-out acceptance (keep_best's "
+                                         "measure); training goes on at the first that beats the initial weights, or "
+                                         "not at all. A stub takes the full rate, a pretrained draft 10-100x less, a "
+                                         "draft equal to its target none (docs/results.md)")
+    steps: int = setting(10, "steps per share tried")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """`distill.trainer`: transformers.TrainingArguments by name (the stage adds the output dir, seeds, device and the
+    columns its collator needs), but max_epochs, lr_probe and stop_patience (OUR_TRAINER_KEYS), which are ours."""
+    max_steps: int | None = setting(400, "optimizer steps (the default run's; checkpoint.max_train_minutes caps the "
+                                    "time) ...")
+    max_epochs: float | None = setting(6, "... or this many passes over the train rows if fewer: more passes over the "
+                                       "default collect's rows no longer raise held-out acceptance")
+    learning_rate: float = setting(3.0e-3, "the largest step size tried: the best of the rates compared on short runs "
+                                   "for the default 2-layer draft; lr_probe lowers it for a better draft")
+    lr_probe: LrProbeSettings | None = group(LrProbeSettings, "null = train at learning_rate")
+    stop_patience: int | None = setting(2, "stop after this many held-out evaluations in a row (heldout.eval_steps "
+                                        "apart) below the best so far, initial weights included, and keep the best "
+                                        "weights; null = train to the budget")
+    weight_decay: float = setting(0.0, "none (TrainingArguments' default)")
+    warmup_steps: float = setting(15, "steps, or a share of the steps when < 1: a few percent of max_steps")
+    lr_scheduler_type: str = setting("cosine", "decays to 0 at the step budget, known before training starts")
+    max_grad_norm: float = setting(1.0, "gradient clipping (TrainingArguments' default)")
+    per_device_train_batch_size: int = setting(8, "rows per step (TrainingArguments' default)")
+    gradient_accumulation_steps: int = setting(1, "1 = one batch per optimizer step")
+    train_sampling_strategy: str = setting("group_by_length", "similar lengths per batch: less padding")
+    dataloader_num_workers: int = setting(0, "rows are collated in the main process: workers would compete for the "
+                                          "same cores")
+    bf16: Any = setting("auto", "bf16 autocast over fp32 master weights; auto = when serving in bf16 (runtime.dtype)")
+    extra: dict[str, Any] = setting({}, "any other TrainingArguments by name, e.g. {optim: adafactor}")
+
+
+@dataclass(frozen=True)
+class DistillGroup:
+    """`distill.*`: the groups objective, trainer and split decide the trained weights (the checkpoint directory is
+    named by their hash, with the data and the draft, so a resume only continues the same training); the others watch
+    or follow training and may change between a crash and its resume."""
+    objective: ObjectiveSettings = group(ObjectiveSettings, "what the draft learns (fingerprinted)")
+    trainer: TrainerSettings = group(TrainerSettings, "TrainingArguments and ours (fingerprinted)")
+    split: SplitSettings = group(SplitSettings, "held-out prompts per domain, by hash of the prompt id (fingerprinted)")
+    checkpoint: CheckpointSettings = group(CheckpointSettings, "${paths.artifacts}/distill_ckpt/<fingerprint>/: "
+                                           "cadence, resume, the time budget")
+    heldout: HeldoutSettings = group(HeldoutSettings, "the acceptance simulator on held-out rows (distill/simulator.py)")
+    serving: ServingSettings = group(ServingSettings, "the serving sampling the draft is tuned for")
+
+
+@dataclass(frozen=True)
+class DistillSettings(DistillGroup):
+    """`distill.*` of the composed config, checked and normalised, with `calibration`, calibrate's settings (see the
+    module docstring); `trainer` a read-only mapping of TrainingArguments names and ours, None with `checkpoint` in
+    the calibrate stage, which trains nothing (CALIBRATE_READS)."""
+    calibration: CalibrationSettings | KeepBest | None = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig, stage: str) -> DistillSettings:
-        """The settings of `cfg.distill` and `cfg.calibrate` (interpolations resolved): every key of
-        conf/distill/default.yaml and conf/calibrate/default.yaml, no other (`trainer` aside: any TrainingArguments
-        name). Calibrate's group is the `calibration` field; for the distill stage only the two keys it reads
-        (`KeepBest`), so a calibration setting never reruns training, and for the calibrate stage only the distill
-        groups it reads (CALIBRATE_READS), so a trainer setting never reruns calibration (dvc.yaml)."""
+        """The settings of `cfg.distill` and `cfg.calibrate` (interpolations resolved). Calibrate's group is the
+        `calibration` field; for the distill stage only the two keys it reads (`KeepBest`), so a calibration setting
+        never reruns training, and for the calibrate stage only the distill groups it reads (CALIBRATE_READS), so a
+        trainer setting never reruns calibration (dvc.yaml)."""
         if stage == "distill":
-            return _build(cls, _group(cfg, "distill"), "distill", built={"calibration": KeepBest.from_config(cfg)})
-        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate", "conf/calibrate/default.yaml")
+            values = _group(cfg, "distill")
+            trainer = _trainer(values.get("trainer"))
+            return _build(cls, values, "distill", built={"calibration": KeepBest.from_config(cfg), "trainer": trainer})
+        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate")
         distill = _group(cfg, "distill", CALIBRATE_READS)
         return _build(cls, distill, "distill", built={"calibration": calibration, "trainer": None, "checkpoint": None})
 
     def __post_init__(self):
         if self.trainer is None:  # the calibrate stage's settings
             return
-        if not isinstance(self.trainer, Mapping):
-            raise PipelineError(f"distill.trainer={self.trainer!r} is not a group of settings: restore it from "
-                                "conf/distill/default.yaml")
         object.__setattr__(self, "trainer", MappingProxyType(dict(self.trainer)))  # read-only, a copy of conf's
-        missing = [key for key in TRAINER_READ if key not in self.trainer]
-        if missing:
-            raise PipelineError(f"distill setting(s) {', '.join(f'distill.trainer.{key}' for key in missing)} missing "
-                                "from the composed config: restore them in conf/distill/default.yaml")
         if not self.trainer["max_steps"] and not self.trainer["max_epochs"]:
             raise PipelineError("distill.trainer.max_steps and distill.trainer.max_epochs are both null: "
                                 "set at least one")
@@ -317,10 +396,6 @@ class DistillSettings:
         if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
             raise PipelineError(f"distill.trainer.stop_patience={patience!r} is not a count >= 1: use e.g. 2, or null to "
                                 "train to the budget")
-
-    def to_dict(self) -> dict:
-        """The settings as plain containers, the shape of conf/distill/default.yaml."""
-        return _plain(self)
 
 
 def _count(value) -> bool:
@@ -367,8 +442,7 @@ def _check_lr_probe(probe) -> None:
 def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
     """The group `name` as plain containers; with `keys`, only those of its sub-groups (reading no other)."""
     if name not in cfg:
-        raise PipelineError(f"the composed config has no `{name}` group: restore conf/{name}/default.yaml and its line "
-                            "in conf/config.yaml's defaults")
+        raise PipelineError(f"the composed config has no `{name}` group: restore its line in conf/config.yaml's defaults")
     if keys is None:
         return OmegaConf.to_container(cfg[name], resolve=True)
     group = cfg[name]  # a key it lacks is left out, for _build's check_keys to name
@@ -376,12 +450,22 @@ def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
             for key in keys if key in group}
 
 
-def _build(cls, values, where: str, source: str = "conf/distill/default.yaml", built: dict | None = None):
+def _trainer(values) -> dict:
+    """`distill.trainer` as one mapping: TrainingArguments names, its `extra` ones among them, and OUR_TRAINER_KEYS."""
+    if not isinstance(values, dict):
+        raise PipelineError(f"distill.trainer={values!r} is not a group of settings: see {DECLARED}")
+    check_keys(values, [f.name for f in fields(TrainerSettings)], "distill.trainer", DECLARED)
+    extra = values.get("extra") or {}
+    return {**{key: value for key, value in values.items() if key != "extra"}, **extra}
+
+
+def _build(cls, values, where: str, source: str = DECLARED, built: dict | None = None):
     """`cls` from the mapping `values` at `where` (e.g. calibrate.cost), declared in `source`: every field's key, no
     other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping."""
     if not isinstance(values, dict):
         raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from {source}")
     built = built or {}
+    values = {key: value for key, value in values.items() if key not in built}
     names = [f.name for f in fields(cls) if f.name not in built]
     check_keys(values, names, where, source)
     types = {name: _settings_type(hint) for name, hint in get_type_hints(cls).items()}
@@ -395,16 +479,6 @@ def _settings_type(hint):
     return args[0] if get_origin(hint) in (Union, UnionType) and len(args) == 1 else hint
 
 
-def _plain(value):
-    if is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return [_plain(item) for item in value]
-    return value
-
-
 def check_settings(cfg: DictConfig) -> None:
     """`distill.*` and `calibrate.*` checked as the stages build them first, before any row or model loads
     (pipeline/__main__.py runs it before any stage): the distill or the calibrate stage alone checks what it reads;
@@ -412,3 +486,7 @@ def check_settings(cfg: DictConfig) -> None:
     stage = cfg.get("stage")
     for reader in (stage,) if stage in ("distill", "calibrate") else ("distill", "calibrate"):
         DistillSettings.from_config(cfg, reader)
+
+
+register("distill", DistillGroup)
+register("calibrate", CalibrationSettings)

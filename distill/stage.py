@@ -40,7 +40,7 @@ from pipeline.control.split import nested_subset
 from pipeline.timing import Laps
 from pipeline.modelio.trained import RECORD, RECORD_VERSION
 
-FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (conf/distill)
+FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (distill/settings.py)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
 # adding a knob does not orphan every checkpoint trained before it.
 ADDED_LATER = {("trainer", "lr_probe"): None, ("trainer", "stop_patience"): None}

@@ -94,13 +94,13 @@ def target_hidden(rows: list[dict], prompts: list, completions: list) -> tuple[t
 
 # ---------------------------------------------------------------- config
 def _knob(help_text: str):
-    # No default value here: conf/distill/default.yaml (`objective:`) is the one place that sets it.
+    # No default value here: distill/settings.py (`ObjectiveSettings`) is the one place that sets it.
     return field(default=None, metadata={"help": help_text})
 
 
 @dataclass
 class DistillConfig(GKDConfig):
-    """GKDConfig plus our knobs, named as in conf/distill/default.yaml `objective:`. lmbda, beta, temperature and
+    """GKDConfig plus our knobs, named as in distill/settings.py `ObjectiveSettings`. lmbda, beta, temperature and
     seq_kd and max_new_tokens are GKDConfig's own (their TRL defaults replaced by `_knob`: conf sets them)."""
     loss: str = _knob("fkl | rkl | jsd | tvd | lk_alpha | lk_lambda | ce | top1 (distill/losses.py)")
     beta: float = _knob("GKDConfig.beta: JSD interpolation β (GKD eq. 1)")
@@ -116,7 +116,7 @@ class DistillConfig(GKDConfig):
     max_prompt_length: int = _knob("prompt tokens kept (the last ones)")
     max_completion_length: int = _knob("completion tokens trained on")
     max_new_tokens: int = _knob("GKDConfig.max_new_tokens: on-policy / seq-KD length; None = max_completion_length")
-    # TrainingArguments' defaults where TRL's differ (conf/distill `trainer:` sets bf16; a few-layer draft has no
+    # TrainingArguments' defaults where TRL's differ (distill.trainer sets bf16; a few-layer draft has no
     # activation memory worth recomputing).
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "alias of activation_checkpointing"})
@@ -125,7 +125,7 @@ class DistillConfig(GKDConfig):
         # max_new_tokens None is a setting (as long as the completions)
         unset = [name for name in OBJECTIVE if name != "max_new_tokens" and getattr(self, name) is None]
         if unset:
-            raise ValueError(f"DistillConfig needs {unset}: build it from conf/distill/default.yaml `objective:`")
+            raise ValueError(f"DistillConfig needs {unset}: build it from distill.objective (distill/settings.py)")
         # nothing generated beyond the completion tokens the loss trains on
         self.max_new_tokens = min(int(self.max_new_tokens or self.max_completion_length), int(self.max_completion_length))
         super().__post_init__()

@@ -1,21 +1,23 @@
-"""The eval stage's settings (`eval.*`): one frozen field per key of conf/eval/default.yaml, checked and normalised
-in `__post_init__` (TRL's `XConfig` pattern) before any model loads; what needs files or models is checked where the
-drafts load (eval/drafts.py). Normalising is idempotent, so `dataclasses.replace` works.
+"""The eval stage's settings (`eval.*`), declared once: each field's default, type and help, registered as the
+structured config `eval/default`; checked and normalised in `__post_init__` (TRL's `XConfig` pattern) before any model
+loads; what needs files or models is checked where the drafts load (eval/drafts.py). Output: ${paths.eval}/
+{metrics.json, report.md, requests.jsonl, *.png}. Normalising is idempotent, so `dataclasses.replace` works.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.decoding import POLICIES, DraftLength, DraftPlan, GuardSettings, parse_tree
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys
+from pipeline.control.settings import check_keys, register, setting
 from pipeline.sampling import Sampling
 
 ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_fixed", "hf_assisted_calibrated")  # eval/baselines.py
-DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.drafting's names (conf/eval/default.yaml)
+DRAFTINGS = ("calibrated", "uncalibrated", "chain", "off", *POLICIES)  # eval.drafting's names
 RESERVED = ("init", "fixed", "confidence", "heuristic", "unguarded")  # speculative_<these> name other methods: no extra draft's name
 
 
@@ -54,42 +56,74 @@ def _names(key: str, value, known: tuple[str, ...], what: str) -> tuple[str, ...
 @dataclass(frozen=True)
 class EvalSettings:
     """`eval.*` of the composed config, checked and normalised (see the module docstring)."""
-    draft: str | None                    # the draft evaluated: null = ${paths.draft} (or a fallback), a directory, derive
-    draft_init: str | None               # the undistilled draft for before/after: null = ${paths.draft_init}, a dir, none
-    prompts_file: str | None             # a prompt-schema or Spec-Bench JSONL; null = the prepare stage's eval split;
-                                         #   heldout = the train prompts the draft's calibration reported on
-    domains: tuple[str, ...] | None      # keep only these domains; null = all
-    max_prompts_per_domain: int | None   # prompts per domain (file order); null = all
-    max_new_tokens: int                  # tokens generated per request (one user turn)
-    max_minutes: float | None            # no prompt starts that would end past this many minutes; null = no limit
-    min_requests_for_ci: int             # a domain's intervals need this many requests; below, point estimates only
-    temperature: float                   # the serving temperature of target and draft; 0 = greedy
-    top_k: int                           # serving top-k; 0 = off
-    top_p: float                         # serving top-p; 1 = off
-    drafting: str | int | tuple | dict   # what every draft drafts (one of DRAFTINGS, a γ, branching factors, a policy)
-    compare_draft_lengths: tuple[str, ...]  # policies also run side by side (speculative_<policy>); () = none
-    draft_temperature: float | None      # the draft's τ; null = calibrated when sampling, else the target's temperature
-    use_vocab_subset: bool               # restrict the draft head to speculative.json's vocab_subset (FR-Spec)
-    baselines: tuple[str, ...]           # HF peers timed beside ours (of HF_METHODS); () = none
-    baselines_draft: str                 # the loaded draft HF assisted generation uses (speculative, speculative_init, ...)
-    extra_drafts: dict[str, str]         # {name: model dir | pretrained}: more drafts, methods speculative_<name>
-    gammas: tuple[int, ...]              # the γ sweep's draft lengths; () = no sweep
-    trees: tuple[tuple[int, ...], ...]   # the tree sweep's branching factors; () = no sweep
-    batch_sizes: tuple[int, ...]         # the batch-size sweep's batch sizes; () = no sweep
-    sweep_prompts_per_domain: int        # prompts per domain (all their turns) the sweeps run on
-    fidelity_prompts_per_domain: int | None  # when sampling: prompts per domain of the greedy fidelity run; 0/null = off
-    fp32_recheck: bool                   # rerun reduced-precision greedy mismatches with fp32 model copies
-    control_band: tuple[float, float]    # [low, high] tokens/s ratio of the control pair outside which a request is disturbed
-    warmup_tokens: int                   # untimed warm-up tokens per method before measuring
-    stall: dict                          # the stall rule: {factor (null = off), retimes, agree} (eval/harness.py)
-    engine: str                          # where the methods run: one of ENGINES
-    guard: dict                          # the online guard: {enabled, compare, GuardSettings' knobs}
+    draft: str | None = setting(None, "null = ${paths.draft} (the export; falls back to a derived draft, or the "
+                                "preset's pretrained draft, when missing); a model directory; or `derive`")
+    draft_init: str | None = setting(None, "the undistilled draft for before/after: null = ${paths.draft_init} when it "
+                                     "exists; a dir; a .gguf (engine=llamacpp, e.g. a published draft); or `none`")
+    prompts_file: str | None = setting(None, "a JSONL in the prompt schema or Spec-Bench's question.jsonl; null = the "
+                                       "prepare stage's eval split; heldout = the train prompts of the draft's "
+                                       "reporting part (measured where the calibration predicted, not trained on)")
+    domains: tuple[str, ...] | None = setting(None, "keep only these domains, e.g. [code, math]; null = all")
+    max_prompts_per_domain: int | None = setting(None, "null = all: max_minutes, not a count, decides how many run, so "
+                                                 "a faster machine buys narrower intervals; domains are interleaved")
+    max_new_tokens: int = setting(64, "tokens generated per request (one user turn): every method's first pass is the "
+                                  "same plain prefill, which pulls a short request's speedup toward 1; 64 leaves "
+                                  "dozens of verify passes, so it measures decoding rather than prefill")
+    max_minutes: float | None = setting(5, "no prompt starts that would end past this (at the mean prompt time so far; "
+                                        "each domain's first always runs); null = no limit; stage=all lowers it")
+    min_requests_for_ci: int = setting(8, "a domain's intervals need this many requests, else its point estimate with "
+                                       "'no CI': a bootstrap over n requests has at most C(2n-1, n) distinct resamples "
+                                       "(10 at n=3, 6,435 at n=8), so below ~8 its '95%' covers far less")
+    temperature: float = setting("${collect.temperature}", "serving temperature of target and draft; 0 = greedy")
+    top_k: int = setting("${collect.top_k}", "serving top-k; 0 = off")
+    top_p: float = setting("${collect.top_p}", "serving top-p; 1 = off")
+    drafting: Any = setting("calibrated", "what every draft drafts, per domain by SpeculativeSpec.plan: calibrated = "
+                            "speculative.json's recipe (a chain of 4 without one) | uncalibrated = a chain of 4 at the "
+                            "target's temperature, no guard | chain = the calibrated chain, no trees | off | an int "
+                            "gamma | fixed | confidence | heuristic | {policy, max, threshold} | branching factors "
+                            "such as [3,2,1]")
+    compare_draft_lengths: Any = setting(False, "also run each policy (true: fixed, confidence, heuristic; or a list) "
+                                         "side by side, chains only: methods speculative_<policy>")
+    draft_temperature: float | None = setting(None, "the draft's tau; null = calibrated when sampling, else the "
+                                              "target's temperature")
+    use_vocab_subset: bool = setting(True, "restrict the draft head to speculative.json's vocab_subset (FR-Spec)")
+    baselines: Any = setting(False, "also time HF peers (HF_METHODS): true = all, or a list; off by default: it "
+                             "triples eval time on a CPU (experiment=compare-hf)")
+    baselines_draft: str = setting("speculative", "the draft HF assisted uses: speculative | speculative_init | "
+                                   "speculative_<name> of extra_drafts")
+    extra_drafts: dict[str, str] = setting({}, "{name: model dir | pretrained}: more drafts, methods "
+                                           "speculative_<name>, each with its own calibration")
+    gammas: tuple[int, ...] = setting([], "the gamma sweep's lengths; [] = off (calibrate already prices every gamma; "
+                                      "experiment=compare-drafting runs one)")
+    trees: Any = setting([], "the tree sweep's branching factors, e.g. [[1,1,1],[3,2,1]]; [] = off")
+    batch_sizes: tuple[int, ...] = setting([], "batched speculation against batched plain decoding at each B on the "
+                                           "sweep prompts' first turns, beside the prediction; [] = off")
+    sweep_prompts_per_domain: int = setting(1, "prompts per domain (all their turns) the sweeps run on")
+    fidelity_prompts_per_domain: int | None = setting(1, "when sampling: greedy spec-vs-AR token match on this many "
+                                                      "prompts; 0 = off")
+    fp32_recheck: bool = setting(True, "greedy mismatches in bf16/fp16: rerun those requests with fp32 copies")
+    control_band: tuple[float, ...] = setting([0.8, 1.25], "pre-registered, never tuned on results: a request whose "
+                                              "control pair (own plain vs HF generate, the same computation) differ in "
+                                              "tokens/s beyond this ratio was disturbed; symmetric in log space")
+    warmup_tokens: int = setting(8, "untimed warm-up generation per method before measuring")
+    stall: dict[str, Any] = setting({"factor": 3.0, "retimes": 2, "agree": 1.25}, "pre-registered (eval/harness.py): "
+                                    "a request is a suspect when a method's seconds per token exceed `factor` x its "
+                                    "own median over the run (null = off); re-timed up to `retimes` times, the first "
+                                    "clean re-time, or one within `agree` of the first, replaces it; still stalled: "
+                                    "kept out of every figure, the unfiltered overall beside it")
+    engine: str = setting("ours", "ours (this project's decoder, the exactness reference) | hf | llamacpp "
+                          "(llama-server from engines.llamacpp) | vllm (speculative.json engines.vllm)")
+    guard: dict[str, Any] = setting(
+        {"enabled": True, "compare": False, "window": 16, "prior_passes": 4, "probe_every": 8, "margin": 0.0,
+         "longest": 8, "measure_every": 32}, "the online guard (pipeline/decoding/guard.py, GuardSettings' knobs): per "
+        "pass it prices every draft length with the running acceptance and drafts fewer, or none, while the plan is "
+        "predicted to lose; lossless. compare = also run speculative_unguarded")
 
     @classmethod
     def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
-        """The settings of `cfg.eval` (interpolations resolved); every key of conf/eval/default.yaml, no other."""
+        """The settings of `cfg.eval` (interpolations resolved)."""
         values = OmegaConf.to_container(eval_cfg, resolve=True)
-        check_keys(values, [f.name for f in fields(cls)], "eval", "conf/eval/default.yaml")
+        check_keys(values, [f.name for f in fields(cls)], "eval", "eval/settings.py")
         return cls(**values)
 
     def __post_init__(self):
@@ -135,7 +169,7 @@ class EvalSettings:
     def _check_stall(self) -> None:
         rule = dict(self.stall or {})
         if set(rule) != {"factor", "retimes", "agree"}:
-            _bad("stall", self.stall, "is not {factor, retimes, agree}", "give every key of conf/eval/default.yaml's eval.stall")
+            _bad("stall", self.stall, "is not {factor, retimes, agree}", "give every key of eval.stall (eval/settings.py)")
         for knob in ("factor", "retimes", "agree"):
             _check_number(f"stall.{knob}", rule[knob])
         self._normalise("stall", rule)
@@ -207,7 +241,7 @@ class EvalSettings:
         values = dict(self.guard or {})
         missing = sorted({"enabled", "compare", *(f.name for f in fields(GuardSettings))} - set(values))
         if missing:
-            _bad("guard", self.guard, f"lacks {missing}", "give every key of conf/eval/default.yaml's eval.guard")
+            _bad("guard", self.guard, f"lacks {missing}", "give every key of eval.guard (eval/settings.py)")
         for key in ("enabled", "compare"):
             if not isinstance(values.get(key), bool):
                 _bad(f"guard.{key}", values.get(key), "is not true or false", f"set eval.guard.{key}: true or false")
@@ -221,3 +255,6 @@ class EvalSettings:
 def check_settings(cfg: DictConfig) -> None:
     """`eval.*` checked before any stage runs (pipeline/__main__.py)."""
     EvalSettings.from_config(cfg.eval)
+
+
+register("eval", EvalSettings)

@@ -32,6 +32,15 @@ STAGES = {
 }
 
 
+
+def register_settings() -> None:
+    """Every group's structured config (pipeline/control/settings.py): importing its settings module registers it."""
+    for module in ("pipeline.control.root", "pipeline.control.deadline", *dict.fromkeys(settings for _, settings in STAGES.values())):
+        importlib.import_module(module)
+
+
+register_settings()
+
 def check_settings(cfg: DictConfig) -> None:
     """The settings of every stage `cfg.stage` runs (params: every stage, whose settings the file will hold),
     checked before the first one starts: a bad value for a later stage fails in one line before the earlier ones

@@ -18,8 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+import pipeline.__main__  # noqa: F401  (registers every settings group's structured config)
+
 REPO = Path(__file__).resolve().parent.parent
-LLAMACPP = __import__("omegaconf").OmegaConf.load(REPO / "conf/config.yaml").engines.llamacpp  # the shipped engine settings
+from pipeline.control.params import compose_config  # noqa: E402
+
+SHIPPED = compose_config([])  # the shipped settings: every group's declared defaults and the default presets
+LLAMACPP = SHIPPED.engines.llamacpp  # the shipped engine settings
 SERVER = {"context": int(LLAMACPP.context), "start_timeout": float(LLAMACPP.start_timeout)}  # llama-server's, as shipped
 # Tests never reach the hub; the embedded model comes from PyPI and is cached under artifacts/.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

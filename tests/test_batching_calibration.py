@@ -12,7 +12,7 @@ from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.decoding.spec import SpeculativeSpec
-from tests.conftest import read_spec
+from tests.conftest import SHIPPED, read_spec
 
 GAMMAS = (1, 2, 3, 4, 5, 6)
 MARGIN = 0.05
@@ -140,8 +140,8 @@ def test_settings_take_batch_sizes_from_conf_and_refuse_a_size_below_one(sizes, 
     from distill.settings import DistillSettings
     from tests.conftest import REPO
 
-    cfg = OmegaConf.create({"distill": OmegaConf.load(REPO / "conf/distill/default.yaml"),
-                            "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")})
+    cfg = OmegaConf.create({"distill": SHIPPED.distill,
+                            "calibrate": SHIPPED.calibrate})
     cfg.calibrate.batch_sizes = sizes
     if ok:
         assert DistillSettings.from_config(cfg, "calibrate").calibration.batch_sizes == tuple(sizes or ())

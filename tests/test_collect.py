@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
 from pipeline.control.tracking import _NullRun
-from tests.conftest import REPO, tiny_llama
+from tests.conftest import SHIPPED, REPO, tiny_llama
 
 torch.set_num_threads(1)
 
@@ -446,8 +446,8 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, tiny_target, 
 
 
 def test_collect_settings_are_the_yaml_keys_and_frozen(tmp_path, tiny_target):
-    """CollectSettings declares conf/collect/default.yaml once (temperature, top_k and top_p as the one `sampling`),
-    every value from the composed config; a missing key is one line."""
+    """CollectSettings is the collect group's structured config (temperature, top_k and top_p its `sampling`), every
+    value from the composed config; a missing key is one line."""
     import dataclasses
 
     from omegaconf import OmegaConf, open_dict
@@ -456,8 +456,8 @@ def test_collect_settings_are_the_yaml_keys_and_frozen(tmp_path, tiny_target):
 
     cfg = compose(tmp_path, tiny_target)
     settings = CollectSettings.from_config(cfg.collect, cfg.seed)
-    names = [f.name for f in dataclasses.fields(CollectSettings) if f.name != "sampling"]
-    assert sorted(names + list(CollectSettings.SAMPLING)) == sorted(OmegaConf.load(REPO / "conf/collect/default.yaml"))
+    assert OmegaConf.get_type(cfg.collect) is CollectSettings
+    assert [f.name for f in dataclasses.fields(CollectSettings)] == list(cfg.collect)
     assert settings.sampling.to_dict() == {k: cfg.collect[k] for k in CollectSettings.SAMPLING}
     assert settings.max_minutes == cfg.collect.max_minutes and dict(settings.vllm) == cfg.collect.vllm
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -532,7 +532,7 @@ def vllm_backend(monkeypatch, outputs, topk=3, top_k=0):
     module, calls = fake_vllm(outputs)
     monkeypatch.setitem(sys.modules, "vllm", module)
     settings = types.SimpleNamespace(sampling=Sampling(0.7, top_k, 0.9), max_new_tokens=4, topk=topk)
-    options = OmegaConf.load(REPO / "conf/collect/default.yaml").vllm  # the shipped collect.vllm
+    options = SHIPPED.collect.vllm  # the shipped collect.vllm
     return VLLMBackend("/models/t", settings, stop_ids=[1, 7], dtype=torch.bfloat16, options=options), calls
 
 

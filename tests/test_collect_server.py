@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from data.server_client import probe
 from pipeline.errors import PipelineError
 from pipeline.control.tracking import _NullRun
-from tests.conftest import REPO, SERVER, tiny_tokenizer
+from tests.conftest import SHIPPED, REPO, SERVER, tiny_tokenizer
 
 PROMPTS = [{"id": "chat-0", "domain": "chat", "turns": ["What is the capital of France?", "And of Italy?"]},
            {"id": "chat-1", "domain": "chat", "turns": ["Say hello in one word."]},
@@ -305,7 +305,7 @@ def backend_for(urls, **server):
     from data.collect_server import ServerBackend
     from pipeline.sampling import Sampling
 
-    options = {**OmegaConf.load(REPO / "conf/collect/default.yaml").server, "urls": list(urls), "retries": 2,
+    options = {**SHIPPED.collect.server, "urls": list(urls), "retries": 2,
                "backoff": 0.01, "timeout": 5, **server}
     settings = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=server.get("topk", 0),
                                hidden_states=False, batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None,
@@ -442,7 +442,7 @@ def test_the_fingerprint_holds_what_decides_server_rows_not_where_they_run():
     from data.collect_rows import CollectSettings, ServerSettings
     from pipeline.sampling import Sampling
 
-    options = dict(OmegaConf.load(REPO / "conf/collect/default.yaml").server, urls=["http://a:1"])
+    options = dict(SHIPPED.collect.server, urls=["http://a:1"])
     base = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=0, hidden_states=False,
                            batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
                            max_minutes=None, vllm={}, server=options)

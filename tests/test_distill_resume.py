@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_spec, run_distill_stage as run_stage
+from tests.conftest import SHIPPED, read_spec, run_distill_stage as run_stage
 
 
 # ---------------------------------------------------------------- resume
@@ -153,7 +153,7 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
     from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
-                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+                            "distill": SHIPPED.distill})
     older = copy.deepcopy(cfg)
     with open_dict(older):
         for (group, key), off in ADDED_LATER.items():
@@ -177,7 +177,7 @@ def test_a_rerun_collect_that_only_re_merges_its_shards_keeps_the_checkpoint_nam
     from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
-                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+                            "distill": SHIPPED.distill})
     manifest = {"fingerprint": "c", "rows": 10, "domains": {"chat": {"tokens": 500}}, "wall_s": 450.1,
                 "generate_s": 440.0, "label_cost": {"target": {"cpu_s": 855.1}}, "disk_bytes": 1000}
     re_merged = {**manifest, "wall_s": 12.4}
@@ -195,7 +195,7 @@ def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_leng
     from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
-                            "distill": OmegaConf.load(REPO / "conf/distill/default.yaml")})
+                            "distill": SHIPPED.distill})
     manifest, ident = {"fingerprint": "c", "max_new_tokens": 96}, {"path": "t"}
     assert generation_length(cfg.distill.objective, manifest) == 96
 
@@ -238,10 +238,10 @@ def test_loss_temperature_serving_resolves_to_the_serving_temperature_and_names_
     from distill.stage import fingerprint
     from tests.conftest import REPO
 
-    conf = OmegaConf.load(REPO / "conf/distill/default.yaml")
+    conf = SHIPPED.distill
     conf.objective.loss_temperature = "serving"
     objective = DistillSettings.from_config(OmegaConf.create(
-        {"distill": conf, "calibrate": OmegaConf.load(REPO / "conf/calibrate/default.yaml")}), "distill").objective
+        {"distill": conf, "calibrate": SHIPPED.calibrate}), "distill").objective
     assert loss_temperature(objective, 0.7) == 0.7
     assert loss_temperature(objective, 0.0) == 1.0  # greedy: argmax agreement has no temperature to match
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}}, "distill": conf})

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from pipeline.engines import llamacpp
 from pipeline.engines.rules import FIELDS, RULES, candidate_rules, rule_record, unknown_keys
-from tests.conftest import REPO, SERVER
+from tests.conftest import SHIPPED, REPO, SERVER
 from tests.engine_fields import extract, llama_server_flags, pydantic_fields, struct_flags
 
 
@@ -41,7 +41,7 @@ def test_a_wrong_key_or_value_fails_the_check():
 
 
 def test_llama_server_gets_only_flags_of_the_pinned_version():
-    chosen = OmegaConf.load(REPO / "conf/calibrate/default.yaml").llamacpp
+    chosen = SHIPPED.calibrate.llamacpp
     for n_max in chosen.n_max:
         for p_min in chosen.p_min:
             assert unknown_keys("llamacpp", llamacpp.draft_flags("draft.gguf", llamacpp.DraftSettings(n_max, p_min))) == []

@@ -13,11 +13,11 @@ from pipeline.decoding.loop import Pair, Profile
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling
-from tests.conftest import REPO, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
+from tests.conftest import SHIPPED, REPO, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
 
 torch.set_num_threads(1)
 
-KNOBS = {k: v for k, v in OmegaConf.load(REPO / "conf/eval/default.yaml").guard.items()
+KNOBS = {k: v for k, v in SHIPPED.eval.guard.items()
          if k not in ("enabled", "compare")}  # the shipped eval.guard knobs
 COST = {"c": 0.1, "verify_ratio": {1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8}}  # the embedded pair's shape on a CPU
 PRIOR = (0.5, 0.25, 0.125)  # P_k: the chance the first k drafts are accepted

@@ -15,9 +15,9 @@ from eval.intervals import speedup_stat
 from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
 from pipeline.measure.intervals import N_RESAMPLES
-from tests.conftest import REPO
+from tests.conftest import SHIPPED, REPO
 
-BAND = tuple(OmegaConf.load(REPO / "conf/eval/default.yaml").control_band)  # the shipped eval.control_band
+BAND = tuple(SHIPPED.eval.control_band)  # the shipped eval.control_band
 STEP_S = 0.01  # seconds per generated token of the autoregressive target
 
 

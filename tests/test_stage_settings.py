@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
 from pipeline.__main__ import STAGES, check_settings
 from pipeline.errors import PipelineError
@@ -25,15 +26,21 @@ BAD = [
     ("eval", "eval.temperature=-1", "eval.temperature"),
     ("all", "deadline.minutes=-1", "deadline.minutes=-1"),
     # values TrainingArguments and the model loader took without a word, once (issue 54)
-    ("distill", "distill.trainer.learning_rate=-1", "distill.trainer.learning_rate=-1 is out of range"),
+    ("distill", "distill.trainer.learning_rate=-1", "distill.trainer.learning_rate=-1.0 is out of range"),
     ("distill", "distill.trainer.per_device_train_batch_size=0", "per_device_train_batch_size=0 is out of range"),
     ("distill", "distill.trainer.max_steps=-5", "distill.trainer.max_steps=-5 is out of range"),
-    ("distill", "distill.objective.hidden_weight=-1", "hidden_weight=-1 is negative"),
+    ("distill", "distill.objective.hidden_weight=-1", "hidden_weight=-1.0 is negative"),
     ("collect", "model.draft.derive.layers=[0,99]", "names layers [99] outside the 30 of model.target"),
     ("collect", "model.draft.derive.layers=[1,1]", "names a layer twice"),
     ("collect", "model.target.path=/nonexistent", "model path /nonexistent does not exist"),
     ("prepare", "data.text.python_source.modules=[json]", "modules ['json'] are code prompts' modules too"),
-    ("collect", "collect.text.prepared=maybe", "collect.text.prepared='maybe' must be true or false"),
+    # a value of the wrong type: the group's structured config refuses it while composing
+    ("collect", "collect.text.prepared=maybe", "Value 'maybe' is not a valid bool"),
+    ("distill", "distill.trainer.learning_rate=fast", "Value 'fast' of type 'str' could not be converted to Float"),
+    ("eval", "eval.max_new_tokens=many", "Value 'many' of type 'str' could not be converted to Integer"),
+    ("all", "runtime.threads=all", "Value 'all' of type 'str' could not be converted to Integer"),
+    # a key no group declares
+    ("calibrate", "calibrate.gamma=4", "Key 'gamma' not in 'CalibrationSettings'"),
 ]
 
 
@@ -70,8 +77,9 @@ def test_a_bad_setting_of_any_stage_fails_stage_all_in_one_line_before_anything_
 @pytest.mark.parametrize("stage, override, needle", [case for case in BAD if case[0] != "all"],
                          ids=[override for stage, override, _ in BAD if stage != "all"])
 def test_the_stage_itself_refuses_its_bad_setting(stage, override, needle):
-    with pytest.raises(PipelineError, match=needle.replace("[", r"\[")):
+    with pytest.raises((PipelineError, ConfigCompositionException)) as refused:
         check_settings(_compose(f"stage={stage}", override))
+    assert needle in f"{refused.value} {refused.value.__cause__}"
 
 
 def test_a_stage_run_alone_checks_only_its_own_settings():
@@ -86,7 +94,7 @@ def test_the_calibrate_stage_reads_no_training_setting_and_a_run_of_both_checks_
     settings = DistillSettings.from_config(_compose("stage=calibrate"), "calibrate")
     assert settings.trainer is None and settings.checkpoint is None and settings.split.calibration_share > 0
     check_settings(_compose("stage=calibrate", "distill.trainer.learning_rate=-1"))  # calibration trains nothing
-    with pytest.raises(PipelineError, match="learning_rate=-1 is out of range"):
+    with pytest.raises(PipelineError, match="learning_rate=-1.0 is out of range"):
         check_settings(_compose("stage=all", "distill.trainer.learning_rate=-1"))
     with pytest.raises(PipelineError, match="calibration_share"):
         check_settings(_compose("stage=calibrate", "distill.split.calibration_share=2"))

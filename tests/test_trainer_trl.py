@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from distill.losses import distillation_loss
-from tests.conftest import REPO, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
+from tests.conftest import SHIPPED, REPO, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -69,7 +69,7 @@ def build(tmp_path, target, draft, rows, vocab=None, **objective):
     from distill.trainer import DistillConfig, DistillTrainer
     from pipeline.heads import use_subset_head
 
-    settings = {**OmegaConf.to_container(OmegaConf.load(REPO / "conf/distill/default.yaml").objective),
+    settings = {**OmegaConf.to_container(SHIPPED.distill.objective),
                 "max_completion_length": 8, **objective}
     truncation = Truncation(settings["max_prompt_length"], settings["max_completion_length"])
     columns = teacher_labels(target, rows, truncation, 8, vocab, 4, 1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys
+from pipeline.control.settings import check_keys, register, setting
 
 STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
@@ -20,16 +20,28 @@ FLOOR_MINUTES = 0.1  # a budget is never zero: each loop's first round still run
 
 @dataclass(frozen=True)
 class DeadlineSettings:
-    minutes: float | None               # the whole run; None = off
-    margin: float                       # the fixed work ahead is priced this much dearer: its estimate's error
-    shares: dict[str, float]            # the budgeted loops' split of the flexible time, per stage
-    fixed_passes: dict[str, float]      # each stage's fixed work, in target 5-token verify passes
-    overshoot_passes: float             # held back at every plan: a loop's last item may end past its budget
+    """`deadline`, stage=all only: the whole run's wall-clock budget. Before each stage the time left, less the fixed
+    work of the stages still to run (with `margin`), is split among their budgeted loops by `shares`; a stage's own
+    budget (collect.max_minutes, distill.checkpoint.max_train_minutes, eval.max_minutes) only ever gets lower."""
+    minutes: float | None = setting(15, "the whole run; null = off (each stage keeps its own budget)")
+    margin: float = setting(0.25, "the fixed work ahead priced this much dearer: the error of its estimate")
+    shares: dict[str, float] = setting({"collect": 0.5, "distill": 0.25, "eval": 0.25}, "collect's shards, distill's "
+                                       "training, eval's requests (collect first: more target tokens buy the most "
+                                       "acceptance; training and eval requests usually end before their budgets)")
+    fixed_passes: dict[str, float] = setting(
+        {"collect": 800, "distill": 800, "calibrate": 4500, "eval": 1500}, "each stage's unbudgeted work in target "
+        "5-token verify passes, priced at the pass the dtype probe timed here: mostly multi-token forwards (distill: "
+        "label pass, held-out passes; calibrate: held-out passes, cost profile, both drafts' calibrations; eval: "
+        "fidelity check, sweeps) whose time tracked this pass across days. From default runs on 2 cores at 33-44 ms "
+        "passes (docs/results.md: calibrate 3,800-5,300, eval 1,100-1,700, distill ~800); each stage replans")
+    overshoot_passes: float = setting(400, "held back at every plan, in target verify passes: a loop starts its last "
+                                      "item when predicted to end inside the budget at the mean item's length, so a "
+                                      "long one ends past it (about half a collect shard or an eval request)")
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
         d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
-        check_keys(d, [f.name for f in fields(cls)], "deadline", "conf/config.yaml")  # each default once, in conf/
+        check_keys(d, [f.name for f in fields(cls)], "deadline", "pipeline/control/deadline.py")
         settings = cls(minutes=d["minutes"], margin=float(d["margin"]),
                        shares={s: float((d["shares"] or {}).get(s, 0.0)) for s in STAGES},  # unnamed: no share
                        fixed_passes={s: float((d["fixed_passes"] or {}).get(s, 0.0)) for s in STAGES},
@@ -105,3 +117,6 @@ def verify_pass_seconds(cfg: DictConfig) -> float:
     if device.type == "cpu":
         return cpu_timings(path, cfg.paths.models)[str(dtype).removeprefix("torch.")]["verify5_ms"] / 1e3
     return time_forward(load_model(path, device, dtype), fed=VERIFY_FED)
+
+
+register("deadline", DeadlineSettings)

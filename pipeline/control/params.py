@@ -28,6 +28,8 @@ def compose_config(overrides: list[str]) -> DictConfig:
     except Exception as e:
         lines = str(e).strip().splitlines()
         first = next((line.strip() for line in lines if line.strip()), type(e).__name__)
+        cause = str(e.__cause__ or "").strip().splitlines()
+        first += f": {cause[0]}" if cause else ""  # the schema's reason, e.g. a value of the wrong type
         start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Available options")), len(lines))
         options = [line.strip() for line in itertools.takewhile(lambda line: line.startswith("\t"), lines[start:])]
         hint = f" (available: {', '.join(options)})" if options else " (see --help)"

@@ -1,18 +1,68 @@
-"""What every stage's typed settings share: the check that a composed config group holds exactly the keys its
-conf/ file declares (each stage's frozen settings type then validates the values, TRL's `XConfig` pattern)."""
+"""Settings declared once, TRL's `XConfig` way: each group of the config is a dataclass whose fields carry the
+default, the type and the help (`setting`), and whose `__post_init__` checks the values. `register` makes it Hydra's
+structured config for its group, so conf/ holds presets only, Hydra refuses an unknown key and a value of the wrong
+type while composing, and the stage builds the checked instance from the composed group before anything runs."""
 from __future__ import annotations
+
+from dataclasses import MISSING, field, fields, is_dataclass
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import PipelineError
 
 
-def check_keys(values: dict, names: list[str], where: str, conf_file: str) -> None:
+def setting(default, help: str):
+    """A field with its default and its help (a list default is stored as a tuple: the instances are frozen)."""
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata={"help": help})
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def group(cls, help: str):
+    """A field holding a sub-group's dataclass at its defaults."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+def _writable(node):
+    """A frozen dataclass makes a read-only node; overrides and presets must still merge into the schema."""
+    node._set_flag("readonly", None)
+    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            _writable(child)
+    return node
+
+
+def register(name: str, cls, package: str | None = None) -> None:
+    """`cls` as the `default` option of config group `name` (conf/config.yaml's defaults list picks it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group=name, name="default", node=_writable(OmegaConf.structured(cls)),
+                                 package=package)
+
+
+def help_lines(cls, prefix: str) -> list[str]:
+    """`key (type) = default: help` for every setting of `cls` and its sub-groups."""
+    lines = []
+    for f in fields(cls):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if is_dataclass(default):
+            lines += help_lines(type(default), f"{prefix}{f.name}.")
+        else:
+            lines.append(f"{prefix}{f.name} = {default!r}: {f.metadata.get('help', '')}")
+    return lines
+
+
+def check_keys(values: dict, names: list[str], where: str, declared: str) -> None:
     """One-line errors for keys of `values` (the group at `where`, e.g. calibrate) that `names` does
-    not declare, and for declared names the group lacks."""
+    not declare, and for declared names the group lacks (a params file is read without the schema)."""
     unknown = [key for key in values if key not in names]
     if unknown:
-        raise PipelineError(f"unknown setting(s) {', '.join(f'{where}.{key}' for key in unknown)}: use the keys of "
-                            f"{conf_file} (check the spelling of the override)")
+        raise PipelineError(f"unknown setting(s) {', '.join(f'{where}.{key}' for key in unknown)}: use the keys "
+                            f"{declared} declares (check the spelling of the override)")
     missing = [key for key in names if key not in values]
     if missing:
         raise PipelineError(f"setting(s) {', '.join(f'{where}.{key}' for key in missing)} missing from the composed "
-                            f"config: restore them in {conf_file}, where every setting is declared")
+                            f"config: {declared} declares them")

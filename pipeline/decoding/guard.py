@@ -16,7 +16,7 @@ from pipeline.errors import PipelineError
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """The guard's knobs; their defaults and what each does: conf/eval/default.yaml `eval.guard`."""
+    """The guard's knobs; their defaults and what each does: eval/settings.py `eval.guard`."""
     window: float  # passes of memory per draft position: counts decay by 1 − 1/window per observation
     prior_passes: float  # weight of the calibrated acceptance, in observations
     probe_every: int  # passes off before one probing pass of a single draft

@@ -12,6 +12,7 @@ import sys
 
 from omegaconf import OmegaConf
 
+from pipeline.__main__ import register_settings  # noqa: F401  (registers every group's structured config)
 from pipeline.errors import PipelineError
 from pipeline.control.params import CONF, compose_config
 
