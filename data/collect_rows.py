@@ -119,7 +119,7 @@ class CollectSettings:
     once (registered as `collect/default`) and validated in one place (as eval/settings.py); what needs the target or
     the process group is checked where those are known. Validation also normalises (idempotent, so
     `dataclasses.replace` works)."""
-    domains: tuple[str, ...] | None = setting(None, "domains to collect, e.g. [code, math]; null = every train domain")
+    domains: Any = setting(None, "domains to collect, e.g. [code, math] or code; null = every train domain")
     max_prompts_per_domain: int | None = setting(64, "cap per domain (first N in file order); null = all. Sized so the "
                                                  "default CPU run fits 15 minutes on 2 cores (~34k target tokens: the "
                                                  "learning curve's first-order gain, docs/results.md)")

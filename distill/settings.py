@@ -274,7 +274,7 @@ class CalibrationSettings:
     engines: tuple[str, ...] = setting([], "serving engines to calibrate the export for too (ENGINES): hf times HF "
                                        "assisted generation; llamacpp builds llama.cpp and prices its passes with "
                                        "llama-bench; vllm / sglang / trtllm are planned with calibrate.gpu")
-    batch_sizes: tuple[int, ...] = setting([], "batch sizes to calibrate gamma for (distill/batch_sizes.py), e.g. "
+    batch_sizes: tuple[int, ...] | None = setting([], "batch sizes to calibrate gamma for (distill/batch_sizes.py), e.g. "
                                            "[1,2,4,8,16]; [] or null = skip (about a minute on 2 cores)")
     hf: HfCalibrationSettings = group(HfCalibrationSettings, "HF assisted generation (engines=[hf])")
     gpu: GpuCalibrationSettings = group(GpuCalibrationSettings, "vLLM (draft_model), SGLang (STANDALONE), "
@@ -377,7 +377,7 @@ class DistillSettings(DistillGroup):
         trainer setting never reruns calibration (dvc.yaml)."""
         if stage == "distill":
             values = _group(cfg, "distill")
-            trainer = _trainer(values.get("trainer"))
+            trainer = trainer_arguments(values.get("trainer"))
             return _build(cls, values, "distill", built={"calibration": KeepBest.from_config(cfg), "trainer": trainer})
         calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate")
         distill = _group(cfg, "distill", CALIBRATE_READS)
@@ -450,7 +450,7 @@ def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
             for key in keys if key in group}
 
 
-def _trainer(values) -> dict:
+def trainer_arguments(values) -> dict:
     """`distill.trainer` as one mapping: TrainingArguments names, its `extra` ones among them, and OUR_TRAINER_KEYS."""
     if not isinstance(values, dict):
         raise PipelineError(f"distill.trainer={values!r} is not a group of settings: see {DECLARED}")

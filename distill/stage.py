@@ -43,7 +43,7 @@ from pipeline.modelio.trained import RECORD, RECORD_VERSION
 FINGERPRINTED = ("objective", "trainer", "split")  # the groups that decide the trained weights (distill/settings.py)
 # Knobs added to those groups after checkpoints existed, with the value that means "off": hashed only when set, so
 # adding a knob does not orphan every checkpoint trained before it.
-ADDED_LATER = {("trainer", "lr_probe"): None, ("trainer", "stop_patience"): None}
+ADDED_LATER = {("trainer", "lr_probe"): None, ("trainer", "stop_patience"): None, ("trainer", "extra"): {}}
 # manifest keys that measure the collect run (its clock, disk and budget), not the rows it made: a rerun that only
 # re-merges finished shards rewrites them (wall_s), and must not orphan the checkpoint of the distill run it resumes
 COLLECT_RUN_MEASURES = ("wall_s", "generate_s", "tokens_per_s", "label_cost", "budget", "disk_bytes",

@@ -63,7 +63,7 @@ class EvalSettings:
     prompts_file: str | None = setting(None, "a JSONL in the prompt schema or Spec-Bench's question.jsonl; null = the "
                                        "prepare stage's eval split; heldout = the train prompts of the draft's "
                                        "reporting part (measured where the calibration predicted, not trained on)")
-    domains: tuple[str, ...] | None = setting(None, "keep only these domains, e.g. [code, math]; null = all")
+    domains: Any = setting(None, "keep only these domains, e.g. [code, math] or code; null = all")
     max_prompts_per_domain: int | None = setting(None, "null = all: max_minutes, not a count, decides how many run, so "
                                                  "a faster machine buys narrower intervals; domains are interleaved")
     max_new_tokens: int = setting(64, "tokens generated per request (one user turn): every method's first pass is the "

@@ -21,9 +21,21 @@ import torch
 import pipeline.__main__  # noqa: F401  (registers every settings group's structured config)
 
 REPO = Path(__file__).resolve().parent.parent
+from omegaconf import OmegaConf  # noqa: E402
+
 from pipeline.control.params import compose_config  # noqa: E402
 
-SHIPPED = compose_config([])  # the shipped settings: every group's declared defaults and the default presets
+
+
+class _Shipped:
+    """The shipped settings (every group's declared defaults and the default presets): a fresh copy per access."""
+    composed = compose_config([])
+
+    def __getattr__(self, group: str):  # plain containers, as a YAML file loads: keys may be set and deleted
+        return OmegaConf.create(OmegaConf.to_container(self.composed[group]))
+
+
+SHIPPED = _Shipped()
 LLAMACPP = SHIPPED.engines.llamacpp  # the shipped engine settings
 SERVER = {"context": int(LLAMACPP.context), "start_timeout": float(LLAMACPP.start_timeout)}  # llama-server's, as shipped
 # Tests never reach the hub; the embedded model comes from PyPI and is cached under artifacts/.
@@ -306,10 +318,7 @@ def distill_overrides(setup, out: Path, *extra: str) -> list[str]:
 
 
 def compose_distill(setup, out: Path, *extra: str):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("config", overrides=distill_overrides(setup, out, *extra))
+    return compose_config(distill_overrides(setup, out, *extra))
 
 
 def run_distill_stage(setup, out: Path, *extra: str):

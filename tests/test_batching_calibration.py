@@ -138,7 +138,6 @@ def test_settings_take_batch_sizes_from_conf_and_refuse_a_size_below_one(sizes, 
     from omegaconf import OmegaConf
 
     from distill.settings import DistillSettings
-    from tests.conftest import REPO
 
     cfg = OmegaConf.create({"distill": SHIPPED.distill,
                             "calibrate": SHIPPED.calibrate})

@@ -154,7 +154,7 @@ def test_ce_refuses_a_collect_with_onpolicy_rows(tmp_path, tiny_target, tiny_dra
 
 @pytest.mark.parametrize("extra, message", [
     (["collect.onpolicy.share=1.5"], r"collect\.onpolicy\.share=1\.5 must be in \[0, 1\]"),
-    (["collect.onpolicy.share=abc"], r"collect\.onpolicy\.share='abc' must be a number"),
+    (["collect.onpolicy.share=abc"], r"collect\.onpolicy\.share=abc: Value 'abc' of type 'str' could not be converted"),
     (["collect.onpolicy.share=0.5", "collect.topk=0"], r"needs collect\.topk > 0"),
     (["collect.onpolicy.share=0.5", "collect.backend=vllm"], r"needs collect\.backend=hf"),
     (["collect.onpolicy.share=0.5", "collect.onpolicy.draft=/nonexistent/draft"], r"is not a model directory"),

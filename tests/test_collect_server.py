@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from data.server_client import probe
 from pipeline.errors import PipelineError
@@ -303,11 +302,10 @@ def backend_for(urls, **server):
     """A ServerBackend on tiny_tokenizer (max_new_tokens 4, T=0.7), probing `urls` as the stage does."""
     from data.collect_rows import CollectSettings
     from data.collect_server import ServerBackend
-    from pipeline.sampling import Sampling
 
     options = {**SHIPPED.collect.server, "urls": list(urls), "retries": 2,
                "backoff": 0.01, "timeout": 5, **server}
-    settings = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=server.get("topk", 0),
+    settings = CollectSettings(temperature=0.7, max_new_tokens=4, samples_per_prompt=1, topk=server.get("topk", 0),
                                hidden_states=False, batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None,
                                max_prompts_per_domain=None, max_minutes=None, vllm={},
                                server={k: v for k, v in options.items() if k != "topk"})
@@ -420,18 +418,16 @@ def test_replies_that_cannot_be_rows_are_counted_skips(stubs):
     (["collect.server.engine=tgi"], r"unknown collect\.server\.engine='tgi'"),
     (["collect.server.concurrency=0"], r"collect\.server\.concurrency=0 must be ≥ 1"),
     (["collect.server.timeout=0"], r"collect\.server\.timeout=0\.0 must be > 0"),
-    (["collect.server.logprobs=maybe"], r"collect\.server\.logprobs='maybe' is not true or false"),
+    (["collect.server.logprobs=maybe"], r"collect\.server\.logprobs=maybe: Value 'maybe' is not a valid bool"),
     (["collect.server.launch=true", "collect.server.urls=[http://a:1]"], "leave collect.server.urls empty"),
     (["+collect.server.api_key=x"], r"unknown setting\(s\) collect\.server\.api_key"),
 ])
 def test_bad_server_settings_are_one_line_before_anything_runs(extra, message):
-    from hydra import compose, initialize_config_dir
-
     from data.collect_rows import CollectSettings
+    from pipeline.control.params import compose_config
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=extra)
-    with pytest.raises(PipelineError, match=message) as e:
+    with pytest.raises(PipelineError, match=message) as e:  # the schema refuses a value of the wrong type first
+        cfg = compose_config(extra)
         CollectSettings.from_config(cfg.collect, cfg.seed)
     assert "\n" not in str(e.value)
 
@@ -440,10 +436,9 @@ def test_the_fingerprint_holds_what_decides_server_rows_not_where_they_run():
     from dataclasses import replace
 
     from data.collect_rows import CollectSettings, ServerSettings
-    from pipeline.sampling import Sampling
 
     options = dict(SHIPPED.collect.server, urls=["http://a:1"])
-    base = CollectSettings(Sampling(0.7), max_new_tokens=4, samples_per_prompt=1, topk=0, hidden_states=False,
+    base = CollectSettings(temperature=0.7, max_new_tokens=4, samples_per_prompt=1, topk=0, hidden_states=False,
                            batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
                            max_minutes=None, vllm={}, server=options)
     moved = replace(base, server=ServerSettings.from_mapping({**options, "urls": ["http://b:2", "http://c:3"],

@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 import pipeline.control.deadline as deadline
 from pipeline.control.deadline import DeadlineSettings, RunDeadline, stage_budget_s, would_overrun
 from pipeline.errors import PipelineError
-from tests.conftest import REPO
+from tests.conftest import SHIPPED
 
-DEFAULT_DEADLINE = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "config.yaml").deadline)
+DEFAULT_DEADLINE = OmegaConf.to_container(SHIPPED.deadline)
 SETTINGS = DeadlineSettings(minutes=15, margin=0.25, shares={"collect": 0.4, "distill": 0.3, "eval": 0.3},
                             fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000}, overshoot_passes=0.0)
 
@@ -75,7 +75,7 @@ ITEM_S = {"collect": 8, "distill": 0.5, "calibrate": 0, "eval": 6}  # run's mach
 UNIT_S = 0.022                                           # its target verify pass
 
 
-DEFAULTS = DeadlineSettings.from_cfg(OmegaConf.load(REPO / "conf" / "config.yaml"))  # what a default run plans with
+DEFAULTS = DeadlineSettings.from_cfg(OmegaConf.create({"deadline": SHIPPED.deadline}))  # what a default run plans with
 
 
 def replanned(stage: str, clock_s: float, unit_s: float) -> float:

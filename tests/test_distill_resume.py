@@ -150,10 +150,9 @@ def test_a_knob_added_later_keeps_older_checkpoints_fingerprint_until_it_is_set(
     from omegaconf import OmegaConf, open_dict
 
     from distill.stage import ADDED_LATER, fingerprint
-    from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
-                            "distill": SHIPPED.distill})
+                            "distill": OmegaConf.to_container(SHIPPED.distill)})
     older = copy.deepcopy(cfg)
     with open_dict(older):
         for (group, key), off in ADDED_LATER.items():
@@ -174,7 +173,6 @@ def test_a_rerun_collect_that_only_re_merges_its_shards_keeps_the_checkpoint_nam
     from omegaconf import OmegaConf
 
     from distill.stage import fingerprint
-    from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
                             "distill": SHIPPED.distill})
@@ -192,7 +190,6 @@ def test_on_policy_continuations_are_as_long_as_the_collected_ones_and_that_leng
     from distill.stage import fingerprint
     from distill.trainer import DistillConfig
     from distill.training import generation_length
-    from tests.conftest import REPO
 
     cfg = OmegaConf.create({"seed": 0, "model": {"draft": {"layers": [0, 1]}},
                             "distill": SHIPPED.distill})
@@ -236,7 +233,6 @@ def test_loss_temperature_serving_resolves_to_the_serving_temperature_and_names_
 
     from distill.settings import DistillSettings, loss_temperature
     from distill.stage import fingerprint
-    from tests.conftest import REPO
 
     conf = SHIPPED.distill
     conf.objective.loss_temperature = "serving"

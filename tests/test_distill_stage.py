@@ -302,7 +302,7 @@ def test_vocab_subset_online_teacher_and_on_policy_batches(setup, tmp_path):
     (("distill.objective.lmbda=0.5", "distill.objective.loss=ce"), "loss=ce does not use"),
     (("distill.split.heldout_fraction=1.5",), r"distill\.split\.heldout_fraction=1\.5 must be in \(0, 1\)"),
     (("distill.trainer.max_steps=null", "distill.trainer.max_epochs=null"), "both null"),
-    (("calibrate.tree_samples=null",), r"calibrate\.tree_samples=None is not a count"),
+    (("calibrate.tree_samples=null",), r"field 'calibrate\.tree_samples' is not Optional"),
     (("distill.trainer.lr_probe={factors:[1.0,2.0],steps:10}",), r"distill\.trainer\.lr_probe=.* must be null or"),
     (("distill.trainer.stop_patience=0",), r"distill\.trainer\.stop_patience=0 is not a count"),
     (("+distill.objective.no_such_knob=1",), r"unknown setting\(s\) distill\.objective\.no_such_knob"),

@@ -10,7 +10,6 @@ import subprocess
 from types import SimpleNamespace
 
 import torch
-from omegaconf import OmegaConf
 
 from pipeline.engines import llamacpp
 from pipeline.engines.rules import FIELDS, RULES, candidate_rules, rule_record, unknown_keys

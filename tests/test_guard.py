@@ -2,7 +2,6 @@
 back, a draft cache that catches up after passes off, and bad settings as one line."""
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from pipeline.decoding import DecodeStats, DraftLength, DraftPlan, autoregressive_generate, chain, speculative_generate
@@ -13,7 +12,7 @@ from pipeline.decoding.loop import Pair, Profile
 from pipeline.errors import PipelineError
 from pipeline.heads import head_rows
 from pipeline.sampling import Sampling
-from tests.conftest import SHIPPED, REPO, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
+from tests.conftest import SHIPPED, N_SAMPLES, chi_square_pvalue, exact_joint, random_prompts, speculative_joint_counts
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 from scipy.stats import bootstrap
 
 from eval import metrics as M
@@ -15,7 +14,7 @@ from eval.intervals import speedup_stat
 from eval.tables import comparison_lines, domain_rows, method_rows, text_table
 from pipeline.decoding import DecodeStats
 from pipeline.measure.intervals import N_RESAMPLES
-from tests.conftest import SHIPPED, REPO
+from tests.conftest import SHIPPED
 
 BAND = tuple(SHIPPED.eval.control_band)  # the shipped eval.control_band
 STEP_S = 0.01  # seconds per generated token of the autoregressive target

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from distill.losses import distillation_loss
-from tests.conftest import SHIPPED, REPO, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
+from tests.conftest import SHIPPED, WORD_VOCAB as VOCAB, logits, tiny_llama, tiny_tokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

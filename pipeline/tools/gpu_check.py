@@ -116,14 +116,14 @@ def distill(cfg, m, rows: list[dict], steps: int, out: Path) -> tuple[Path, dict
     from datasets import Dataset
 
     from distill.export import save_draft
-    from distill.settings import OUR_TRAINER_KEYS
+    from distill.settings import OUR_TRAINER_KEYS, trainer_arguments
     from distill.trainer import DistillConfig, DistillTrainer
     from distill.training import mixed_bf16
     from pipeline.modelio.draft_init import build_draft
 
     rows = [r for r in rows if r["completion_ids"]]
     draft = build_draft(cfg.model.draft, m.target, m.tokenizer, cfg.paths, seed=int(cfg.seed))[0].train()
-    training = {k: v for k, v in OmegaConf.to_container(cfg.distill.trainer, resolve=True).items()
+    training = {k: v for k, v in trainer_arguments(OmegaConf.to_container(cfg.distill.trainer, resolve=True)).items()
                 if k not in OUR_TRAINER_KEYS}
     objective = OmegaConf.to_container(cfg.distill.objective, resolve=True)
     if "topk_ids" not in rows[0]:  # collect.topk=0: no cached labels, the target labels each batch
