@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.collect_text import TextSettings
 from pipeline.modelio.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys, group, register, setting
+from pipeline.settings import check_keys, group, register, setting
 from pipeline.sampling import Sampling, derive_seed
 
 BACKENDS = ("hf", "vllm", "server")

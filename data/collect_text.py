@@ -17,7 +17,7 @@ from typing import Mapping
 
 from pipeline.errors import PipelineError
 from pipeline.control.prompts import TEXT_FILE
-from pipeline.control.settings import check_keys, setting
+from pipeline.settings import check_keys, setting
 
 _FIX = "fix the override (the settings: data/collect_text.py)"
 _FORMATS = '{"messages": [...]}, {"conversations": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'

@@ -1,5 +1,5 @@
 """The distill and calibrate stages' settings (`distill.*`, `calibrate.*`), declared once: one frozen dataclass per
-group, each field with its default, type and help (pipeline/control/settings.py), registered as Hydra's structured
+group, each field with its default, type and help (pipeline/settings.py), registered as Hydra's structured
 configs `distill/default` and `calibrate/default`. `DistillSettings.from_config(cfg, stage)` builds the checked
 instance before anything loads (as eval/settings.py); what needs files or models is checked where they load.
 `trainer` goes to `transformers.TrainingArguments` by name (which validates it further) as a read-only mapping. The
@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys, group, register, setting
+from pipeline.settings import check_keys, group, register, setting
 
 TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,

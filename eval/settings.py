@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.decoding import POLICIES, DraftLength, DraftPlan, GuardSettings, parse_tree
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys, register, setting
+from pipeline.settings import check_keys, register, setting
 from pipeline.sampling import Sampling
 
 ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py

@@ -34,8 +34,8 @@ STAGES = {
 
 
 def register_settings() -> None:
-    """Every group's structured config (pipeline/control/settings.py): importing its settings module registers it."""
-    for module in ("pipeline.control.root", "pipeline.control.deadline", *dict.fromkeys(settings for _, settings in STAGES.values())):
+    """Every group's structured config (pipeline/settings.py): importing its settings module registers it."""
+    for module in ("pipeline.control.root", "pipeline.control.deadline", "pipeline.modelio.settings", *dict.fromkeys(settings for _, settings in STAGES.values())):
         importlib.import_module(module)
 
 

@@ -149,7 +149,8 @@ def test_the_circle_check_sees_a_circle(tmp_path):
 
 
 CORE_LAYERS = (  # the core's packages, each importing only from its own layer and those before it
-    ("pipeline.errors", "pipeline.atomic", "pipeline.machine", "pipeline.timing", "pipeline.sampling", "pipeline.heads"),
+    ("pipeline.errors", "pipeline.atomic", "pipeline.machine", "pipeline.timing", "pipeline.sampling", "pipeline.heads",
+     "pipeline.settings"),
     ("pipeline.decoding",),  # the decoder library: importable with nothing of a stage, a model loader or a profiler
     ("pipeline.engines",),  # each serving engine's rules and launch, in the decoder's terms
     ("pipeline.modelio",),
@@ -442,7 +443,7 @@ def test_the_harness_check_sees_a_planted_second_timing_loop(tmp_path):
     assert timing_loops(borrowed) == ["imports rotated", "imports timed"]
 
 
-# ---------------------------------------------------------------- each default once, in conf/
+# ---------------------------------------------------------------- each default once, in its settings dataclass
 
 # A parameter named like a setting (a name only one setting has) whose literal default means something else there.
 OTHER_MEANING = {
@@ -503,7 +504,7 @@ def test_no_setting_has_a_second_default_in_code():
             found = [(n, line) for n, line in restated_defaults(path, names) if (relative, n) not in OTHER_MEANING]
             if found:
                 offenders[relative] = found
-    assert not offenders, f"a default declared in conf/ restated in code (pass the setting instead): {offenders}"
+    assert not offenders, f"a setting's default restated outside its dataclass (pass the setting instead): {offenders}"
     assert all(any(n == name for n, _ in restated_defaults(REPO / path, names)) for path, name in OTHER_MEANING), \
         "a stale exemption"
 

@@ -162,3 +162,37 @@ def test_a_full_disk_is_one_line_and_exit_2(monkeypatch, capsys, error):
     monkeypatch.setattr(entry, "_main", lambda cfg: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):
         entry.main.__wrapped__(None)
+
+
+# ---------------------------------------------------------------- each setting declared once, in its dataclass
+
+def test_every_group_is_its_registered_dataclass_with_a_default_and_a_help_per_key():
+    """Settings declared once: each group of the composed config is the structured config of the dataclass that
+    declares it (default, type, help; `data`, a list of pinned sources, is a preset), every key of it has help, and
+    conf/ holds no YAML for a registered group."""
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import OmegaConf
+
+    from pipeline.settings import help_lines
+    from pipeline.tools.settings import registered
+
+    cfg = _compose()
+    typed = {name: OmegaConf.get_type(cfg[name]) for name in cfg if OmegaConf.is_dict(cfg[name])}
+    assert {name for name, kind in typed.items() if not is_dataclass(kind)} == {"data"}, typed
+    groups = registered()
+    assert all(typed[name] is groups[f"{name}/{'_base' if name == 'model' else 'default'}"] for name in typed if name != "data")
+    for name, kind in groups.items():
+        assert all(f.metadata.get("help") for f in fields(kind)), name
+        assert len(help_lines(kind, "")) >= len(fields(kind))
+        group, option = name.split("/")
+        assert not (REPO / "conf" / group / f"{option}.yaml").exists(), f"{name} is declared twice"
+
+
+def test_the_settings_tool_lists_every_key_with_its_default_and_help(capsys):
+    from pipeline.tools.__main__ import main
+
+    assert main(["settings", "tool.group=distill"]) == 0
+    out = capsys.readouterr().out
+    assert "distill.trainer.learning_rate = 0.003: " in out and "distill.objective.loss = 'fkl': " in out
+    assert main(["settings", "tool.group=nope"]) == 2

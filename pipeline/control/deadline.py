@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import PipelineError
-from pipeline.control.settings import check_keys, register, setting
+from pipeline.settings import check_keys, register, setting
 
 STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",

@@ -1,10 +1,10 @@
 """The groups every stage shares (`paths`, `engines`, `runtime`, `tracking`), declared once as structured configs
-(pipeline/control/settings.py); the deadline's are in pipeline/control/deadline.py."""
+(pipeline/settings.py); the deadline's are in pipeline/control/deadline.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.control.settings import group, register, setting
+from pipeline.settings import group, register, setting
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,11 @@ def model_config(source: str | Path):
 def _preset_config(preset: Path, role: str):
     """The config of a preset's target or draft; a derived or fresh draft is the target's config resized as
     distill builds it (layers subset, narrowed width, or `fresh` sizes)."""
-    spec = OmegaConf.merge(OmegaConf.load(REPO / "conf/model/_base.yaml"), OmegaConf.load(preset))
+    from pipeline.modelio.settings import ModelSettings
+
+    given = OmegaConf.load(preset)
+    given.pop("defaults", None)  # the preset's own defaults list names the schema merged here
+    spec = OmegaConf.merge(OmegaConf.structured(ModelSettings), given)
     if role not in ("target", "draft"):
         raise PipelineError(f"unknown role {role!r} in {preset.stem}:{role}: use {preset.stem} or {preset.stem}:draft")
     draft, init = spec.draft, spec.draft.init

@@ -12,29 +12,38 @@ import sys
 
 from omegaconf import OmegaConf
 
-from pipeline.__main__ import register_settings  # noqa: F401  (registers every group's structured config)
+import pipeline.__main__  # noqa: F401  (registers every group's structured config)
 from pipeline.errors import PipelineError
-from pipeline.control.params import CONF, compose_config
+from pipeline.control.params import compose_config
 
-SUBCOMMANDS = {  # subcommand -> module with `run(cfg)`; its settings: conf/tools/<subcommand>.yaml
+SUBCOMMANDS = {  # subcommand -> module with `run(cfg)` and its settings, registered as tools/<subcommand>
     "learning-curve": "pipeline.tools.learning_curve",
     "cost-profile": "pipeline.tools.cost_profile",
     "compare-drafts": "pipeline.tools.compare_drafts",
     "layer-choice": "pipeline.tools.layer_choice",
     "sources": "pipeline.tools.sources",
     "gpu-check": "pipeline.tools.gpu_check",
+    "settings": "pipeline.tools.settings",
 }
 
 
 def compose(subcommand: str, overrides: list[str]):
     """conf/config.yaml with the subcommand's settings under `tool` (MLflow off: a tool makes no run)."""
+    declared = set(_settings(subcommand).__dataclass_fields__)
     cfg = compose_config(["tracking.enabled=false", f"+tools={subcommand}", *overrides])
-    declared = set(OmegaConf.load(CONF / "tools" / f"{subcommand}.yaml"))
     undeclared = sorted(set(cfg.tool) - declared)
     if undeclared:  # `+tool.<key>=...` gets past Hydra's own check
-        raise PipelineError(f"tool.{undeclared[0]} is not a setting of {subcommand}: conf/tools/{subcommand}.yaml "
+        raise PipelineError(f"tool.{undeclared[0]} is not a setting of {subcommand}: {SUBCOMMANDS[subcommand]} "
                             f"declares {', '.join(sorted(declared))}")
     return cfg
+
+
+def _settings(subcommand: str):
+    """The subcommand's settings dataclass, registered by importing its module."""
+    from hydra.core.config_store import ConfigStore
+
+    importlib.import_module(SUBCOMMANDS[subcommand])
+    return OmegaConf.get_type(ConfigStore.instance().load(f"tools/{subcommand}.yaml").node)
 
 
 def run(argv: list[str]):
@@ -52,11 +61,11 @@ def run(argv: list[str]):
 
 
 def usage() -> str:
-    """The module docstring and each subcommand's first settings comment (what it does)."""
+    """The module docstring and each subcommand's first line of help (its settings' docstring)."""
     lines = [__doc__.strip(), "", "subcommands:"]
     for name in SUBCOMMANDS:
-        first = (CONF / "tools" / f"{name}.yaml").read_text().splitlines()[1]
-        lines.append(f"  {name:<20}{first.removeprefix('# python -m pipeline.tools ' + name + ':').strip()}")
+        first = _settings(name).__doc__.splitlines()[0].split(": ", 1)[1]
+        lines.append(f"  {name:<20}{first}")
     return "\n".join(lines)
 
 

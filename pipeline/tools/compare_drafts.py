@@ -7,16 +7,33 @@ paired bootstrap CI over the rows. A draft is an export or a distill stage's tra
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from distill import simulator as sim
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
+from pipeline.settings import register, setting
 from pipeline.modelio.trained import RECORD, read_record
 from pipeline.errors import PipelineError
 from pipeline.modelio.models import load_model
 from pipeline.decoding.spec import SpeculativeSpec
+
+
+@dataclass(frozen=True)
+class CompareDraftsSettings:
+    """compare-drafts: drafts side by side on one collect's held-out rows, with paired bootstrap CIs.
+
+    Held-out acceptance per domain on the rows of paths.collect."""
+    drafts: tuple[str, ...] = setting([], "two or more draft exports; the first is the one the others are compared with")
+    part: str = setting("reporting", "the held-out part judged on: reporting | calibration")
+    temperature: str = setting("serving", "the drafts' temperature: serving (the target's) | calibrated (each export's "
+                               "own tau) | argmax (drafting the argmax, llama.cpp's rule: alpha = p_T(argmax q))")
+    json: str | None = setting(None, "also write the table to this file")
+
+
+register("tools", CompareDraftsSettings, name="compare-drafts", package="tool")
 
 
 TEMPERATURES = ("serving", "calibrated", "argmax")

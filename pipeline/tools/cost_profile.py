@@ -7,15 +7,39 @@
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from pipeline.settings import register, setting
 from pipeline.measure import cost_profile as cp
 from pipeline.errors import PipelineError
 from pipeline.modelio.models import load_model, resolve_device
 from pipeline.decoding.spec import SpeculativeSpec
+
+
+@dataclass(frozen=True)
+class CostProfileToolSettings:
+    """cost-profile: a device's cost profile, at the points distill times.
+
+    The points are calibrate.cost's; device and dtype are runtime.device and runtime.dtype."""
+    target: str | None = setting(None, "HF model directory of the target (real weights), or")
+    target_config: str | None = setting(None, "config.json, a directory holding one, or a preset name (conf/model/): "
+                                        "random weights")
+    draft: str | None = setting(None, "HF model directory of the draft, or")
+    draft_config: str | None = setting(None, "as target_config; `<preset>:draft` for a preset's draft")
+    vocab_subset: int = setting(0, "draft head rows (FR-Spec K); 0 = the draft export's subset, else the full vocabulary")
+    tokens_fed: tuple[int, ...] = setting("${calibrate.cost.tokens_fed}", "target forward widths timed")
+    contexts: tuple[int, ...] = setting("${calibrate.cost.contexts}", "KV-cache lengths they are timed at")
+    repeats: int = setting("${calibrate.cost.repeats}", "timed rounds per point")
+    warmup: int = setting("${calibrate.cost.warmup}", "untimed rounds first")
+    max_gamma: int = setting(8, "verify ratios printed for gamma = 1..this")
+    out: str = setting("cost_profile.json", "where the profile is written (atomically)")
+
+
+register("tools", CostProfileToolSettings, name="cost-profile", package="tool")
 
 def options(cfg) -> SimpleNamespace:
     """tool.* with exactly one of a directory or a config per role."""

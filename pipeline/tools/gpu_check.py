@@ -15,7 +15,7 @@ import copy
 import platform
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +27,7 @@ from eval.fidelity import divergence
 from eval.harness import by_method, time_requests
 from eval.intervals import bootstrap_ci, speedup_stat
 from pipeline.atomic import write_json
+from pipeline.settings import register, setting
 from pipeline.modelio.chat import encode_chat, stop_token_ids
 from pipeline.measure.cost_profile import machine, random_model
 from pipeline.decoding import GREEDY, DraftPlan, autoregressive_generate, speculative_generate
@@ -35,6 +36,30 @@ from pipeline.errors import PipelineError
 from pipeline.modelio.models import load_model, load_tokenizer, resolve_device, resolve_model
 from pipeline.timing import synced_clock
 from pipeline.control.prompts import load_prompts
+
+
+@dataclass(frozen=True)
+class GpuCheckSettings:
+    """gpu-check: collect, distill steps, the decoder's exactness and speed, HF assisted, on one device.
+
+    collect.*, distill.objective/trainer and model.draft as the stages read them. A few
+    minutes with a 135M target; a first H200 (a VM) ran past 200 s at these sizes (docs/results.md): the JSON is
+    written after each phase, so time a small run first."""
+    device: str = setting("${runtime.device}", "auto (CUDA when present) | cuda | cpu; the dtype is runtime.dtype")
+    target: str | None = setting(None, "HF model directory of the target; null = the model preset's (converted) target")
+    random_weights: bool = setting(False, "true = random weights of tool.target's config.json, with its tokenizer: a "
+                                   "machine without the weights needs only the directory's JSON files, a few MB")
+    prompts: str = setting("data/prompts/qa_python_faq.jsonl", "a prompt JSONL (checked in: no prepare stage needed)")
+    n_prompts: int = setting(16, "first user turns, spread over the file: collected, distilled on and decoded")
+    collect_tokens: int = setting(64, "new tokens per collected completion")
+    distill_steps: int = setting(8, "DistillTrainer optimizer steps on the collected rows")
+    max_new_tokens: int = setting(96, "new tokens per exactness and speed request (greedy)")
+    gamma: int = setting(4, "our decoder's fixed draft length")
+    repeats: int = setting(2, "timed rounds over the prompts, plain and speculative interleaved")
+    out: str = setting("gpu_check.json", "the result, written atomically")
+
+
+register("tools", GpuCheckSettings, name="gpu-check", package="tool")
 
 
 # ---------------------------------------------------------------- the decoders, fn(models, ids, n) -> (tokens, stats)

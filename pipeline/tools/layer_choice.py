@@ -12,6 +12,7 @@ cost on a device where a draft's cost follows its depth, so only the acceptance 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,9 +20,31 @@ from omegaconf import OmegaConf
 
 from distill import simulator as sim
 from distill.heldouts import build_heldouts, load_target_inputs, split_collected
+from pipeline.settings import register, setting
 from pipeline.errors import PipelineError
 from pipeline.modelio.models import derive_draft
 from pipeline.tools.compare_drafts import compare, render
+
+
+@dataclass(frozen=True)
+class LayerChoiceSettings:
+    """layer-choice: the layers a shallow draft keeps, chosen by held-out acceptance.
+
+    On one collect's rows (paths.collect); the choice against a baseline with a paired CI."""
+    keep: int = setting(2, "layers the draft keeps")
+    search: str = setting("greedy", "greedy (one layer added or removed per step, ~keep*n subsets judged) | block (each "
+                          "contiguous block of n - keep layers dropped: keep + 1 subsets, for deep sources)")
+    source: str = setting("target", "target (a draft derived from the target's layers) | draft (model.draft, "
+                          "pretrained, pruned)")
+    steps: int = setting(0, "judge each subset after this many constant-rate steps of distill's recipe, as the "
+                         "learning-rate probe does; 0 = untrained")
+    baseline: list[int] | None = setting(None, "the subset compared with; null = the configured list "
+                                         "(model.draft.derive.layers or keep_layers) where it has `keep` layers, else "
+                                         "the first `keep`")
+    json: str | None = setting(None, "also write the result to this file")
+
+
+register("tools", LayerChoiceSettings, name="layer-choice", package="tool")
 
 SOURCES = ("target", "draft")
 

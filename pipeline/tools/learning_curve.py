@@ -13,11 +13,23 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.settings import register, setting
 from pipeline.decoding.cost import pass_speedup
 from pipeline.errors import PipelineError
 from pipeline.decoding.spec import SpeculativeSpec
+
+
+@dataclass(frozen=True)
+class LearningCurveSettings:
+    """learning-curve: learning curves from draft exports."""
+    drafts: tuple[str, ...] = setting([], "draft export directories (paths.draft of distill runs)")
+    out: str | None = setting(None, "the directory the report is written into")
+
+
+register("tools", LearningCurveSettings, name="learning-curve", package="tool")
 
 OVERALL = "overall"
 

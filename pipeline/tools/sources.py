@@ -4,11 +4,23 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from data.sources import python_faq_from_rst
+from pipeline.settings import register, setting
 from pipeline.errors import PipelineError
 from pipeline.control.prompts import write_prompts
+
+
+@dataclass(frozen=True)
+class SourcesSettings:
+    """sources: the checked-in Python FAQ prompts, regenerated."""
+    faq_dir: str | None = setting(None, "the Python docs' _sources/faq directory (data/SOURCES.md, \"qa\")")
+    out: str = setting("data/prompts/qa_python_faq.jsonl", "written atomically")
+
+
+register("tools", SourcesSettings, name="sources", package="tool")
 
 
 def run(cfg) -> list[dict]:

@@ -35,12 +35,11 @@ def _writable(node):
     return node
 
 
-def register(name: str, cls, package: str | None = None) -> None:
-    """`cls` as the `default` option of config group `name` (conf/config.yaml's defaults list picks it)."""
+def register(group: str, cls, name: str = "default", package: str | None = None) -> None:
+    """`cls` as option `name` of config group `group` (conf/config.yaml's defaults list, or a preset's, picks it)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group=name, name="default", node=_writable(OmegaConf.structured(cls)),
-                                 package=package)
+    ConfigStore.instance().store(group=group, name=name, node=_writable(OmegaConf.structured(cls)), package=package)
 
 
 def help_lines(cls, prefix: str) -> list[str]:
