@@ -25,6 +25,11 @@ def group(cls, help: str):
     return field(default_factory=cls, metadata={"help": help})
 
 
+def schema(cls):
+    """`cls`'s structured config at its defaults, open to overrides and presets."""
+    return _writable(OmegaConf.structured(cls))
+
+
 def _writable(node):
     """A frozen dataclass makes a read-only node; overrides and presets must still merge into the schema."""
     node._set_flag("readonly", None)
@@ -39,7 +44,7 @@ def register(group: str, cls, name: str = "default", package: str | None = None)
     """`cls` as option `name` of config group `group` (conf/config.yaml's defaults list, or a preset's, picks it)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group=group, name=name, node=_writable(OmegaConf.structured(cls)), package=package)
+    ConfigStore.instance().store(group=group, name=name, node=schema(cls), package=package)
 
 
 def help_lines(cls, prefix: str) -> list[str]:

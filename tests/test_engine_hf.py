@@ -12,7 +12,7 @@ from pipeline.decoding.draft_length import DraftLength
 from pipeline.errors import PipelineError
 from pipeline.sampling import Sampling
 from pipeline.decoding.spec import SpeculativeSpec
-from tests.test_eval_stage import run_stage  # noqa: F401  (the module fixture and the stage runner)
+from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
 from tests.conftest import read_spec
 
 

@@ -311,10 +311,11 @@ def _preset_config(preset: Path, role: str):
     """The config of a preset's target or draft; a derived or fresh draft is the target's config resized as
     distill builds it (layers subset, narrowed width, or `fresh` sizes)."""
     from pipeline.modelio.settings import ModelSettings
+    from pipeline.settings import schema
 
     given = OmegaConf.load(preset)
     given.pop("defaults", None)  # the preset's own defaults list names the schema merged here
-    spec = OmegaConf.merge(OmegaConf.structured(ModelSettings), given)
+    spec = OmegaConf.merge(schema(ModelSettings), given)
     if role not in ("target", "draft"):
         raise PipelineError(f"unknown role {role!r} in {preset.stem}:{role}: use {preset.stem} or {preset.stem}:draft")
     draft, init = spec.draft, spec.draft.init
