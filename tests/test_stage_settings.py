@@ -166,11 +166,32 @@ def test_a_full_disk_is_one_line_and_exit_2(monkeypatch, capsys, error):
 
 # ---------------------------------------------------------------- each setting declared once, in its dataclass
 
+def untyped_groups(cfg) -> set[str]:
+    """The groups of a composed config that no dataclass declares (plain YAML)."""
+    from dataclasses import is_dataclass
+
+    from omegaconf import OmegaConf
+
+    return {name for name in cfg if OmegaConf.is_dict(cfg[name]) and not is_dataclass(OmegaConf.get_type(cfg[name]))}
+
+
+def test_the_typed_group_check_sees_a_group_declared_in_yaml_alone(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "extra").mkdir(parents=True)
+    (conf / "extra" / "default.yaml").write_text("knob: 1\n")
+    (conf / "config.yaml").write_text((REPO / "conf/config.yaml").read_text().replace(
+        "  - experiment: null", "  - experiment: null\n  - extra: default"))
+    for preset in ("model", "data", "experiment"):
+        (conf / preset).symlink_to(REPO / "conf" / preset)
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        assert untyped_groups(compose("config")) == {"data", "extra"}
+
+
 def test_every_group_is_its_registered_dataclass_with_a_default_and_a_help_per_key():
     """Settings declared once: each group of the composed config is the structured config of the dataclass that
     declares it (default, type, help; `data`, a list of pinned sources, is a preset), every key of it has help, and
     conf/ holds no YAML for a registered group."""
-    from dataclasses import fields, is_dataclass
+    from dataclasses import fields
 
     from omegaconf import OmegaConf
 
@@ -179,7 +200,7 @@ def test_every_group_is_its_registered_dataclass_with_a_default_and_a_help_per_k
 
     cfg = _compose()
     typed = {name: OmegaConf.get_type(cfg[name]) for name in cfg if OmegaConf.is_dict(cfg[name])}
-    assert {name for name, kind in typed.items() if not is_dataclass(kind)} == {"data"}, typed
+    assert untyped_groups(cfg) == {"data"}, typed
     groups = registered()
     assert all(typed[name] is groups[f"{name}/{'_base' if name == 'model' else 'default'}"] for name in typed if name != "data")
     for name, kind in groups.items():
