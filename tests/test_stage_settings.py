@@ -131,6 +131,19 @@ def test_a_bad_setting_in_a_params_file_fails_its_stage_in_one_line(tmp_path):
     assert not (tmp_path / "artifacts" / "eval").exists()
 
 
+def test_a_value_of_the_wrong_type_in_a_params_file_is_one_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.load(REPO / "params.yaml")
+    params.distill.trainer.learning_rate = "fast"
+    params.paths = {key: str(tmp_path / "artifacts" / key) for key in params.paths}
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    done = _cli(tmp_path, "stage=distill", f"params_file={tmp_path}/params.yaml")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "Value 'fast' of type 'str' could not be converted to Float (at distill.trainer.learning_rate)" in err, err
+
+
 def test_paths_an_earlier_stage_will_write_are_not_checked_before_it_runs(tmp_path):
     """The draft and the prompts of a fresh run exist only once distill and prepare have run: their checks stay where
     those load (eval/drafts.py, pipeline/control/prompts.py), not in the settings check."""

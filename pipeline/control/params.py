@@ -10,6 +10,7 @@ import itertools
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from pipeline.atomic import atomic_file
 from pipeline.errors import PipelineError
@@ -81,4 +82,8 @@ def from_params_file(cfg: DictConfig, overrides: list[str]) -> DictConfig:
                                           f"missing keys {missing[:5]}" if missing else ""]))
         raise PipelineError(f"{path} does not match this code's config ({problem}): rewrite it with "
                             "`python -m pipeline stage=params [overrides]`")
-    return OmegaConf.merge(OmegaConf.create(loaded), {k: cfg.get(k) for k in RUN_KEYS})
+    try:  # into the composed schema: a value of the wrong type fails as it would on the command line
+        return OmegaConf.merge(cfg, loaded, {k: cfg.get(k) for k in RUN_KEYS})
+    except ValidationError as e:
+        raise PipelineError(f"{path}: {str(e).strip().splitlines()[0]} (at {e.full_key}): fix the value or rewrite "
+                            "the file with `python -m pipeline stage=params [overrides]`") from None
