@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.collect_text import TextSettings
 from pipeline.modelio.chat import encode_chat, messages_for
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys, group, register, setting
+from pipeline.settings import build, group, refuse, register, setting
 from pipeline.sampling import Sampling, derive_seed
 
 BACKENDS = ("hf", "vllm", "server")
@@ -32,20 +32,9 @@ class OnPolicySettings:
                            "target row's labels for a prefill's cost. 0 = off; needs backend=hf and topk > 0")
     draft: str | None = setting(None, "a draft model directory; null = model.draft, the draft distill starts from")
 
-    @classmethod
-    def from_mapping(cls, values) -> "OnPolicySettings":
-        if values is None:
-            return cls()
-        if not isinstance(values, Mapping):
-            raise PipelineError(f"collect.onpolicy={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.onpolicy", DECLARED)
-        settings = cls(_config_number("onpolicy.share", values["share"], float), values["draft"])
-        if not 0.0 <= settings.share <= 1.0:
-            raise PipelineError(f"collect.onpolicy.share={settings.share} must be in [0, 1] (0 = off): {_FIX}")
-        if settings.draft is not None and not isinstance(settings.draft, str):
-            raise PipelineError(f"collect.onpolicy.draft={settings.draft!r} must be a draft directory or null "
-                                f"(model.draft): {_FIX}")
-        return settings
+    def __post_init__(self):
+        if not 0.0 <= self.share <= 1.0:
+            raise PipelineError(f"collect.onpolicy.share={self.share} must be in [0, 1] (0 = off): {_FIX}")
 
 
 ENDPOINTS = ("completions", "chat")
@@ -71,45 +60,23 @@ class ServerSettings:
                              "T=1 distribution (llama-server; vLLM with --logprobs-mode raw_logprobs); false: "
                              "distill's label pass computes them")
 
-    @classmethod
-    def from_mapping(cls, values) -> "ServerSettings":
-        if values is None:  # no servers
-            return cls()
-        if not isinstance(values, Mapping):
-            raise PipelineError(f"collect.server={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.server", DECLARED)
-        urls = values["urls"]
-        urls = () if urls is None else (urls,) if isinstance(urls, str) else tuple(str(u) for u in urls)
-        numbers = {key: _config_number(f"server.{key}", values[key], kind)
-                   for key, kind in (("concurrency", int), ("timeout", float), ("retries", int), ("backoff", float))}
-        settings = cls(urls=tuple(u.rstrip("/") for u in urls), model=values["model"], endpoint=values["endpoint"],
-                       engine=values["engine"], logprobs=values["logprobs"], launch=values["launch"], **numbers)
-        checks = [
-            (any(not u.startswith(("http://", "https://")) for u in settings.urls),
-             f"collect.server.urls={list(urls)} must be http(s):// base URLs: {_FIX}"),
-            (len(set(settings.urls)) < len(settings.urls),
-             f"collect.server.urls={list(urls)} lists a server twice: use collect.server.concurrency for more "
-             "requests in flight"),
-            (settings.model is not None and not isinstance(settings.model, str),
-             f"collect.server.model={settings.model!r} must be a model name or null: {_FIX}"),
-            (settings.endpoint not in ENDPOINTS,
-             f"unknown collect.server.endpoint={settings.endpoint!r}: use completions or chat"),
-            (settings.engine not in ENGINES,
-             f"unknown collect.server.engine={settings.engine!r}: use {', '.join(ENGINES)}"),
-            (settings.concurrency < 1, f"collect.server.concurrency={settings.concurrency} must be ≥ 1: {_FIX}"),
-            (settings.timeout <= 0, f"collect.server.timeout={settings.timeout} must be > 0 seconds: {_FIX}"),
-            (settings.retries < 0, f"collect.server.retries={settings.retries} must be ≥ 0: {_FIX}"),
-            (settings.backoff < 0, f"collect.server.backoff={settings.backoff} must be ≥ 0 seconds: {_FIX}"),
-            (not isinstance(settings.logprobs, bool),
-             f"collect.server.logprobs={settings.logprobs!r} is not true or false: {_FIX}"),
-            (not isinstance(settings.launch, bool),
-             f"collect.server.launch={settings.launch!r} is not true or false: {_FIX}"),
-            (settings.launch and settings.urls,
-             "collect.server.launch=true starts its own llama-server: leave collect.server.urls empty")]
-        for bad, message in checks:
-            if bad:
-                raise PipelineError(message)
-        return settings
+    def __post_init__(self):
+        urls = list(self.urls)
+        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in urls))  # frozen: normalised once, here
+        refuse([
+            (any(not u.startswith(("http://", "https://")) for u in urls),
+             f"collect.server.urls={urls} must be http(s):// base URLs: {_FIX}"),
+            (len(set(self.urls)) < len(urls),
+             f"collect.server.urls={urls} lists a server twice: use collect.server.concurrency for more requests in "
+             "flight"),
+            (self.endpoint not in ENDPOINTS, f"unknown collect.server.endpoint={self.endpoint!r}: use completions or chat"),
+            (self.engine not in ENGINES, f"unknown collect.server.engine={self.engine!r}: use {', '.join(ENGINES)}"),
+            (self.concurrency < 1, f"collect.server.concurrency={self.concurrency} must be ≥ 1: {_FIX}"),
+            (self.timeout <= 0, f"collect.server.timeout={self.timeout} must be > 0 seconds: {_FIX}"),
+            (self.retries < 0, f"collect.server.retries={self.retries} must be ≥ 0: {_FIX}"),
+            (self.backoff < 0, f"collect.server.backoff={self.backoff} must be ≥ 0 seconds: {_FIX}"),
+            (self.launch and self.urls,
+             "collect.server.launch=true starts its own llama-server: leave collect.server.urls empty")])
 
 
 @dataclass(frozen=True)
@@ -162,31 +129,15 @@ class CollectSettings:
         return Sampling(self.temperature, self.top_k, self.top_p)
 
     def __post_init__(self):
-        for key, kind in zip(self.SAMPLING, (float, int, float)):
-            self._normalise(key, _config_number(key, getattr(self, key), kind))
         try:
             self.sampling  # noqa: B018  (validates the serving distribution)
         except PipelineError as e:  # the core names the field; the user needs the collect.* key
             raise PipelineError(f"collect.{e} ({_FIX})") from None
-        for key, kind in (("max_new_tokens", int), ("samples_per_prompt", int), ("topk", int), ("batch_size", int),
-                          ("shard_size", int), ("seed", int)):
-            self._normalise(key, _config_number(key, getattr(self, key), kind))
-        for key, kind in (("max_prompts_per_domain", int), ("max_minutes", float)):
-            if getattr(self, key) is not None:
-                self._normalise(key, _config_number(key, getattr(self, key), kind))
         domains = self.domains
         if domains is not None:
             self._normalise("domains", (domains,) if isinstance(domains, str) else tuple(domains))
-        if not isinstance(self.vllm, Mapping):
-            raise PipelineError(f"collect.vllm={self.vllm!r} is not a group of settings: {_FIX}")
         self._normalise("vllm", MappingProxyType(dict(self.vllm)))
-        if not isinstance(self.server, ServerSettings):
-            self._normalise("server", ServerSettings.from_mapping(self.server))
-        if not isinstance(self.onpolicy, OnPolicySettings):
-            self._normalise("onpolicy", OnPolicySettings.from_mapping(self.onpolicy))
-        if not isinstance(self.text, TextSettings):
-            self._normalise("text", TextSettings.from_mapping(self.text))
-        checks = [
+        refuse([
             (self.max_new_tokens < 1, f"collect.max_new_tokens={self.max_new_tokens} must be ≥ 1: {_FIX}"),
             (self.samples_per_prompt < 1,
              f"collect.samples_per_prompt={self.samples_per_prompt} must be ≥ 1: {_FIX}"),
@@ -200,10 +151,6 @@ class CollectSettings:
             (self.backend == "server" and not self.server.urls and not self.server.launch,
              "collect.backend=server needs collect.server.urls: list the servers' base URLs, e.g. "
              "collect.server.urls=[http://127.0.0.1:8080], or set collect.server.launch=true"),
-            (not isinstance(self.keep_shards, bool), f"collect.keep_shards={self.keep_shards!r} is not true or "
-                                                     f"false: {_FIX}"),
-            (not isinstance(self.hidden_states, bool), f"collect.hidden_states={self.hidden_states!r} is not true or "
-                                                       f"false: {_FIX}"),
             (self.domains is not None and not self.domains,
              "collect.domains is empty: list domains to collect or set collect.domains=null for all"),
             (self.max_prompts_per_domain is not None and self.max_prompts_per_domain < 0,
@@ -217,10 +164,7 @@ class CollectSettings:
             (self.text.paths and self.backend != "hf", "collect.text.paths needs collect.backend=hf: the target "
              "labels the text in process"),
             (self.text.paths and not self.topk, "collect.text.paths needs collect.topk > 0: text rows are worth "
-             "only the target's labels")]
-        for bad, message in checks:
-            if bad:
-                raise PipelineError(message)
+             "only the target's labels")])
 
     @property
     def labels_prepared_text(self) -> bool:
@@ -233,10 +177,8 @@ class CollectSettings:
         """The settings in `cfg.collect` (interpolations resolved; a null collect.seed is `default_seed`, the root
         seed); checked before anything is loaded."""
         values = OmegaConf.to_container(collect_cfg, resolve=True)
-        check_keys(values, [f.name for f in fields(cls)], "collect", DECLARED)
-        if values["seed"] is None:
-            values["seed"] = default_seed
-        return cls(**values)
+        seed = values.get("seed")
+        return build(cls, values, "collect", DECLARED, {"seed": default_seed if seed is None else seed})
 
     def _normalise(self, key: str, value) -> None:
         object.__setattr__(self, key, value)  # frozen: validation is the one place that may set a field
@@ -278,18 +220,6 @@ class CollectSettings:
         if self.backend == "server":
             return "server" if self.server.logprobs else "distill"  # distill: its own target pass labels the rows
         return "target-forward"
-
-
-def _config_number(key: str, value, kind: type):
-    """collect.<key> as an int or float, or a one-line error naming the key."""
-    fractional = kind is int and isinstance(value, float) and not value.is_integer()
-    try:
-        if isinstance(value, bool) or fractional:
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
-        noun = "an integer" if kind is int else "a number"
-        raise PipelineError(f"collect.{key}={value!r} must be {noun}: {_FIX}") from None
 
 
 # ----------------------------------------------------------------------------- rows

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from pipeline.errors import PipelineError
 from pipeline.control.prompts import TEXT_FILE
-from pipeline.settings import check_keys, setting
+from pipeline.settings import refuse, setting
 
 _FIX = "fix the override (the settings: data/collect_text.py)"
 _FORMATS = '{"messages": [...]}, {"conversations": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'
@@ -38,28 +37,12 @@ class TextSettings:
     max_tokens: int | None = setting(None, "label at most this many completion tokens, in file order; null = all")
     chunk_tokens: int = setting(256, "tokens per row of plain text, and the most of one answer of a conversation")
 
-    @classmethod
-    def from_mapping(cls, values) -> "TextSettings":
-        if values is None:
-            return cls(prepared=False)
-        if not isinstance(values, Mapping):
-            raise PipelineError(f"collect.text={values!r} is not a group of settings: {_FIX}")
-        check_keys(dict(values), [f.name for f in fields(cls)], "collect.text", "data/collect_text.py")
-        paths = values["paths"] or ()
-        paths = (paths,) if isinstance(paths, str) else tuple(str(p) for p in paths)
-        numbers = {}
-        for key in ("max_tokens", "chunk_tokens"):
-            value = values[key]
-            if (value is not None or key == "chunk_tokens") and (isinstance(value, bool) or not isinstance(value, int)
-                                                                  or value < 1):
-                raise PipelineError(f"collect.text.{key}={value!r} must be an integer ≥ 1"
-                                    f"{' (null = all)' if key == 'max_tokens' else ''}: {_FIX}")
-            numbers[key] = value
-        if not isinstance(values["domain"], str) or not values["domain"]:
-            raise PipelineError(f"collect.text.domain={values['domain']!r} must be a domain name: {_FIX}")
-        if not isinstance(values["prepared"], bool):
-            raise PipelineError(f"collect.text.prepared={values['prepared']!r} must be true or false: {_FIX}")
-        return cls(paths, values["prepared"], values["domain"], **numbers)
+    def __post_init__(self):
+        object.__setattr__(self, "paths", tuple(self.paths))  # frozen: normalised once, here
+        refuse([(self.max_tokens is not None and self.max_tokens < 1,
+                 f"collect.text.max_tokens={self.max_tokens!r} must be an integer ≥ 1 (null = all): {_FIX}"),
+                (self.chunk_tokens < 1, f"collect.text.chunk_tokens={self.chunk_tokens!r} must be an integer ≥ 1: {_FIX}"),
+                (not self.domain, f"collect.text.domain={self.domain!r} must be a domain name: {_FIX}")])
 
 
 @dataclass(frozen=True)

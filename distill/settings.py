@@ -7,15 +7,15 @@ checkpoint fingerprint (distill/stage.py) hashes the composed config's groups, n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
-from types import MappingProxyType, UnionType
-from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys, group, register, setting
+from pipeline.settings import build, check_keys, group, register, setting
 
 TEACHERS = ("online", "topk")
 # The `trainer` keys the stage reads itself (distill/training.py); every other one goes to TrainingArguments as is,
@@ -378,10 +378,12 @@ class DistillSettings(DistillGroup):
         if stage == "distill":
             values = _group(cfg, "distill")
             trainer = trainer_arguments(values.get("trainer"))
-            return _build(cls, values, "distill", built={"calibration": KeepBest.from_config(cfg), "trainer": trainer})
-        calibration = _build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate")
+            keep = KeepBest.from_config(cfg)
+            return build(cls, values, "distill", DECLARED, built={"calibration": keep, "trainer": trainer})
+        calibration = build(CalibrationSettings, _group(cfg, "calibrate"), "calibrate", DECLARED)
         distill = _group(cfg, "distill", CALIBRATE_READS)
-        return _build(cls, distill, "distill", built={"calibration": calibration, "trainer": None, "checkpoint": None})
+        return build(cls, distill, "distill", DECLARED,
+                     built={"calibration": calibration, "trainer": None, "checkpoint": None})
 
     def __post_init__(self):
         if self.trainer is None:  # the calibrate stage's settings
@@ -445,7 +447,7 @@ def _group(cfg: DictConfig, name: str, keys: tuple[str, ...] | None = None):
         raise PipelineError(f"the composed config has no `{name}` group: restore its line in conf/config.yaml's defaults")
     if keys is None:
         return OmegaConf.to_container(cfg[name], resolve=True)
-    group = cfg[name]  # a key it lacks is left out, for _build's check_keys to name
+    group = cfg[name]  # a key it lacks is left out, for build's check_keys to name
     return {key: OmegaConf.to_container(group[key], resolve=True) if isinstance(group[key], DictConfig) else group[key]
             for key in keys if key in group}
 
@@ -457,26 +459,6 @@ def trainer_arguments(values) -> dict:
     check_keys(values, [f.name for f in fields(TrainerSettings)], "distill.trainer", DECLARED)
     extra = values.get("extra") or {}
     return {**{key: value for key, value in values.items() if key != "extra"}, **extra}
-
-
-def _build(cls, values, where: str, source: str = DECLARED, built: dict | None = None):
-    """`cls` from the mapping `values` at `where` (e.g. calibrate.cost), declared in `source`: every field's key, no
-    other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping."""
-    if not isinstance(values, dict):
-        raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from {source}")
-    built = built or {}
-    values = {key: value for key, value in values.items() if key not in built}
-    names = [f.name for f in fields(cls) if f.name not in built]
-    check_keys(values, names, where, source)
-    types = {name: _settings_type(hint) for name, hint in get_type_hints(cls).items()}
-    return cls(**built, **{name: _build(types[name], values[name], f"{where}.{name}", source)
-                           if is_dataclass(types[name]) else values[name] for name in names})
-
-
-def _settings_type(hint):
-    """`X | None` -> X, so an optional group of settings is built as its dataclass where it is given."""
-    args = [arg for arg in get_args(hint) if arg is not type(None)]
-    return args[0] if get_origin(hint) in (Union, UnionType) and len(args) == 1 else hint
 
 
 def check_settings(cfg: DictConfig) -> None:

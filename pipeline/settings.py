@@ -5,6 +5,8 @@ type while composing, and the stage builds the checked instance from the compose
 from __future__ import annotations
 
 from dataclasses import MISSING, field, fields, is_dataclass
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -70,3 +72,30 @@ def check_keys(values: dict, names: list[str], where: str, declared: str) -> Non
     if missing:
         raise PipelineError(f"setting(s) {', '.join(f'{where}.{key}' for key in missing)} missing from the composed "
                             f"config: {declared} declares them")
+
+
+def build(cls, values, where: str, declared: str, built: dict | None = None):
+    """`cls` from the mapping `values` at `where` (e.g. calibrate.cost), declared in `declared`: every field's key, no
+    other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping."""
+    if not isinstance(values, dict):
+        raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from {declared}")
+    built = built or {}
+    values = {key: value for key, value in values.items() if key not in built}
+    names = [f.name for f in fields(cls) if f.name not in built]
+    check_keys(values, names, where, declared)
+    types = {name: _settings_type(hint) for name, hint in get_type_hints(cls).items()}
+    return cls(**built, **{name: build(types[name], values[name], f"{where}.{name}", declared)
+                           if is_dataclass(types[name]) else values[name] for name in names})
+
+
+def _settings_type(hint):
+    """`X | None` -> X, so an optional group of settings is built as its dataclass where it is given."""
+    args = [arg for arg in get_args(hint) if arg is not type(None)]
+    return args[0] if get_origin(hint) in (Union, UnionType) and len(args) == 1 else hint
+
+
+def refuse(checks) -> None:
+    """The message of the first `(bad, message)` whose `bad` holds, as a one-line error."""
+    for bad, message in checks:
+        if bad:
+            raise PipelineError(message)

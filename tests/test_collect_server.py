@@ -300,7 +300,7 @@ STOP = [1, 3]  # tiny_tokenizer's </s> and <|im_end|>
 
 def backend_for(urls, **server):
     """A ServerBackend on tiny_tokenizer (max_new_tokens 4, T=0.7), probing `urls` as the stage does."""
-    from data.collect_rows import CollectSettings
+    from data.collect_rows import CollectSettings, ServerSettings
     from data.collect_server import ServerBackend
 
     options = {**SHIPPED.collect.server, "urls": list(urls), "retries": 2,
@@ -308,7 +308,7 @@ def backend_for(urls, **server):
     settings = CollectSettings(temperature=0.7, max_new_tokens=4, samples_per_prompt=1, topk=server.get("topk", 0),
                                hidden_states=False, batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None,
                                max_prompts_per_domain=None, max_minutes=None, vllm={},
-                               server={k: v for k, v in options.items() if k != "topk"})
+                               server=ServerSettings(**{k: v for k, v in options.items() if k != "topk"}))
     return ServerBackend.connect(settings, tiny_tokenizer(), STOP)
 
 
@@ -440,12 +440,12 @@ def test_the_fingerprint_holds_what_decides_server_rows_not_where_they_run():
     options = dict(SHIPPED.collect.server, urls=["http://a:1"])
     base = CollectSettings(temperature=0.7, max_new_tokens=4, samples_per_prompt=1, topk=0, hidden_states=False,
                            batch_size=1, shard_size=1, backend="server", seed=0, keep_shards=True, domains=None, max_prompts_per_domain=None,
-                           max_minutes=None, vllm={}, server=options)
-    moved = replace(base, server=ServerSettings.from_mapping({**options, "urls": ["http://b:2", "http://c:3"],
-                                                              "concurrency": 4, "retries": 9}))
+                           max_minutes=None, vllm={}, server=ServerSettings(**options))
+    moved = replace(base, server=ServerSettings(**{**options, "urls": ["http://b:2", "http://c:3"],
+                                                   "concurrency": 4, "retries": 9}))
     assert moved.generation_key() == base.generation_key()
     for change in ({"model": "other"}, {"endpoint": "chat"}, {"logprobs": True}):
-        changed = replace(base, server=ServerSettings.from_mapping({**options, **change}))
+        changed = replace(base, server=ServerSettings(**{**options, **change}))
         assert changed.generation_key() != base.generation_key(), change
     hf = replace(base, backend="hf")
     assert "server" not in hf.generation_key()  # the in-process backends' fingerprints are as before

@@ -5,12 +5,11 @@ lower, and the next stage plans again from the clock.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import PipelineError
-from pipeline.settings import check_keys, register, setting
+from pipeline.settings import build, refuse, register, setting
 
 STAGES = ("collect", "distill", "calibrate", "eval")  # the stages with work to plan for (calibrate: fixed only)
 BUDGET_KEYS = {"collect": "collect.max_minutes", "distill": "distill.checkpoint.max_train_minutes",
@@ -38,22 +37,20 @@ class DeadlineSettings:
                                       "item when predicted to end inside the budget at the mean item's length, so a "
                                       "long one ends past it (about half a collect shard or an eval request)")
 
+    def __post_init__(self):
+        for key in ("shares", "fixed_passes"):  # a stage left unnamed: none; frozen: normalised once, here
+            object.__setattr__(self, key, {s: float((getattr(self, key) or {}).get(s, 0.0)) for s in STAGES})
+        shares = self.shares.values()
+        refuse([(self.minutes is not None and not (isinstance(self.minutes, (int, float)) and self.minutes > 0),
+                 f"deadline.minutes={self.minutes} must be a positive number of minutes (null = no run-level deadline)"),
+                (min(self.margin, self.overshoot_passes, *shares) < 0 or sum(shares) <= 0,
+                 "deadline.margin, deadline.overshoot_passes and deadline.shares must be >= 0, the shares with a "
+                 "positive sum")])
+
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "DeadlineSettings":
-        d = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
-        check_keys(d, [f.name for f in fields(cls)], "deadline", "pipeline/control/deadline.py")
-        settings = cls(minutes=d["minutes"], margin=float(d["margin"]),
-                       shares={s: float((d["shares"] or {}).get(s, 0.0)) for s in STAGES},  # unnamed: no share
-                       fixed_passes={s: float((d["fixed_passes"] or {}).get(s, 0.0)) for s in STAGES},
-                       overshoot_passes=float(d["overshoot_passes"]))
-        if settings.minutes is not None and not (isinstance(settings.minutes, (int, float)) and settings.minutes > 0):
-            raise PipelineError(f"deadline.minutes={settings.minutes} must be a positive number of minutes "
-                                "(null = no run-level deadline)")
-        shares = settings.shares.values()
-        if min(settings.margin, settings.overshoot_passes, *shares) < 0 or sum(shares) <= 0:
-            raise PipelineError("deadline.margin, deadline.overshoot_passes and deadline.shares must be >= 0, the "
-                                "shares with a positive sum")
-        return settings
+        values = OmegaConf.to_container(cfg.get("deadline") or {}, resolve=True)
+        return build(cls, values, "deadline", "pipeline/control/deadline.py")
 
 
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, unit_s: float) -> dict:
