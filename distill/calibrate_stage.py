@@ -18,6 +18,7 @@ model another step uses, so a calibration setting reruns this stage and eval, ne
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -42,8 +43,7 @@ from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 from pipeline.timing import Laps
 
 
-def log(msg: str) -> None:
-    print(f"[calibrate] {msg}", flush=True)
+log = functools.partial(print, "[calibrate]", flush=True)  # one progress line, tagged with its stage
 
 
 @dataclass(frozen=True)

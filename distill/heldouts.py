@@ -5,6 +5,7 @@ keep_best, τ and γ are chosen on the same calibration part and reported on the
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 from dataclasses import replace
@@ -23,8 +24,7 @@ from pipeline.sampling import Sampling
 from pipeline.control.split import split_by_prompt, split_heldout
 
 
-def log(msg: str) -> None:
-    print(f"[distill] {msg}", flush=True)
+log = functools.partial(print, "[distill]", flush=True)  # one progress line, tagged with its stage
 
 
 def load_collected(collect_dir: str | Path):

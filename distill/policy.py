@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from distill.simulator import HeldOut, by_row, domain_index, draft_logits
+from distill.simulator import HeldOut, by_row, domain_index, draft_logits, tau_at
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.draft_length import DraftLength
 
@@ -39,16 +39,12 @@ def keep_probabilities(draft, heldout: HeldOut, tau: float, thresholds: list[flo
 def keep_at(draft, heldout: HeldOut, temperature_of: dict[str, float], thresholds: list[float],
             vocab=None) -> dict[float, torch.Tensor]:
     """{threshold: κ [N]}, each position at its domain's draft temperature (the overall one elsewhere)."""
-    masks = domain_index(heldout)
-    overall = temperature_of["overall"]
-    taus = sorted({temperature_of.get(d, overall) for d in masks if d != "overall"})
-    by_tau = {tau: keep_probabilities(draft, heldout, tau, thresholds, vocab) for tau in taus}
+    tau = tau_at(heldout, temperature_of)
     keep = {t: torch.zeros(heldout.n_positions) for t in thresholds}
-    for domain, mask in masks.items():
-        if domain != "overall":
-            table = by_tau[temperature_of.get(domain, overall)]
-            for i, threshold in enumerate(thresholds):
-                keep[threshold][mask] = table[i][mask]
+    for t in sorted(set(tau.tolist())):
+        table = keep_probabilities(draft, heldout, t, thresholds, vocab)
+        for i, threshold in enumerate(thresholds):
+            keep[threshold][tau == t] = table[i][tau == t]
     return keep
 
 

@@ -114,14 +114,21 @@ def acceptance(draft, heldout: HeldOut, temperatures: list[float], vocab: torch.
 @torch.no_grad()
 def acceptance_at(draft, heldout: HeldOut, temperature_of: dict[str, float], vocab=None) -> torch.Tensor:
     """α per held-out position [N], each position at its domain's draft temperature (OVERALL's elsewhere)."""
-    masks = domain_index(heldout)
-    taus = sorted({temperature_of.get(d, temperature_of[OVERALL]) for d in masks if d != OVERALL})
-    table = dict(zip(taus, acceptance(draft, heldout, taus, vocab)))
+    tau = tau_at(heldout, temperature_of)
+    taus = sorted(set(tau.tolist()))
     alpha = torch.zeros(heldout.n_positions)
-    for domain, mask in masks.items():
-        if domain != OVERALL:
-            alpha[mask] = table[temperature_of.get(domain, temperature_of[OVERALL])][mask]
+    for t, table in zip(taus, acceptance(draft, heldout, taus, vocab)):
+        alpha[tau == t] = table[tau == t]
     return alpha
+
+
+def tau_at(heldout: HeldOut, temperature_of: dict[str, float]) -> torch.Tensor:
+    """The draft temperature of each held-out position [N]: its domain's, OVERALL's where the domain has none."""
+    tau = torch.full((heldout.n_positions,), float(temperature_of[OVERALL]), dtype=torch.float64)  # τ exactly
+    for domain, mask in domain_index(heldout).items():
+        if domain != OVERALL:
+            tau[mask] = float(temperature_of.get(domain, temperature_of[OVERALL]))
+    return tau
 
 
 def domain_index(heldout: HeldOut) -> dict[str, torch.Tensor]:

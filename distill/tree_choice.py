@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.simulator import OVERALL, HeldOut, domain_index, draft_logits
+from distill.simulator import OVERALL, HeldOut, domain_index, draft_logits, tau_at
 from distill.policy import visit_weights
 from pipeline.decoding.cost import pass_speedup
 from pipeline.decoding.tree import nodes
@@ -62,10 +62,7 @@ def sibling_acceptance(draft, heldout: HeldOut, temperature_of: dict[str, float]
     vocabulary subset, and the tail beyond the held-out support, form one bucket the draft never proposes."""
     device = next(draft.parameters()).device
     column_of = column_map(None if vocab is None else vocab.to(device), draft.config.vocab_size)
-    tau = torch.full((heldout.n_positions,), float(temperature_of[OVERALL]))
-    for domain, mask in domain_index(heldout).items():
-        if domain != OVERALL:
-            tau[mask] = float(temperature_of.get(domain, temperature_of[OVERALL]))
+    tau = tau_at(heldout, temperature_of).float()  # the draft's logits' dtype
     generator = torch.Generator(device=device).manual_seed(seed)
     out, start = [], 0
     for logits in draft_logits(draft, heldout, vocab):

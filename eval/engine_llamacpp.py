@@ -9,6 +9,7 @@ ${paths.engines}/gguf by weight hash.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from contextlib import ExitStack
@@ -30,8 +31,7 @@ from pipeline.sampling import derive_seed
 from pipeline.decoding.spec import DEFAULT, SpeculativeSpec
 
 
-def log(msg: str) -> None:
-    print(f"[eval:llamacpp] {msg}", flush=True)
+log = functools.partial(print, "[eval:llamacpp]", flush=True)  # one progress line, tagged with its stage
 
 
 @dataclass

@@ -28,8 +28,7 @@ from pipeline.timing import synced_clock
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
-def log(msg: str) -> None:
-    print(f"[eval:vllm] {msg}", flush=True)
+log = partial(print, "[eval:vllm]", flush=True)  # one progress line, tagged with its stage
 
 
 def require_vllm() -> None:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.decoding import POLICIES, DraftLength, DraftPlan, GuardSettings, parse_tree
 from pipeline.errors import PipelineError
-from pipeline.settings import check_keys, register, setting
+from pipeline.settings import build, register, setting
 from pipeline.sampling import Sampling
 
 ENGINES = ("ours", "hf", "llamacpp", "vllm")  # eval/baselines.py hf_engine_methods, eval/engine_llamacpp.py, eval/engine_vllm.py
@@ -122,9 +122,7 @@ class EvalSettings:
     @classmethod
     def from_config(cls, eval_cfg: DictConfig) -> EvalSettings:
         """The settings of `cfg.eval` (interpolations resolved)."""
-        values = OmegaConf.to_container(eval_cfg, resolve=True)
-        check_keys(values, [f.name for f in fields(cls)], "eval", "eval/settings.py")
-        return cls(**values)
+        return build(cls, OmegaConf.to_container(eval_cfg, resolve=True), "eval", "eval/settings.py")
 
     def __post_init__(self):
         try:

@@ -157,20 +157,13 @@ def _task_overrides() -> list[str]:
 
 
 def _is_sweep(override: str) -> bool:
-    """A multirun sweep (`key=a,b`): a comma outside brackets and quotes; `key=[0,1]` is one list value."""
-    depth, quote = 0, None
-    for char in override.partition("=")[2]:
-        if quote:
-            quote = None if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[{(":
-            depth += 1
-        elif char in "]})":
-            depth -= 1
-        elif char == "," and depth == 0:
-            return True
-    return False
+    """A multirun sweep (`key=a,b`, `key=range(1,3)`) as Hydra's own parser reads it; `key=[0,1]` is one list value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(override).is_sweep_override()
+    except Exception:  # noqa: BLE001  (composing it next names what is wrong, in one line)
+        return False
 
 
 def _precheck_overrides(argv: list[str]) -> None:
