@@ -76,7 +76,8 @@ def check_keys(values: dict, names: list[str], where: str, declared: str) -> Non
 
 def build(cls, values, where: str, declared: str, built: dict | None = None):
     """`cls` from the mapping `values` at `where` (e.g. calibrate.cost), declared in `declared`: every field's key, no
-    other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping."""
+    other, but the fields `built` gives; a dataclass-typed field from its own sub-mapping, a tuple-typed one a tuple
+    (the instances are frozen)."""
     if not isinstance(values, dict):
         raise PipelineError(f"{where}={values!r} is not a group of settings: restore it from {declared}")
     built = built or {}
@@ -84,8 +85,14 @@ def build(cls, values, where: str, declared: str, built: dict | None = None):
     names = [f.name for f in fields(cls) if f.name not in built]
     check_keys(values, names, where, declared)
     types = {name: _settings_type(hint) for name, hint in get_type_hints(cls).items()}
-    return cls(**built, **{name: build(types[name], values[name], f"{where}.{name}", declared)
-                           if is_dataclass(types[name]) else values[name] for name in names})
+
+    def value(name: str):
+        kind, given = types[name], values[name]
+        if is_dataclass(kind):
+            return build(kind, given, f"{where}.{name}", declared)
+        return tuple(given) if get_origin(kind) is tuple and isinstance(given, list) else given
+
+    return cls(**built, **{name: value(name) for name in names})
 
 
 def _settings_type(hint):
