@@ -38,7 +38,6 @@ class TextSettings:
     chunk_tokens: int = setting(256, "tokens per row of plain text, and the most of one answer of a conversation")
 
     def __post_init__(self):
-        object.__setattr__(self, "paths", tuple(self.paths))  # frozen: normalised once, here
         refuse([(self.max_tokens is not None and self.max_tokens < 1,
                  f"collect.text.max_tokens={self.max_tokens!r} must be an integer ≥ 1 (null = all): {_FIX}"),
                 (self.chunk_tokens < 1, f"collect.text.chunk_tokens={self.chunk_tokens!r} must be an integer ≥ 1: {_FIX}"),
