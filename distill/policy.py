@@ -42,9 +42,9 @@ def keep_at(draft, heldout: HeldOut, temperature_of: dict[str, float], threshold
     tau = tau_at(heldout, temperature_of)
     keep = {t: torch.zeros(heldout.n_positions) for t in thresholds}
     for t in sorted(set(tau.tolist())):
-        table = keep_probabilities(draft, heldout, t, thresholds, vocab)
+        table, at = keep_probabilities(draft, heldout, t, thresholds, vocab), tau == t
         for i, threshold in enumerate(thresholds):
-            keep[threshold][tau == t] = table[i][tau == t]
+            keep[threshold][at] = table[i][at]
     return keep
 
 

