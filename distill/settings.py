@@ -13,8 +13,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from distill.calibrate_settings import DECLARED as CALIBRATE_DECLARED
-from distill.calibrate_settings import CalibrationSettings, KeepBest
+from distill.calibrate_settings import DECLARED as CALIBRATE_DECLARED, CalibrationSettings, KeepBest
 from distill.losses import check_loss
 from pipeline.errors import PipelineError
 from pipeline.settings import build, check_keys, group, register, setting
