@@ -60,7 +60,8 @@ def commands_in(text: str) -> tuple[set[str], set[str]]:
 
 
 def test_the_docs_name_only_the_two_commands_and_real_subcommands():
-    text = "".join((REPO / name).read_text() for name in ("README.md", "docs/architecture.md", "data/SOURCES.md"))
+    names = ("README.md", "docs/architecture.md", "docs/tools.md", "data/SOURCES.md")
+    text = "".join((REPO / name).read_text() for name in names)
     modules, subcommands = commands_in(text)
     assert modules == {"pipeline", "pipeline.tools", "pytest"} and subcommands and subcommands <= set(SUBCOMMANDS)
     retired = commands_in("run `python -m eval.bench --target t` or `python -m pipeline.tools ttft`")
