@@ -12,7 +12,7 @@ profile into the draft's serving recipe, and writes the exports eval and users r
     and the same for ${paths.draft_init} (its own calibration; uncalibrated when calibrate_init=false)
 
 Each draft is loaded from disk in the serving dtype (the target's), so every number is measured on the weights and
-arithmetic that serve (docs/results.md, "The draft judged as it serves"), and exported as a copy: no step changes a
+arithmetic that serve (docs/journal.md, "The draft judged as it serves"), and exported as a copy: no step changes a
 model another step uses, so a calibration setting reruns this stage and eval, never training.
 """
 from __future__ import annotations

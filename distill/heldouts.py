@@ -117,7 +117,7 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
 def as_served(draft, dtype: torch.dtype):
     """The draft in the serving dtype (the target's), as the decoder and the exports run it: a copy when the dtypes
     differ. Training autocasts to that dtype, so the function it optimised is the rounded one too; the fp32 master
-    weights run in fp32 are neither (docs/results.md, "The draft judged as it serves")."""
+    weights run in fp32 are neither (docs/journal.md, "The draft judged as it serves")."""
     if next(draft.parameters()).dtype == dtype:
         return draft
     # each float tensor converted straight into the copy: no second fp32 model in memory; shared tensors (tied

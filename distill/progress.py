@@ -130,7 +130,7 @@ def _curve_metrics(metrics: dict) -> dict:
 class HeapTrimCallback(TrainerCallback):
     """Trims the C heap after a step once the resident set has grown `slack` bytes past its size after the last trim:
     freed activations of varying lengths fragment glibc's arenas, and trimming after every step would cost time (the
-    trimmed pages fault back in; docs/results.md)."""
+    trimmed pages fault back in; docs/journal.md)."""
 
     def __init__(self, slack: int = 2 * 2**30):
         self.slack, self.floor = slack, None

@@ -27,7 +27,7 @@ def resident_bytes() -> int | None:
 def release_freed_memory() -> bool:
     """Returns the C heap's freed pages to the OS (glibc's malloc_trim; False where there is none): glibc keeps freed
     chunks in its arenas once freeing a large block has raised its mmap threshold, and tensors of varying lengths
-    fragment them (docs/results.md, "The real pair's training memory")."""
+    fragment them (docs/journal.md, "The real pair's training memory")."""
     try:
         import ctypes
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))

@@ -105,7 +105,7 @@ def would_overrun(started: float, done: int, budget_minutes: float | None, first
 def verify_pass_seconds(cfg: DictConfig) -> float:
     """The unit the fixed work is priced in: the target's 5-token verify pass on the run's device and dtype (the
     dtype probe's cached figure on a CPU). The fixed work is mostly multi-token forwards, whose time tracks this
-    pass, not the 1-token step (docs/results.md, "The default run with the fixed work priced in verify passes")."""
+    pass, not the 1-token step (docs/journal.md, "The default run with the fixed work priced in verify passes")."""
     from pipeline.modelio.dtype import VERIFY_FED, cpu_timings, time_forward
     from pipeline.modelio.models import load_model, resolve_device, resolve_model
 

@@ -31,7 +31,7 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
 # Without ggml's AMX kernels, which -march=native compiles in on an AMX Xeon: in this version they segfault on every
-# multi-token batch, i.e. on every prompt and verify pass (ggml_backend_amx_mul_mat; docs/results.md, "llama-server
+# multi-token batch, i.e. on every prompt and verify pass (ggml_backend_amx_mul_mat; docs/journal.md, "llama-server
 # per draft position with 8 prompts"). GCC's explicit -mno-* wins over -march=native wherever it stands.
 if platform.machine().lower() in ("x86_64", "amd64"):
     _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated, so a few-token verify can cost about one
-    step there (docs/results.md, "Figures that used to live in code comments")."""
+    step there (docs/journal.md, "Figures that used to live in code comments")."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers; absent in some torch builds
