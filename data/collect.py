@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import shutil
 import time
@@ -213,8 +214,9 @@ def _announce(job: CollectJob) -> None:
 # ----------------------------------------------------------------------------- generation
 
 def _generate_missing_shards(job: CollectJob, tracker) -> None:
-    """This process's unfinished shards in plan order, under one progress bar, until collect.max_minutes (a
-    stopped run resumes from the next shard); loads the target (or starts its server) only when there is work."""
+    """This process's unfinished shards, text and generated, under one budget (collect.max_minutes, counted from the
+    stage's start: labelling text is collect's work too) until the next would end past it (a stopped run resumes
+    from the next shard); loads the target (or starts its server) only when there is work."""
     from tqdm.auto import tqdm
 
     state = job.state
@@ -226,34 +228,43 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
         return
     # Written by a process whose budget stopped it, so the merge knows its missing shards are meant.
     stop_marker = job.shard_dir / f"budget-stopped.{state.process_index}"
-    first_round = max(1, len(job.prompts) // state.num_processes)  # a shard per domain (plan order interleaves them)
     turns = sum(len(prompt["turns"]) for shard in mine for prompt in shard.prompts)
+    first_round = max(1, len(job.prompts) // state.num_processes)  # a shard per domain (plan order interleaves them)
     with contextlib.ExitStack() as stack:  # holds a llama-server started for the run (collect.server.launch)
         backend = _make_backend(job, stack)
         onpolicy = onpolicy_backend(job.cfg, job.settings, backend.model, job.tokenizer, job.identity["stop_token_ids"],
                                     job.dtype) if job.settings.onpolicy.share else None
-        if text:
-            _label_text(job, backend, text)
-        generation_started = time.time()
-        budget = job.settings.max_minutes  # what text labelling spent is spent
-        budget = None if budget is None else budget - (generation_started - job.started) / 60
         bar = stack.enter_context(tqdm(total=turns * job.settings.samples_per_prompt, desc="collect", unit="compl",
                                        dynamic_ncols=True, disable=not state.is_local_main_process))
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
             backend.show_rates = bar.set_postfix_str
         stop_marker.unlink(missing_ok=True)
-        for done, shard in enumerate(mine):
-            # the next shard would end past collect.max_minutes at this run's mean shard time; the first round runs
-            if would_overrun(generation_started, done, budget, first_round):
+        for done, item in enumerate(_work_order(mine, text, len(job.prompts))):
+            # the next shard would end past collect.max_minutes at this run's mean shard time; the first round (a shard
+            # per domain) runs, inside the budget where the run is sized to the machine (deadline.sized)
+            if would_overrun(job.started, done, job.settings.max_minutes, first_round):
                 job.shard_dir.mkdir(parents=True, exist_ok=True)
                 stop_marker.write_text(f"{done} shards in {time.time() - job.started:.0f}s\n")
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
-                      f"stopping before shard {shard.name}; rerun stage=collect (with a larger budget) to continue")
+                      f"stopping after {done} shards; rerun stage=collect (with a larger budget) to continue")
                 return
-            tokens_per_s = _generate_shard(job, backend, shard, bar.update, onpolicy)
+            if isinstance(item, tuple):
+                _label_text(job, backend, *item)
+                bar.set_postfix_str(f"labelled text shard {item[0][:24]}")
+                continue
+            tokens_per_s = _generate_shard(job, backend, item, bar.update, onpolicy)
             if not hasattr(backend, "show_rates"):
-                bar.set_postfix(domain=shard.domain, tok_s=f"{tokens_per_s:.1f}")
-            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=shard.position)
+                bar.set_postfix(domain=item.domain, tok_s=f"{tokens_per_s:.1f}")
+            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=item.position)
+
+
+def _work_order(shards: list[Shard], text: list[tuple[str, list[dict]]], domains: int) -> list:
+    """The generated shards' first round (a shard per domain: the plan interleaves them), then a text shard and a
+    generated one in turn: a budget that stops the loop leaves every domain some of the target's own rows and the
+    text its share (text labels cost a prefill, a generated row a decode)."""
+    first, rest = shards[:domains], shards[domains:]
+    mixed = [item for pair in itertools.zip_longest(text, rest) for item in pair if item is not None]
+    return first + mixed
 
 
 def _make_backend(job: CollectJob, stack: contextlib.ExitStack):
@@ -299,26 +310,20 @@ def _generate_shard(job: CollectJob, backend, shard: Shard, progress, onpolicy=N
     return tokens / seconds
 
 
-def _label_text(job: CollectJob, backend, shards: list[tuple[str, list[dict]]]) -> None:
-    """collect.text's shards labelled by the target in one forward pass per batch, each written atomically with the
+def _label_text(job: CollectJob, backend, name: str, rows: list[dict]) -> None:
+    """One of collect.text's shards labelled by the target in one forward pass per batch, written atomically with the
     process CPU and wall seconds it cost (the manifest's label cost of origin "text")."""
-    from tqdm.auto import tqdm
-
     from data.collect_hf import label_text_shard
 
     settings = job.settings
-    with tqdm(total=sum(len(row["completion_ids"]) for _, rows in shards for row in rows), desc="label text",
-              unit="tok", dynamic_ncols=True, disable=not job.state.is_local_main_process) as bar:
-        for name, rows in shards:
-            cpu, wall = time.process_time(), time.perf_counter()
-            labelled = label_text_shard(backend.model, job.tokenizer.pad_token_id, rows, settings.topk,
-                                        settings.stores_hidden, settings.batch_size, job.tokenizer)
-            spent = {"text": {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}}
-            tokens = sum(len(row["completion_ids"]) for row in rows)
-            meta = {"domain": None, "index": None, "rows": len(rows), "tokens": tokens, "generate_s": 0.0,
-                    "label_s": spent["text"]["wall_s"], "process_index": job.state.process_index, "label_cost": spent}
-            _save_shard(job.shard_dir / name, labelled, settings, meta)
-            bar.update(tokens)
+    cpu, wall = time.process_time(), time.perf_counter()
+    labelled = label_text_shard(backend.model, job.tokenizer.pad_token_id, rows, settings.topk,
+                                settings.stores_hidden, settings.batch_size, job.tokenizer)
+    spent = {"text": {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}}
+    tokens = sum(len(row["completion_ids"]) for row in rows)
+    meta = {"domain": None, "index": None, "rows": len(rows), "tokens": tokens, "generate_s": 0.0,
+            "label_s": spent["text"]["wall_s"], "process_index": job.state.process_index, "label_cost": spent}
+    _save_shard(job.shard_dir / name, labelled, settings, meta)
 
 
 # ----------------------------------------------------------------------------- merge, manifest, summary
@@ -340,6 +345,8 @@ def _merge_shards(job: CollectJob):
         if metas[-1]["rows"]:
             parts.append(load_from_disk(str(shard_path / "data")))
     for name, _ in job.text_plan:
+        if not job.finished(name) and stopped_by_budget:
+            continue
         if not job.finished(name):
             raise PipelineError(f"text shard {job.shard_dir / name} is missing after labelling: rerun stage=collect "
                                 "to finish it")
@@ -393,7 +400,7 @@ def _manifest(job: CollectJob, dataset, shard_metas: list[dict], disk_bytes: int
         "num_processes": job.state.num_processes,
         "shard_size": settings.shard_size, "shards": len(job.plan),
         "budget": {"max_minutes": settings.max_minutes, "shards_done": len(shard_metas),
-                   "stopped_early": len(shard_metas) < len(job.plan)},
+                   "stopped_early": len(shard_metas) < len(job.plan) + len(job.text_plan)},
         "domains": summary,
         "rows": len(dataset),
         "total_tokens": tokens,

@@ -33,10 +33,13 @@ def rotated(names: list, k: int) -> list:
     return names[k % len(names):] + names[:k % len(names)]
 
 
-def interleaved(prompts: dict[str, list[dict]]) -> list[dict]:
-    """Every domain's first prompt, then every second one, ...: a time budget then cuts every domain alike."""
-    longest = max(map(len, prompts.values()))
-    return [domain_prompts[i] for i in range(longest) for domain_prompts in prompts.values() if i < len(domain_prompts)]
+def interleaved(prompts: dict[str, list[dict]], weights: dict[str, int] | None = None) -> list[dict]:
+    """Every domain's first prompt, then every second one, ...: a time budget then cuts every domain alike, or, with
+    `weights`, in proportion after the first round: a domain of weight 2 has its 2k-th prompt beside the k-th of weight 1."""
+    weights = weights or {}
+    ranked = [(i / weights.get(domain, 1), order, i, prompt) for order, (domain, domain_prompts)
+              in enumerate(prompts.items()) for i, prompt in enumerate(domain_prompts)]
+    return [prompt for *_, prompt in sorted(ranked, key=lambda r: r[:3])]
 
 
 def decodes_plainly(evaluation: Evaluation, method: str, domain: str) -> bool:
@@ -103,7 +106,9 @@ def benchmark(prompts: dict, methods: dict, evaluation: Evaluation, seed: int) -
         methods[name](warmup_ids, first["domain"], settings.warmup_tokens, seed)
 
     records, contexts, started = [], [], time.time()
-    queue = interleaved(prompts)
+    # a domain calibrated off decodes plainly (decodes_plainly): its speedup is plain against plain, so the drafting
+    # domains get twice its requests under a budget (min_requests_for_ci in theirs by half that in the others)
+    queue = interleaved(prompts, {d: 1 if decodes_plainly(evaluation, "speculative", d) else 2 for d in prompts})
     bar = tqdm(total=sum(len(p["turns"]) for p in queue), desc="eval", unit="req", dynamic_ncols=True)
     for done, prompt in enumerate(queue):
         if would_overrun(started, done, settings.max_minutes, first_round=len(prompts)):

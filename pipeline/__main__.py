@@ -16,7 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.control.deadline import BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, verify_pass_seconds
+from pipeline.control.deadline import (BUDGET_KEYS, DeadlineSettings, RunDeadline, describe, machine_line,
+                                       verify_pass_seconds)
 from pipeline.errors import PipelineError
 from pipeline.control.params import compose_config, from_params_file, write_params
 from pipeline.control.tracking import start_run
@@ -130,26 +131,42 @@ def _main(cfg: DictConfig) -> dict:
 
 
 def run_all(cfg: DictConfig) -> dict:
-    """Every stage in order; with `deadline.minutes`, each budgeted stage first gets its share of the time left
-    (pipeline/control/deadline.py)."""
+    """Every stage in order; with `deadline.minutes`, the run is first sized to the machine (pipeline/control/sizing.py)
+    and each budgeted stage gets its share of the time left (pipeline/control/deadline.py)."""
     settings = DeadlineSettings.from_cfg(cfg)
-    clock = RunDeadline(settings) if settings.minutes is not None else None
-    results, unit_s = {}, None
+    clock, unit_s, results = None, None, {}
+    if settings.minutes is not None:
+        cfg, clock, unit_s = size_to_machine(cfg, settings)
     with start_run(cfg, "all") as tracker:
+        if clock is not None:
+            tracker.log_metrics({"deadline/scale": clock.scale, "deadline/planned_min": clock.minutes,
+                                 "deadline/verify_pass_ms": 1e3 * unit_s})
         for name in STAGES:
             stage_cfg = cfg
             if clock is not None and name in BUDGET_KEYS:
-                unit_s = unit_s or verify_pass_seconds(cfg)  # timed once: off a CPU it loads the target
                 stage_cfg, plan = clock.apply(cfg, name, unit_s)
                 print(describe(plan))
                 tracker.log_metrics({f"deadline/{name}_budget_min": plan["minutes"],
                                      f"deadline/{name}_left_min": plan["left_s"] / 60})
             results[name] = run_stage(name, stage_cfg, nested=True)
         if clock is not None:
-            wall = 60 * settings.minutes - clock.left_s()
-            print(f"[pipeline] run finished in {wall / 60:.1f} min (deadline.minutes={settings.minutes:g})")
+            wall = 60 * clock.minutes - clock.left_s()
+            print(f"[pipeline] run finished in {wall / 60:.1f} min (planned {clock.minutes:.1f}, "
+                  f"deadline.minutes={settings.minutes:g})")
             tracker.log_metrics({"deadline/wall_min": wall / 60})
     return results
+
+
+def size_to_machine(cfg: DictConfig, settings: DeadlineSettings) -> tuple[DictConfig, RunDeadline, float]:
+    """The machine's pass timed (once: off a CPU it loads the target), the run's plan printed first and applied."""
+    from pipeline.control.sizing import apply_sizes, describe_run, plan_run
+
+    started = time.time()
+    unit_s = verify_pass_seconds(cfg)
+    plan = plan_run(settings, cfg, unit_s, time.time() - started)  # stops here (exit 2) where it cannot fit
+    for line in describe_run(plan, settings, machine_line(cfg)):
+        print(line, flush=True)
+    return apply_sizes(cfg, plan), RunDeadline(settings, plan.scale, plan.minutes, started), unit_s
 
 
 def _task_overrides() -> list[str]:

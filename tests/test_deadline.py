@@ -4,6 +4,7 @@ simulated run replanning from the clock ends inside the deadline on slower machi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,12 +12,15 @@ from omegaconf import OmegaConf
 
 import pipeline.control.deadline as deadline
 from pipeline.control.deadline import DeadlineSettings, RunDeadline, stage_budget_s, would_overrun
+from pipeline.control.sizing import RunPlan, apply_sizes, describe_run, fixed_work_s, plan_run, sized_values
 from pipeline.errors import PipelineError
 from tests.conftest import SHIPPED
 
 DEFAULT_DEADLINE = OmegaConf.to_container(SHIPPED.deadline)
+COMPOSED = SHIPPED.composed  # the whole shipped config: the sizes a run is sized from
 SETTINGS = DeadlineSettings(minutes=15, margin=0.25, shares={"collect": 0.4, "distill": 0.3, "eval": 0.3},
-                            fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000}, overshoot_passes=0.0)
+                            fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000}, overshoot_passes=0.0,
+                            min_minutes={})
 
 
 def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
@@ -30,7 +34,17 @@ def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
     held = dataclasses.replace(SETTINGS, overshoot_passes=500)  # a loop's last item may end past its budget
     assert stage_budget_s(held, "eval", left_s=300, unit_s=0.02)["budget_s"] == pytest.approx(300 - 125 - 10)
     starved = stage_budget_s(SETTINGS, "eval", left_s=60, unit_s=0.02)
-    assert starved["flexible_s"] < 0 and starved["budget_s"] == 60 * deadline.FLOOR_MINUTES
+    assert starved["flexible_s"] < 0 and starved["budget_s"] == 0
+
+
+def test_each_loop_gets_its_smallest_useful_minutes_before_any_share():
+    floored = dataclasses.replace(SETTINGS, min_minutes={"collect": 1, "distill": 3, "eval": 2})
+    collect = stage_budget_s(floored, "collect", left_s=900, unit_s=0.02)  # 537.5 s flexible, 360 s of floors
+    assert collect["budget_s"] == pytest.approx(60 + 0.4 * (900 - 362.5 - 360))
+    starved = stage_budget_s(floored, "distill", left_s=100, unit_s=0.02)
+    assert starved["budget_s"] == 180  # the smallest useful training, even where the clock has run out
+    at_half = stage_budget_s(floored, "eval", left_s=300, unit_s=0.02, scale=0.5)  # the fixed work at a smaller size
+    assert at_half["fixed_s"] == pytest.approx(0.5 * 125) and at_half["budget_s"] == pytest.approx(300 - 62.5)
 
 
 def test_a_stage_budget_only_ever_gets_lower_and_is_recorded():
@@ -60,7 +74,9 @@ def test_no_item_starts_that_would_end_past_the_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [{"minutes": 0}, {"minutes": "soon"}, {"minutes": 15, "margin": -0.1},
-                                 {"minutes": 15, "overshoot_passes": -1},
+                                 {"minutes": 15, "overshoot_passes": -1}, {"fixed_share": 0}, {"min_scale": 1.5},
+                                 {"when_short": "later"}, {"min_minutes": {"distill": -1}},
+                                 {"sized": {"eval.max_new_tokens": 0}},
                                  {"minutes": 15, "shares": {"collect": 0, "distill": 0, "eval": 0}}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(PipelineError, match="deadline"):
@@ -78,39 +94,75 @@ UNIT_S = 0.022                                           # its target verify pas
 DEFAULTS = DeadlineSettings.from_cfg(OmegaConf.create({"deadline": SHIPPED.deadline}))  # what a default run plans with
 
 
-def replanned(stage: str, clock_s: float, unit_s: float) -> float:
-    return stage_budget_s(DEFAULTS, stage, 60 * DEFAULTS.minutes - clock_s, unit_s)["budget_s"]
+def simulate(planner, slowdown: float, misjudged: float = 1.0) -> tuple[float, RunPlan]:
+    """Wall seconds of a run on a machine `slowdown` times slower, sized to it first (sizing.plan_run: the fixed work
+    shrinks with the scale), whose fixed work is `misjudged` times what deadline.fixed_passes says; each loop runs
+    until its budget stops it (an item that would end past it does not start), plus half an item of jitter."""
+    unit_s, clock_s = UNIT_S * slowdown, 25.0 * slowdown  # prepare, model loading, the dtype probe
+    plan = plan_run(DEFAULTS, COMPOSED, unit_s, clock_s)
+    for stage in deadline.STAGES:
+        budget_s = planner(stage, clock_s, unit_s, plan)
+        clock_s += min(NEEDS_S[stage] * slowdown, budget_s) + ITEM_S[stage] * slowdown / 2
+        clock_s += misjudged * DEFAULTS.fixed_passes[stage] * unit_s * plan.scale
+    return clock_s, plan
 
 
-def static_split(stage: str, clock_s: float, unit_s: float) -> float:
+def replanned(stage: str, clock_s: float, unit_s: float, plan: RunPlan) -> float:
+    return stage_budget_s(DEFAULTS, stage, 60 * plan.minutes - clock_s, unit_s, plan.scale)["budget_s"]
+
+
+def static_split(stage: str, clock_s: float, unit_s: float, plan: RunPlan) -> float:
     """The deliberately wrong planner: the deadline split once by shares, blind to the fixed work and the clock."""
     return DEFAULTS.shares[stage] * 60 * DEFAULTS.minutes
 
 
-def simulate(planner, slowdown: float, misjudged: float = 1.0) -> float:
-    """Wall seconds of a run on a machine `slowdown` times slower, whose fixed work is `misjudged` times what
-    deadline.fixed_passes says; each loop runs until its budget stops it (an item that would end past it does not
-    start), plus half an item of jitter."""
-    unit_s, clock_s = UNIT_S * slowdown, 25.0 * slowdown  # prepare and model loading
-    for stage in deadline.STAGES:
-        budget_s = planner(stage, clock_s, unit_s)
-        clock_s += min(NEEDS_S[stage] * slowdown, budget_s) + ITEM_S[stage] * slowdown / 2
-        clock_s += misjudged * DEFAULTS.fixed_passes[stage] * unit_s
-    return clock_s
-
-
-@pytest.mark.parametrize("slowdown", [1.0, 1.5, 2.0])
+@pytest.mark.parametrize("slowdown", [1.0, 2.0, 3.0, 5.0])
 @pytest.mark.parametrize("misjudged", [0.8, 1.0, 1.2])
-def test_a_run_replanned_from_the_clock_ends_inside_the_deadline(slowdown, misjudged):
-    # up to twice the default run's machine time per pass, with the fixed work misjudged by 20% either way (calibrate
-    # measured 3,800-5,300 passes on three days). Much slower machines run out of
-    # deadline on the fixed work alone, whatever the split
-    assert simulate(replanned, slowdown, misjudged) <= 60 * DEFAULTS.minutes
+def test_a_run_sized_to_the_machine_ends_inside_the_deadline(slowdown, misjudged):
+    # a planted slow step: up to five times the default run's machine's pass (the slow stand-in's 116 ms), the fixed
+    # work misjudged by 20% either way (calibrate measured 3,800-5,300 passes on three days)
+    wall_s, plan = simulate(replanned, slowdown, misjudged)
+    assert not plan.short and plan.minutes == DEFAULTS.minutes and wall_s <= 60 * DEFAULTS.minutes
+    assert (plan.scale == 1.0) == (slowdown == 1.0) and plan.scale >= DEFAULTS.min_scale
+
+
+def test_unsized_the_same_slow_machine_overruns():
+    # the deliberately wrong plan: the shipped sizes on the 5x machine (the scale left at 1)
+    unsized = lambda stage, clock_s, unit_s, plan: replanned(stage, clock_s, unit_s, dataclasses.replace(plan, scale=1))
+    unit_s = UNIT_S * 5
+    clock_s = 125.0
+    for stage in deadline.STAGES:
+        clock_s += min(NEEDS_S[stage] * 5, unsized(stage, clock_s, unit_s, plan_run(DEFAULTS, COMPOSED, unit_s, 125)))
+        clock_s += DEFAULTS.fixed_passes[stage] * unit_s
+    assert clock_s > 60 * DEFAULTS.minutes
 
 
 def test_the_static_split_overruns_on_a_slower_machine():
-    assert simulate(static_split, 1.0) <= 60 * DEFAULTS.minutes  # where the default run was sized, both fit
-    assert simulate(static_split, 2.0) > 60 * DEFAULTS.minutes
+    assert simulate(static_split, 1.0)[0] <= 60 * DEFAULTS.minutes  # where the default run was sized, both fit
+    assert simulate(static_split, 2.0)[0] > 60 * DEFAULTS.minutes
+
+
+def test_a_machine_too_slow_for_the_smallest_run_says_so_first_and_extends_or_stops():
+    unit_s = UNIT_S * 12
+    plan = plan_run(DEFAULTS, COMPOSED, unit_s, 60)
+    needed = (60 + fixed_work_s(DEFAULTS, unit_s, DEFAULTS.min_scale) + 60 * sum(DEFAULTS.min_minutes.values())) / 60
+    assert plan.short and plan.scale == DEFAULTS.min_scale and plan.minutes == pytest.approx(needed)
+    first = describe_run(plan, DEFAULTS, "a slow CPU")[0]
+    assert "needs ≈" in first and "deadline.when_short=stop" in first and f"{math.ceil(needed)}" in first
+    with pytest.raises(PipelineError, match=f"deadline.minutes={math.ceil(needed)}"):
+        plan_run(dataclasses.replace(DEFAULTS, when_short="stop"), SHIPPED, unit_s, 60)
+
+
+def test_sizes_shrink_with_the_scale_down_to_their_smallest_and_never_grow():
+    sizes = sized_values(DEFAULTS, COMPOSED, 0.5)
+    assert sizes["collect.shard_size"] == 16 and sizes["eval.max_new_tokens"] == 32
+    assert sizes["distill.split.heldout_max_prompts_per_domain"] == DEFAULTS.sized[
+        "distill.split.heldout_max_prompts_per_domain"]  # 64 prompts x 0.15 = 10 held out, halved, floored
+    assert sized_values(DEFAULTS, COMPOSED, 1.0) == {}  # as shipped: nothing set
+    smaller = OmegaConf.merge(COMPOSED, {"collect": {"shard_size": 2}})  # a user's value below the floor stays
+    assert "collect.shard_size" not in sized_values(DEFAULTS, smaller, 0.1)
+    sized = apply_sizes(COMPOSED, plan_run(DEFAULTS, COMPOSED, UNIT_S * 5, 60))
+    assert sized.collect.shard_size < COMPOSED.collect.shard_size and sized.eval.max_new_tokens == 32
 
 
 def test_the_fixed_work_is_priced_in_the_probed_verify_pass_not_the_1_token_step(monkeypatch, tmp_path):
