@@ -20,7 +20,7 @@ DEFAULT_DEADLINE = OmegaConf.to_container(SHIPPED.deadline)
 COMPOSED = SHIPPED.composed  # the whole shipped config: the sizes a run is sized from
 SETTINGS = DeadlineSettings(minutes=15, margin=0.25, shares={"collect": 0.4, "distill": 0.3, "eval": 0.3},
                             fixed_passes={"collect": 1500, "distill": 8000, "eval": 5000}, overshoot_passes=0.0,
-                            min_minutes={})
+                            min_minutes={}, smallest_passes={})
 
 
 def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
@@ -37,14 +37,23 @@ def test_a_budget_is_its_share_of_what_the_fixed_work_ahead_leaves():
     assert starved["flexible_s"] < 0 and starved["budget_s"] == 0
 
 
-def test_each_loop_gets_its_smallest_useful_minutes_before_any_share():
+def test_no_loop_gets_less_than_its_smallest_useful_minutes():
     floored = dataclasses.replace(SETTINGS, min_minutes={"collect": 1, "distill": 3, "eval": 2})
-    collect = stage_budget_s(floored, "collect", left_s=900, unit_s=0.02)  # 537.5 s flexible, 360 s of floors
-    assert collect["budget_s"] == pytest.approx(60 + 0.4 * (900 - 362.5 - 360))
+    collect = stage_budget_s(floored, "collect", left_s=900, unit_s=0.02)  # its share is above its floor
+    assert collect["budget_s"] == pytest.approx(0.4 * (900 - 362.5))
+    tight = stage_budget_s(floored, "collect", left_s=760, unit_s=0.02)  # its share would eat the later floors
+    assert tight["budget_s"] == pytest.approx(760 - 362.5 - 300)
     starved = stage_budget_s(floored, "distill", left_s=100, unit_s=0.02)
     assert starved["budget_s"] == 180  # the smallest useful training, even where the clock has run out
-    at_half = stage_budget_s(floored, "eval", left_s=300, unit_s=0.02, scale=0.5)  # the fixed work at a smaller size
-    assert at_half["fixed_s"] == pytest.approx(0.5 * 125) and at_half["budget_s"] == pytest.approx(300 - 62.5)
+
+
+def test_the_fixed_work_is_priced_on_the_line_from_its_smallest_to_its_shipped_sizes():
+    settings = dataclasses.replace(SETTINGS, smallest_passes={"eval": 1000}, min_scale=0.2, overshoot_passes=100)
+    assert deadline.fixed_passes(settings, ["eval"], 1.0) == 5000
+    assert deadline.fixed_passes(settings, ["eval"], 0.6) == pytest.approx(3000)  # halfway along
+    assert deadline.fixed_passes(settings, ["eval"], 0.1) == deadline.fixed_passes(settings, ["eval"], 0.2) == 1000
+    at_half = stage_budget_s(settings, "eval", left_s=300, unit_s=0.02, scale=0.6)  # the overshoot shrinks too
+    assert at_half["fixed_s"] == pytest.approx(0.02 * (3000 * 1.25 + 60))
 
 
 def test_a_stage_budget_only_ever_gets_lower_and_is_recorded():
@@ -76,7 +85,7 @@ def test_no_item_starts_that_would_end_past_the_budget(monkeypatch):
 @pytest.mark.parametrize("bad", [{"minutes": 0}, {"minutes": "soon"}, {"minutes": 15, "margin": -0.1},
                                  {"minutes": 15, "overshoot_passes": -1}, {"fixed_share": 0}, {"min_scale": 1.5},
                                  {"when_short": "later"}, {"min_minutes": {"distill": -1}},
-                                 {"sized": {"eval.max_new_tokens": 0}},
+                                 {"sized": {"eval.max_new_tokens": 0}}, {"steeper": {"eval.gammas": 2}},
                                  {"minutes": 15, "shares": {"collect": 0, "distill": 0, "eval": 0}}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(PipelineError, match="deadline"):
@@ -100,10 +109,10 @@ def simulate(planner, slowdown: float, misjudged: float = 1.0) -> tuple[float, R
     until its budget stops it (an item that would end past it does not start), plus half an item of jitter."""
     unit_s, clock_s = UNIT_S * slowdown, 25.0 * slowdown  # prepare, model loading, the dtype probe
     plan = plan_run(DEFAULTS, COMPOSED, unit_s, clock_s)
-    for stage in deadline.STAGES:
+    for stage in deadline.STAGES:  # items shrink with the sizes (shards with the scale squared, requests by half)
         budget_s = planner(stage, clock_s, unit_s, plan)
-        clock_s += min(NEEDS_S[stage] * slowdown, budget_s) + ITEM_S[stage] * slowdown / 2
-        clock_s += misjudged * DEFAULTS.fixed_passes[stage] * unit_s * plan.scale
+        clock_s += min(NEEDS_S[stage] * slowdown, budget_s) + ITEM_S[stage] * slowdown * plan.scale / 2
+        clock_s += misjudged * deadline.fixed_passes(DEFAULTS, [stage], plan.scale) * unit_s
     return clock_s, plan
 
 
@@ -155,7 +164,7 @@ def test_a_machine_too_slow_for_the_smallest_run_says_so_first_and_extends_or_st
 
 def test_sizes_shrink_with_the_scale_down_to_their_smallest_and_never_grow():
     sizes = sized_values(DEFAULTS, COMPOSED, 0.5)
-    assert sizes["collect.shard_size"] == 16 and sizes["eval.max_new_tokens"] == 32
+    assert sizes["collect.shard_size"] == 8 and sizes["eval.max_new_tokens"] == 32  # shards with the scale squared
     assert sizes["distill.split.heldout_max_prompts_per_domain"] == DEFAULTS.sized[
         "distill.split.heldout_max_prompts_per_domain"]  # 64 prompts x 0.15 = 10 held out, halved, floored
     assert sized_values(DEFAULTS, COMPOSED, 1.0) == {}  # as shipped: nothing set

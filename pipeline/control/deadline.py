@@ -22,7 +22,7 @@ class DeadlineSettings:
     """`deadline`, stage=all only: the whole run's wall-clock budget. First the run is sized to the machine: where the
     fixed work at the shipped sizes would take more than `fixed_share` of the deadline, the `sized` settings shrink in
     proportion (pipeline/control/sizing.py). Then, before each stage, the time left, less the fixed work of the stages
-    still to run (with `margin`), is split among their budgeted loops: each its `min_minutes`, the rest by `shares`; a
+    still to run (with `margin`), is split among their budgeted loops by `shares`, none below its `min_minutes`; a
     stage's own budget (collect.max_minutes, distill.checkpoint.max_train_minutes, eval.max_minutes) only gets lower."""
     minutes: float | None = setting(15, "the whole run; null = off (each stage keeps its own budget)")
     margin: float = setting(0.25, "the fixed work ahead priced this much dearer: the error of its estimate")
@@ -31,7 +31,7 @@ class DeadlineSettings:
                                        "(collect first: more target tokens buy the most acceptance; training and eval "
                                        "requests usually end before their budgets)")
     min_minutes: dict[str, float] = setting(
-        {"collect": 1.5, "distill": 3, "eval": 2}, "the smallest useful loop of each stage, given before any share: "
+        {"collect": 1.5, "distill": 3, "eval": 2}, "the smallest useful loop of each stage, whatever its share: "
         "training long enough to at least triple the derived draft's held-out acceptance, a collect round in every "
         "domain, eight eval requests in each drafting domain (docs/results.md, \"The first run on any machine\")")
     fixed_passes: dict[str, float] = setting(
@@ -53,25 +53,40 @@ class DeadlineSettings:
         "the settings sized to the machine (the composed value times the scale, rounded up) and the smallest each may "
         "become: shards small enough for a round in every domain, held-out prompts (distill's and calibrate's passes "
         "over them), the cost profile's rounds, the tree choice's draws, eval's request length")
-    min_scale: float = setting(0.3, "the fixed work at the smallest sizes, as a share of its shipped passes (the "
-                               "sized settings at their floors cut it about this much)")
+    steeper: dict[str, float] = setting(
+        {"collect.shard_size": 2}, "sized settings that shrink with a power of the scale: a collected prompt's time "
+        "grew as about the square of the pass's, 0.25 s at a 40 ms pass to 3 s at 113 ms (a slow machine also batches "
+        "worse), and a round of shards, one per domain, must fit collect's smallest minutes")
+    smallest_passes: dict[str, float] = setting(
+        {"collect": 100, "distill": 250, "calibrate": 1000, "eval": 450}, "each stage's fixed work with every sized "
+        "setting at its smallest, in the same passes: measured on the slow stand-in (docs/results.md, \"The first run "
+        "on any machine\"); between min_scale and 1 the fixed work is priced on the line from these to fixed_passes")
+    min_scale: float = setting(0.3, "the scale at which the sized settings reach their smallest (most floors hold "
+                               "below it): the fixed work costs smallest_passes there and no less below")
     when_short: str = setting("extend", "where even the smallest useful run cannot fit the deadline: extend = run it "
                               "anyway, saying first how long it will take; stop = exit before any work, naming the "
                               "deadline.minutes it needs")
 
     def __post_init__(self):
-        for key in ("shares", "fixed_passes", "min_minutes"):  # a stage left unnamed: none; normalised once, here
+        for key in ("shares", "fixed_passes", "smallest_passes", "min_minutes"):  # a stage left unnamed: none; normalised once, here
             object.__setattr__(self, key, {s: float((getattr(self, key) or {}).get(s, 0.0)) for s in STAGES})
         shares = self.shares.values()
         refuse([(self.minutes is not None and not (isinstance(self.minutes, (int, float)) and self.minutes > 0),
                  f"deadline.minutes={self.minutes} must be a positive number of minutes (null = no run-level deadline)"),
-                (min(self.margin, self.overshoot_passes, *shares, *self.min_minutes.values()) < 0 or sum(shares) <= 0,
-                 "deadline.margin, deadline.overshoot_passes, deadline.min_minutes and deadline.shares must be >= 0, "
-                 "the shares with a positive sum"),
-                (not 0 < self.fixed_share <= 1 or not 0 < self.min_scale <= 1,
-                 f"deadline.fixed_share={self.fixed_share} and deadline.min_scale={self.min_scale} must be in (0, 1]"),
+                (min(self.margin, self.overshoot_passes, *shares, *self.min_minutes.values(),
+                     *self.smallest_passes.values()) < 0 or sum(shares) <= 0,
+                 "deadline.margin, deadline.overshoot_passes, deadline.min_minutes, deadline.smallest_passes and "
+                 "deadline.shares must be >= 0, the shares with a positive sum"),
+                (not 0 < self.fixed_share <= 1 or not 0 < self.min_scale < 1,
+                 f"deadline.fixed_share={self.fixed_share} must be in (0, 1], deadline.min_scale={self.min_scale} in "
+                 "(0, 1)"),
+                (any(self.smallest_passes[s] > self.fixed_passes[s] for s in STAGES),
+                 "deadline.smallest_passes must not exceed deadline.fixed_passes in any stage"),
                 (any(not isinstance(v, (int, float)) or v <= 0 for v in self.sized.values()),
                  f"deadline.sized={self.sized} must give each setting a positive smallest value"),
+                (any(key not in self.sized or not isinstance(power, (int, float)) or power <= 0
+                     for key, power in self.steeper.items()),
+                 f"deadline.steeper={self.steeper} must give settings of deadline.sized positive powers"),
                 (self.when_short not in WHEN_SHORT,
                  f"deadline.when_short={self.when_short!r}: use one of {', '.join(WHEN_SHORT)}")])
 
@@ -81,19 +96,26 @@ class DeadlineSettings:
         return build(cls, values, "deadline", "pipeline/control/deadline.py")
 
 
+def fixed_passes(settings: DeadlineSettings, stages, scale: float = 1.0) -> float:
+    """The fixed work of `stages` at `scale`, in target verify passes (without the margin): on the line from
+    smallest_passes at min_scale to fixed_passes at 1."""
+    along = (max(scale, settings.min_scale) - settings.min_scale) / (1 - settings.min_scale)
+    return sum(settings.smallest_passes[s] + along * (settings.fixed_passes[s] - settings.smallest_passes[s])
+               for s in stages)
+
+
 def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, unit_s: float, scale: float = 1.0) -> dict:
     """Seconds for `stage`'s budgeted loop, with their parts: the time left less the fixed work of this and every later
-    stage (at the run's `scale`, priced `margin` dearer) and the overshoot held back; each loop still to run gets its
-    min_minutes, and this one its share of the rest."""
+    stage (at the run's `scale`, priced `margin` dearer) and the overshoot held back (it shrinks with the shards and
+    requests: the scale), split among the loops still to run by their shares, but leaving each later loop its
+    min_minutes; never less than this loop's own (the run's plan made room for every loop's, sizing.plan_run)."""
     ahead = STAGES[STAGES.index(stage):]
-    fixed_passes = sum(settings.fixed_passes.get(s, 0.0) for s in ahead) * (1 + settings.margin) * scale
-    fixed_s = unit_s * (fixed_passes + settings.overshoot_passes)
+    fixed_s = unit_s * (fixed_passes(settings, ahead, scale) * (1 + settings.margin) + scale * settings.overshoot_passes)
     flexible_s = left_s - fixed_s
-    floors_s = {s: 60 * settings.min_minutes[s] for s in ahead if s in BUDGET_KEYS}
     share = settings.shares[stage] / sum(settings.shares.get(s, 0.0) for s in ahead)
-    spare_s = max(0.0, flexible_s - sum(floors_s.values()))
-    return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s,
-            "budget_s": floors_s.get(stage, 0.0) + share * spare_s}
+    later_floors_s = 60 * sum(settings.min_minutes[s] for s in ahead[1:] if s in BUDGET_KEYS)
+    budget_s = max(60 * settings.min_minutes.get(stage, 0.0), min(share * flexible_s, flexible_s - later_floors_s))
+    return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s, "budget_s": budget_s}
 
 
 class RunDeadline:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.control.deadline import BUDGET_KEYS, STAGES, DeadlineSettings
+from pipeline.control.deadline import BUDGET_KEYS, STAGES, DeadlineSettings, stage_budget_s
 from pipeline.errors import PipelineError
 
 HELDOUT_CAP = "distill.split.heldout_max_prompts_per_domain"
@@ -32,17 +32,20 @@ class RunPlan:
 
 
 def fixed_work_s(settings: DeadlineSettings, unit_s: float, scale: float) -> float:
-    passes = sum(settings.fixed_passes[s] for s in STAGES) * (1 + settings.margin) * scale
-    return unit_s * (passes + settings.overshoot_passes)
+    """The whole run's fixed work at `scale` in seconds, with the margin and the overshoot held back."""
+    return stage_budget_s(settings, STAGES[0], 0.0, unit_s, scale)["fixed_s"]
 
 
 def plan_run(settings: DeadlineSettings, cfg: DictConfig, unit_s: float, elapsed_s: float) -> RunPlan:
-    """The scale at which the fixed work takes at most fixed_share of the time left and leaves every loop its
-    min_minutes; below min_scale the run is short: the smallest sizes, and the minutes they need."""
+    """The largest scale at which the fixed work takes at most fixed_share of the time left and leaves every loop its
+    min_minutes (the fixed work is linear in the scale, so one step solves it); below min_scale the run is short:
+    the smallest sizes, and the minutes they need."""
     left_s = 60 * settings.minutes - elapsed_s
-    full_s = fixed_work_s(settings, unit_s, 1.0)
     loops_s = 60 * sum(settings.min_minutes[s] for s in BUDGET_KEYS)
-    scale = min(1.0, settings.fixed_share * left_s / full_s, (left_s - loops_s) / full_s)
+    allowed_s = min(settings.fixed_share * left_s, left_s - loops_s)
+    at_min, at_full = fixed_work_s(settings, unit_s, settings.min_scale), fixed_work_s(settings, unit_s, 1.0)
+    scale = 1.0 if at_full <= allowed_s else \
+        settings.min_scale + (1 - settings.min_scale) * (allowed_s - at_min) / (at_full - at_min)
     short = scale < settings.min_scale
     scale = max(scale, settings.min_scale)
     fixed_s = fixed_work_s(settings, unit_s, scale)
@@ -55,7 +58,7 @@ def plan_run(settings: DeadlineSettings, cfg: DictConfig, unit_s: float, elapsed
 
 
 def sized_values(settings: DeadlineSettings, cfg: DictConfig, scale: float) -> dict:
-    """{setting: its value at `scale`}: the composed value times the scale, rounded up, never below the smallest the
+    """{setting: its value at `scale`}: the composed value times the scale (or a power of it), rounded up, never below the smallest the
     deadline allows nor above the composed value (a user's smaller value stays). The held-out cap scales what it
     holds out: a domain's share of collect.max_prompts_per_domain, where that is below the cap."""
     sizes = {}
@@ -66,7 +69,7 @@ def sized_values(settings: DeadlineSettings, cfg: DictConfig, scale: float) -> d
             value = held if value is None or (held is not None and held < value) else value
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue  # null (all) or absent: nothing to scale from
-        sized = min(value, max(smallest, math.ceil(value * scale)))
+        sized = min(value, max(smallest, math.ceil(value * scale ** settings.steeper.get(key, 1.0))))
         if sized < value:
             sizes[key] = int(sized) if float(sized).is_integer() else sized
     return sizes
