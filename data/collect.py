@@ -239,7 +239,11 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
         if hasattr(backend, "show_rates"):  # the server backend shows tokens/s per server
             backend.show_rates = bar.set_postfix_str
         stop_marker.unlink(missing_ok=True)
-        for done, item in enumerate(_work_order(mine, text, len(job.prompts))):
+        queues, spent = {"generated": list(mine), "text": list(text)}, {"generated": 0.0, "text": 0.0}
+        for done in itertools.count():
+            kind = _next_kind(queues, spent, done < first_round)
+            if kind is None:
+                return
             # the next shard would end past collect.max_minutes at this run's mean shard time; the first round (a shard
             # per domain) runs, inside the budget where the run is sized to the machine (deadline.sized)
             if would_overrun(job.started, done, job.settings.max_minutes, first_round):
@@ -248,23 +252,29 @@ def _generate_missing_shards(job: CollectJob, tracker) -> None:
                 print(f"[collect] collect.max_minutes={job.settings.max_minutes} would be passed by the next shard: "
                       f"stopping after {done} shards; rerun stage=collect (with a larger budget) to continue")
                 return
-            if isinstance(item, tuple):
+            item, started = queues[kind].pop(0), time.time()
+            if kind == "text":
                 _label_text(job, backend, *item)
                 bar.set_postfix_str(f"labelled text shard {item[0][:24]}")
-                continue
-            tokens_per_s = _generate_shard(job, backend, item, bar.update, onpolicy)
-            if not hasattr(backend, "show_rates"):
-                bar.set_postfix(domain=item.domain, tok_s=f"{tokens_per_s:.1f}")
-            tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=item.position)
+            else:
+                tokens_per_s = _generate_shard(job, backend, item, bar.update, onpolicy)
+                if not hasattr(backend, "show_rates"):
+                    bar.set_postfix(domain=item.domain, tok_s=f"{tokens_per_s:.1f}")
+                tracker.log_metrics({"collect/shard_tokens_per_s": tokens_per_s}, step=item.position)
+            spent[kind] += time.time() - started
 
 
-def _work_order(shards: list[Shard], text: list[tuple[str, list[dict]]], domains: int) -> list:
-    """The generated shards' first round (a shard per domain: the plan interleaves them), then a text shard and a
-    generated one in turn: a budget that stops the loop leaves every domain some of the target's own rows and the
-    text its share (text labels cost a prefill, a generated row a decode)."""
-    first, rest = shards[:domains], shards[domains:]
-    mixed = [item for pair in itertools.zip_longest(text, rest) for item in pair if item is not None]
-    return first + mixed
+def _next_kind(queues: dict[str, list], spent: dict[str, float], first_round: bool) -> str | None:
+    """Which source's shard comes next: the generated first round (a shard per domain: the plan interleaves them), then
+    the source that has had less time so far. Equal time, not equal shards: a text label costs a prefill, a generated
+    one a decode (17.6x fewer tokens per CPU-second, docs/results.md), so on a slow machine a budget that stops the loop
+    still leaves the text its half of the time and every domain the target's own rows."""
+    waiting = [kind for kind in ("generated", "text") if queues[kind]]
+    if not waiting:
+        return None
+    if first_round and queues["generated"]:
+        return "generated"
+    return min(waiting, key=lambda kind: spent[kind])
 
 
 def _make_backend(job: CollectJob, stack: contextlib.ExitStack):

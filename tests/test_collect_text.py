@@ -235,3 +235,24 @@ def test_ce_refuses_a_collect_with_text_rows(tmp_path, tiny_target):
                              settings=SimpleNamespace(split=cfg.distill.split, objective=SimpleNamespace(loss="ce")))
     with pytest.raises(PipelineError, match=r"loss=ce .* text rows"):
         split_rows(inputs)
+
+
+def test_text_labelling_counts_against_collects_budget(tmp_path, tiny_target):
+    # a budget the first round of generated shards already spends: no text shard starts after it, and the dataset
+    # merges without the text it did not reach (it used to be labelled whatever the budget)
+    write_prompts(tmp_path)
+    collect(tmp_path, tiny_target, [*text(corpus(tmp_path)), "collect.shard_size=2", "collect.max_minutes=0.0001"])
+    manifest = json.loads((tmp_path / "collect" / "manifest.json").read_text())
+    assert manifest["budget"]["stopped_early"] and manifest["budget"]["shards_done"] == len(manifest["domains"]) == 2
+    assert "text" not in manifest["domains"]
+
+
+def test_after_the_first_round_the_source_with_less_time_so_far_goes_next():
+    from data.collect import _next_kind
+
+    queues = {"generated": ["g1", "g2"], "text": ["t1"]}
+    assert _next_kind(queues, {"generated": 0.0, "text": 0.0}, first_round=True) == "generated"
+    assert _next_kind(queues, {"generated": 30.0, "text": 2.0}, first_round=False) == "text"
+    assert _next_kind(queues, {"generated": 30.0, "text": 31.0}, first_round=False) == "generated"
+    assert _next_kind({"generated": [], "text": ["t1"]}, {"generated": 0.0, "text": 9.0}, True) == "text"
+    assert _next_kind({"generated": [], "text": []}, {"generated": 0.0, "text": 0.0}, False) is None

@@ -64,7 +64,11 @@ def test_stage_all_gives_each_budgeted_stage_its_share_of_the_deadline(quick_run
     manifest = json.loads((artifacts / "collect/manifest.json").read_text())
     assert manifest["budget"]["max_minutes"] == float(plans["collect.max_minutes"])
     assert float(plans["distill.checkpoint.max_train_minutes"]) <= 1  # experiment=quick's own minute, never raised
-    assert re.search(r"\[pipeline\] run finished in [\d.]+ min \(deadline.minutes=15\)", resumed.stdout)
+    assert re.search(r"\[pipeline\] run finished in [\d.]+ min \(planned [\d.]+, deadline.minutes=15\)", resumed.stdout)
+    # the run's first lines: the machine's pass, then the plan sized to it, with the minutes it expects
+    lines = [line for line in resumed.stdout.splitlines() if line.startswith("[pipeline]")]
+    assert re.match(r"\[pipeline\] machine: .*; a target verify pass \(5 tokens\) takes \d+ ms", lines[0]), lines[:3]
+    assert re.match(r"\[pipeline\] plan: [\d.]+ of the shipped sizes .*expected ≈ [\d.]+ min", lines[1]), lines[:3]
 
 
 def test_every_artifact_is_written_with_its_schema(quick_run):
