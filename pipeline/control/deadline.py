@@ -26,8 +26,8 @@ class DeadlineSettings:
     stage's own budget (collect.max_minutes, distill.checkpoint.max_train_minutes, eval.max_minutes) only gets lower."""
     minutes: float | None = setting(15, "the whole run; null = off (each stage keeps its own budget)")
     margin: float = setting(0.25, "the fixed work ahead priced this much dearer: the error of its estimate")
-    shares: dict[str, float] = setting({"collect": 0.5, "distill": 0.25, "eval": 0.25}, "what the loops get beyond "
-                                       "their min_minutes: collect's shards, distill's training, eval's requests "
+    shares: dict[str, float] = setting({"collect": 0.5, "distill": 0.25, "eval": 0.25}, "how the time the fixed "
+                                       "work leaves is split: collect's shards, distill's training, eval's requests "
                                        "(collect first: more target tokens buy the most acceptance; training and eval "
                                        "requests usually end before their budgets)")
     min_minutes: dict[str, float] = setting(

@@ -48,19 +48,20 @@ def _forward_inputs(model, batch: int, fed: int, context: int):
 
 
 @torch.inference_mode()
-def _timed_forward(model, fed_ids, cache, clock) -> float:
-    start = clock()
+def _forward(model, fed_ids, cache) -> None:
+    """The timed forward, its cache rolled back after it (the next one sees the same context)."""
     model(input_ids=fed_ids, cache=cache, use_cache=True, logits_to_keep=fed_ids.shape[1])
-    seconds = clock() - start
     cache.crop(-fed_ids.shape[1])
-    return seconds
 
 
 def time_forward(model, context: int = 64, fed: int = 1, repeats: int = 6, batch: int = 1) -> float:
     """Median seconds of one forward of `fed` tokens per row after `context` cached ones (the head included)."""
     fed_ids, cache = _forward_inputs(model, batch, fed, context)
-    clock = synced_clock(model.device)
-    seconds = [_timed_forward(model, fed_ids, cache, clock) for _ in range(repeats + 1)]
+    clock, seconds = synced_clock(model.device), []
+    for _ in range(repeats + 1):
+        start = clock()
+        _forward(model, fed_ids, cache)
+        seconds.append(clock() - start)
     return statistics.median(seconds[1:])  # the first is a warm-up
 
 
@@ -79,7 +80,9 @@ def measure(model_path: Path, repeats: int = 4) -> dict:
         order = CANDIDATES if round_ % 2 else CANDIDATES[::-1]
         for workload in WORKLOADS:
             for d in order:
-                seconds[(d, workload)].append(_timed_forward(models[d], *inputs[(d, workload)], clock))
+                start = clock()
+                _forward(models[d], *inputs[(d, workload)])
+                seconds[(d, workload)].append(clock() - start)
     return {d: {w: 1e3 * statistics.median(seconds[(d, w)][1:]) for w in WORKLOADS} for d in CANDIDATES}
 
 
