@@ -110,11 +110,16 @@ def stage_budget_s(settings: DeadlineSettings, stage: str, left_s: float, unit_s
     requests: the scale), split among the loops still to run by their shares, but leaving each later loop its
     min_minutes; never less than this loop's own (the run's plan made room for every loop's, sizing.plan_run)."""
     ahead = STAGES[STAGES.index(stage):]
-    fixed_s = unit_s * (fixed_passes(settings, ahead, scale) * (1 + settings.margin) + scale * settings.overshoot_passes)
+    overshoot_s = unit_s * scale * settings.overshoot_passes
+    expected_s = unit_s * fixed_passes(settings, ahead, scale) + overshoot_s
+    fixed_s = expected_s + unit_s * fixed_passes(settings, ahead, scale) * settings.margin
     flexible_s = left_s - fixed_s
     share = settings.shares[stage] / sum(settings.shares.get(s, 0.0) for s in ahead)
+    # the later loops' floors are kept out of the fixed work's expected time, not out of its margin as well: the
+    # margin insures the deadline against a misjudged estimate, and charging both starved collect on slow machines
     later_floors_s = 60 * sum(settings.min_minutes[s] for s in ahead[1:] if s in BUDGET_KEYS)
-    budget_s = max(60 * settings.min_minutes.get(stage, 0.0), min(share * flexible_s, flexible_s - later_floors_s))
+    budget_s = max(60 * settings.min_minutes.get(stage, 0.0),
+                   min(share * flexible_s, left_s - expected_s - later_floors_s))
     return {"left_s": left_s, "fixed_s": fixed_s, "flexible_s": flexible_s, "budget_s": budget_s}
 
 
