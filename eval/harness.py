@@ -37,9 +37,9 @@ def interleaved(prompts: dict[str, list[dict]], weights: dict[str, int] | None =
     """Every domain's first prompt, then every second one, ...: a time budget then cuts every domain alike, or, with
     `weights`, in proportion after the first round: a domain of weight 2 has its 2k-th prompt beside the k-th of weight 1."""
     weights = weights or {}
-    ranked = [(i / weights.get(domain, 1), order, i, prompt) for order, (domain, domain_prompts)
+    ranked = [(i / weights.get(domain, 1), -weights.get(domain, 1), order, i, prompt) for order, (domain, domain_prompts)
               in enumerate(prompts.items()) for i, prompt in enumerate(domain_prompts)]
-    return [prompt for *_, prompt in sorted(ranked, key=lambda r: r[:3])]
+    return [prompt for *_, prompt in sorted(ranked, key=lambda r: r[:4])]
 
 
 def decodes_plainly(evaluation: Evaluation, method: str, domain: str) -> bool:

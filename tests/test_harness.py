@@ -225,3 +225,19 @@ def test_the_rotation_check_sees_a_harness_that_always_runs_one_method_first(mon
     time_requests([{"ids": k, "domain": "d", "seed": k} for k in range(3)], _fake_methods(calls), 1,
                   iter(range(100)).__next__, "t", 1)
     assert [name for name, *_ in calls[3:]] != ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_a_budget_cut_leaves_drafting_domains_twice_the_requests_of_domains_calibrated_off():
+    from collections import Counter
+
+    from eval.harness import interleaved
+
+    prompts = {d: [{"domain": d, "i": i} for i in range(12)] for d in ("chat", "code", "math")}
+    queue = interleaved(prompts, {"code": 2, "math": 2})  # chat decodes plainly
+    assert {p["domain"] for p in queue[:3]} == {"chat", "code", "math"}  # the first round: every domain once
+    for cut in range(3, 25):
+        counts = Counter(p["domain"] for p in queue[:cut])
+        assert min(counts["code"], counts["math"]) >= 2 * counts["chat"] - 1, (cut, counts)
+    plain = Counter(p["domain"] for p in interleaved(prompts)[:12])  # unweighted: round robin, which the bound rejects
+    assert plain == {"chat": 4, "code": 4, "math": 4} and plain["code"] < 2 * plain["chat"] - 1
+    assert len(queue) == 36 and {id(p) for p in queue} == {id(p) for ps in prompts.values() for p in ps}
