@@ -118,7 +118,8 @@ def simulate(hits: torch.Tensor, heldout: HeldOut, positions: torch.Tensor, fact
         alive, at_least = torch.ones(len(h), dtype=torch.float64), []
         for depth, width in enumerate(factors):
             hit = torch.zeros(len(h), dtype=torch.float64)
-            hit[:len(h) - depth] = h[depth:, width - 1]
+            reach = max(len(h) - depth, 0)  # a row shorter than the tree is deep: its starts miss past its end
+            hit[:reach] = h[depth:depth + reach, width - 1]
             alive = alive * hit
             at_least.append(alive.view(1, -1))  # P(the accepted path reaches depth + 1) from each start
         weight = visit_weights(at_least)[0]

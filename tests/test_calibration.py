@@ -134,6 +134,19 @@ def test_tree_choice_counts_top_k_hits_per_depth_and_prefers_a_tree_where_the_ar
     assert best["overall"]["tree"] == [1, 1, 1]
 
 
+def test_a_tree_deeper_than_a_held_out_row_misses_past_the_rows_end():
+    from distill.simulator import HeldOut
+    from distill.tree_choice import K_MAX, simulate
+    from pipeline.sampling import Sampling
+
+    n = 3  # one row of three positions (a short completion), every top-2 draft token the target's
+    heldout = HeldOut([{}], ["d"], torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1), torch.zeros(n),
+                      torch.zeros(n, dtype=torch.long), Sampling(), 1, 0)
+    hits, everywhere = torch.ones(n, K_MAX), torch.ones(n, dtype=torch.bool)
+    deeper = simulate(hits, heldout, everywhere, (2, 2, 2, 2, 2))  # five deep over three positions
+    assert deeper == pytest.approx(simulate(hits, heldout, everywhere, (2, 2, 2))) and deeper > 0
+
+
 def _exact_sibling_acceptance(p: list[float], q: list[float], k: int, replace: bool = False) -> float:
     """P(one of k candidates is accepted) by enumerating every draw order: recursive rejection sampling with
     candidates drawn without replacement (q renormalised without the rejected token), or, for the wrong

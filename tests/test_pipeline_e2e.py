@@ -24,8 +24,12 @@ def _shared_model_cache() -> list[str]:
     return [f"paths.models={REPO / 'artifacts/models'}", f"paths.cache={REPO / 'artifacts/cache'}"]
 
 
-def _pipeline(*overrides: str, cwd: Path = REPO, timeout: int = 1200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# The slow machine's stand-in (README, "Time"): torch and oneDNN held to AVX2 kernels on one thread
+SLOW_STAND_IN = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+
+
+def _pipeline(*overrides: str, cwd: Path = REPO, timeout: int = 1200, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "pipeline", *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -69,6 +73,21 @@ def test_stage_all_gives_each_budgeted_stage_its_share_of_the_deadline(quick_run
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("[pipeline]")]
     assert re.match(r"\[pipeline\] machine: .*; a target verify pass \(5 tokens\) takes \d+ ms", lines[0]), lines[:3]
     assert re.match(r"\[pipeline\] plan: [\d.]+ of the shipped sizes .*expected ≈ [\d.]+ min", lines[1]), lines[:3]
+
+
+def test_on_the_slow_stand_in_the_run_is_sized_to_its_pass(tmp_path):
+    """The stand-in's run names it (AVX2 kernels, one thread), plans from its slower pass, and every budgeted stage
+    runs with the budget the plan gave it."""
+    artifacts = tmp_path / "artifacts"
+    run = _pipeline("experiment=quick", f"paths.artifacts={artifacts}", *_shared_model_cache(), env=SLOW_STAND_IN)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("[pipeline]")]
+    assert "(AVX2, 1 threads)" in lines[0] and "float32" in lines[0], lines[:2]  # emulated bf16 loses its prefills
+    plan = re.match(r"\[pipeline\] plan: ([\d.]+) of the shipped sizes", lines[1])
+    assert plan and float(plan.group(1)) < 1, lines[1]  # a pass this slow shrinks the shipped fixed work
+    budgets = dict(re.findall(r"\[pipeline\] deadline: [\d.]+ min left; ([\w.]+)=([\d.]+) ", run.stdout))
+    manifest = json.loads((artifacts / "collect/manifest.json").read_text())
+    assert manifest["budget"]["max_minutes"] == float(budgets["collect.max_minutes"]) and manifest["dtype"] == "float32"
 
 
 def test_every_artifact_is_written_with_its_schema(quick_run):

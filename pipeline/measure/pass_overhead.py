@@ -17,6 +17,7 @@ from pipeline.decoding.tree import nodes
 from pipeline.sampling import Sampling
 
 NEW_TOKENS = 32  # per timed decode: enough passes per call that the call's fixed costs spread thin
+WARMUP_TOKENS = 8  # per warm-up decode: every code path once (a slow machine spent a quarter minute warming up)
 CHAINS = (1, 4)  # drafted tokens per chain pass measured (the cost model interpolates between them)
 TREES = ((3,), (3, 1))  # 3 and 6 verified nodes
 
@@ -42,14 +43,15 @@ def measure_host_overhead(target, draft, vocab: torch.Tensor | None, sampling: S
     host: dict = {shape: [] for shape in shapes}
     steps: list[float] = []
     for r in range(warmup + repeats):
+        tokens = NEW_TOKENS if r >= warmup else WARMUP_TOKENS
         for shape in shapes:
             generator = torch.Generator(device=device).manual_seed(seed + r)
             if shape is None:
-                out = autoregressive_generate(target, prompt, sampling=sampling, max_new_tokens=NEW_TOKENS,
+                out = autoregressive_generate(target, prompt, sampling=sampling, max_new_tokens=tokens,
                                               generator=generator)
             else:
                 out = speculative_generate(target, draft, prompt, sampling=sampling,
-                                           plan=DraftPlan(shape, draft_vocab=vocab), max_new_tokens=NEW_TOKENS,
+                                           plan=DraftPlan(shape, draft_vocab=vocab), max_new_tokens=tokens,
                                            generator=generator)
             if r >= warmup:
                 seconds, step = _host_steps(out.stats)
