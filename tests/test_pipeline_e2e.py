@@ -194,7 +194,8 @@ def test_dvc_repro_follows_the_params_file_of_a_preset(tmp_path, real_target_pat
     assert _ran(exp.stdout) == ["calibrate", "eval"], exp.stdout[-2000:]
     # a collect param of the preset: only collect reads it (its outputs then flow downstream)
     params = clone / "params.yaml"
-    params.write_text(params.read_text().replace("max_new_tokens: 32", "max_new_tokens: 30", 1))
+    # (collect's own key, two spaces in: deadline.sized names eval.max_new_tokens earlier in the file)
+    params.write_text(params.read_text().replace("\n  max_new_tokens: 32\n", "\n  max_new_tokens: 30\n", 1))
     status = run("status", timeout=300).stdout
     assert re.findall(r"^(\w+):", status, re.M) == ["collect"], status
 
