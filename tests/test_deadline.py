@@ -189,3 +189,9 @@ def test_the_fixed_work_is_priced_in_the_probed_verify_pass_not_the_1_token_step
                                                                "float32": {"step_ms": 72.0, "verify5_ms": 99.0}})
     cfg = OmegaConf.create({"model": {"target": {}}, "paths": {"models": str(tmp_path)}, "runtime": {}})
     assert deadline.verify_pass_seconds(cfg) == pytest.approx(0.044)
+
+
+def test_a_rerun_after_a_crash_gets_the_same_sizes():
+    # the first run paid a minute for the model and the probe, the rerun none (its pass read from the probe's cache)
+    first, rerun = plan_run(DEFAULTS, COMPOSED, UNIT_S * 3, 60), plan_run(DEFAULTS, COMPOSED, UNIT_S * 3, 1)
+    assert first.sizes == rerun.sizes and first.scale == rerun.scale < 1

@@ -18,6 +18,7 @@ from pipeline.control.deadline import BUDGET_KEYS, STAGES, DeadlineSettings, sta
 from pipeline.errors import PipelineError
 
 HELDOUT_CAP = "distill.split.heldout_max_prompts_per_domain"
+SCALE_STEPS = 20  # the scale's grid, coarse: a pass timed again (a GPU's, not cached) mostly lands on the same sizes
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,18 @@ def fixed_work_s(settings: DeadlineSettings, unit_s: float, scale: float) -> flo
 
 
 def plan_run(settings: DeadlineSettings, cfg: DictConfig, unit_s: float, elapsed_s: float) -> RunPlan:
-    """The largest scale at which the fixed work takes at most fixed_share of the time left and leaves every loop its
+    """The largest scale at which the fixed work takes at most fixed_share of the deadline and leaves every loop its
     min_minutes (the fixed work is linear in the scale, so one step solves it); below min_scale the run is short:
-    the smallest sizes, and the minutes they need."""
-    left_s = 60 * settings.minutes - elapsed_s
+    the smallest sizes, and the minutes they need (`elapsed_s` included). The scale depends on the pass alone, rounded
+    down to a twentieth: a rerun after a crash (its pass read from the probe's cache, its clock new) gets the same
+    sizes, so collect's shards and distill's checkpoint resume."""
+    left_s = 60 * settings.minutes
     loops_s = 60 * sum(settings.min_minutes[s] for s in BUDGET_KEYS)
     allowed_s = min(settings.fixed_share * left_s, left_s - loops_s)
     at_min, at_full = fixed_work_s(settings, unit_s, settings.min_scale), fixed_work_s(settings, unit_s, 1.0)
     scale = 1.0 if at_full <= allowed_s else \
         settings.min_scale + (1 - settings.min_scale) * (allowed_s - at_min) / (at_full - at_min)
+    scale = math.floor(scale * SCALE_STEPS) / SCALE_STEPS
     short = scale < settings.min_scale
     scale = max(scale, settings.min_scale)
     fixed_s = fixed_work_s(settings, unit_s, scale)
