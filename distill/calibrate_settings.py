@@ -117,6 +117,11 @@ class CalibrationSettings:
                                       "faster than plain decoding, else 'off': the prediction error a choice must clear")
     calibrate_init: bool = setting(True, "${paths.draft_init} gets its own tau, gamma, policy and tree too: a fair "
                                    "'before' in eval, which otherwise credits distillation with what calibration buys")
+    request_tokens: int | None = setting("${eval.max_new_tokens}", "new tokens per request the calibration is for: "
+                                         "it reads each held-out completion's first this many positions, since a "
+                                         "request's opening tokens accept differently from its later ones and the "
+                                         "held-out rows run longer than eval's requests (docs/results.md); null = the "
+                                         "whole completions")
     tau_ratios: tuple[float, ...] = setting([0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5],
                                             "tau / T grid, then refined")
     tau_refine: int = setting(5, "points (geometric) between the best ratio's neighbours: one more held-out pass")
@@ -149,6 +154,10 @@ class CalibrationSettings:
         if unknown:
             raise PipelineError(f"calibrate.engines={list(self.engines)} names unknown engines {unknown}: "
                                 f"use a list from {', '.join(ENGINES)} (our decoder is always calibrated)")
+        tokens = self.request_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise PipelineError(f"calibrate.request_tokens={tokens!r} is not a count >= 1: use e.g. 128, or null for "
+                                "the whole held-out completions")
         samples = self.tree_samples
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise PipelineError(f"calibrate.tree_samples={samples!r} is not a count >= 0: use e.g. 8, or 0 "

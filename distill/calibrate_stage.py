@@ -68,7 +68,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     record = check_draft_dir(Path(given)) if given else read_record(cfg.paths.trained)  # before loading anything
     inputs = load_target_inputs(cfg, tracker, "calibrate")
     main, init, split = given_draft(inputs, Path(given)) if given else trained_drafts(inputs, record)
-    heldouts = build_heldouts(inputs, split.heldout_idx)
+    heldouts = build_heldouts(inputs, split.heldout_idx, inputs.settings.calibration.request_tokens)
     laps.lap("heldout")
     init_job = with_draft(inputs, init.weights) if init else None
     main_job = with_draft(inputs, main.weights)

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from distill import simulator as sim
+from distill.aligned import Truncation
 from distill.job import HeldOuts, Inputs
 from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
 from pipeline.modelio.chat import stop_token_ids
@@ -89,8 +90,9 @@ def split_collected(collected, split: SplitSettings, seed: int) -> tuple[list[in
                            split.heldout_max_prompts_per_domain, seed, origins)
 
 
-def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
-    """The target's serving distribution on the calibration and reporting parts of the held-out rows."""
+def build_heldouts(inputs: Inputs, heldout_idx: list[int], request_tokens: int | None = None) -> HeldOuts:
+    """The target's serving distribution on the calibration and reporting parts of the held-out rows, each
+    completion cut to its first `request_tokens` (None: as distill.objective truncates it)."""
     held = inputs.collected.select(heldout_idx)
     held = held.remove_columns([c for c in ("final_hidden",) if c in held.column_names])  # row dicts stay small
     calibration_idx, reporting_idx, disjoint = split_heldout(held["prompt_id"], held["domain"],
@@ -99,14 +101,16 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int]) -> HeldOuts:
     if not disjoint:
         log("note: a domain has a single held-out prompt, used both to calibrate and to report (collect more "
             "prompts per domain for an unbiased report)")
-    heldout = inputs.settings.heldout
+    heldout, truncation = inputs.settings.heldout, inputs.truncation
+    if request_tokens:
+        truncation = Truncation(truncation.max_prompt_length, min(truncation.max_completion_length, int(request_tokens)))
 
     def part(indices):
-        return sim.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, inputs.truncation,
+        return sim.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, truncation,
                                  int(heldout.support), int(heldout.batch_size), inputs.tokenizer.pad_token_id)
 
     calibration, reporting = part(calibration_idx), part(reporting_idx)
-    sizes = {"disjoint": disjoint, **{name: {"rows": len(h.rows), "positions": h.n_positions}
+    sizes = {"disjoint": disjoint, "completion_tokens": truncation.max_completion_length, **{name: {"rows": len(h.rows), "positions": h.n_positions}
                                       for name, h in (("calibration", calibration), ("reporting", reporting))},
              # which prompts: eval.prompts_file=heldout measures on the reporting part's, where the predictions are
              "prompt_ids": {name: sorted({held["prompt_id"][i] for i in indices})

@@ -234,6 +234,9 @@ def _result_lines(metrics: dict) -> list[str]:
         markdown_table(*method_rows(metrics)), "",
         _cost_line(metrics["overall"]["speculative"], metrics["overall"]["speedup"]), "",
     ]
+    if overall := metrics.get("predicted_overall"):
+        lines += [f"Calibration predicted {overall['speedup']:.2f}× overall for these requests (each domain's predicted "
+                  f"speedup, mixed by the tokens generated in it); measured {metrics['overall']['speedup']:.2f}×.", ""]
     if advice := slowdown_advice(metrics):
         lines += [f"**Slower than plain decoding.** {advice}", ""]
     header, rows = latency_rows(metrics)

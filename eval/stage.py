@@ -244,6 +244,21 @@ def predictions(evaluation: Evaluation, domains: list[str]) -> dict | None:
             for d, v in table.items() if v is not None}
 
 
+def predicted_overall(predicted: dict, records: list[dict]) -> dict | None:
+    """The per-domain predictions mixed as eval mixes its requests: Σ tokens / Σ (tokens / predicted speedup) over
+    the domains' tokens the evaluated draft generated, each domain at its own recipe. The calibration's own
+    "overall" is its default recipe on every held-out position pooled, which weighs domains by their held-out
+    positions, not by these requests (docs/results.md)."""
+    tokens: dict[str, int] = {}
+    for r in records:
+        if r["method"] == M.SPECULATIVE and r["domain"] in predicted:
+            tokens[r["domain"]] = tokens.get(r["domain"], 0) + len(r["tokens"])
+    if not sum(tokens.values()):
+        return None
+    time = sum(n / predicted[d]["speedup"] for d, n in tokens.items())
+    return {"speedup": sum(tokens.values()) / time, "tokens": tokens}
+
+
 def heldout_acceptance(evaluation: Evaluation) -> dict:
     """Per draft method, the held-out acceptance its calibration measured per domain (at its calibrated τ, on the
     reporting part: speculative.json `acceptance.after_calibrated`), for the report's picture beside eval's own."""
@@ -317,6 +332,7 @@ def run(cfg: DictConfig, tracker) -> dict:
     predicted = predictions(evaluation, list(prompts))
     if predicted:
         metrics["predicted"] = predicted
+        metrics["predicted_overall"] = predicted_overall(predicted, records)
     metrics["heldout_acceptance"] = heldout_acceptance(evaluation)
     if settings.gammas:
         metrics["gamma_sweep"] = gamma_sweep(contexts, methods, evaluation, cfg.seed)

@@ -62,6 +62,24 @@ def test_calibrate_takes_any_draft_directory(setup, distilled, tmp_path):
         run_calibrate_stage(setup, tmp_path / "bad", f"calibrate.draft={tmp_path}")
 
 
+def test_calibration_reads_the_first_request_tokens_of_each_held_out_completion(setup, distilled, tmp_path):
+    """calibrate.request_tokens: the calibration is for requests of that many new tokens, so it reads only each
+    held-out completion's first positions (a request's opening accepts differently from its later tokens); its
+    speculative.json says the length. null reads the whole completions."""
+    run = distilled[2]
+    sizes = {}
+    for tokens in (4, "null"):
+        out = tmp_path / f"first-{tokens}"
+        run_calibrate_stage(setup, out, f"calibrate.draft={run / 'draft'}", f"calibrate.request_tokens={tokens}")
+        sizes[tokens] = spec_of(out / "draft")["heldout"]
+    assert sizes[4]["completion_tokens"] == 4
+    for part in ("calibration", "reporting"):
+        assert sizes[4][part]["rows"] == sizes["null"][part]["rows"]
+        assert sizes[4][part]["positions"] <= 4 * sizes[4][part]["rows"] < sizes["null"][part]["positions"]
+    with pytest.raises(PipelineError, match="request_tokens"):
+        run_calibrate_stage(setup, tmp_path / "bad", f"calibrate.draft={run / 'draft'}", "calibrate.request_tokens=0")
+
+
 def test_the_off_line_names_the_draft_it_is_about(setup, distilled, tmp_path, capsys):
     """The stage calibrates two drafts one after the other: a domain's "off" must say whose it is. A margin no
     drafting can reach turns every domain off for both."""

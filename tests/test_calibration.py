@@ -222,6 +222,25 @@ def test_the_simulator_averages_over_the_passes_the_decoder_runs_not_over_every_
     assert abs(uniform - mean) > 10 * se, (uniform, mean, se)
 
 
+def test_the_simulator_counts_tokens_over_passes_in_closed_form():
+    """Two rows of n positions, one the draft always wins (α = 1), one it always loses (α = 0): the decoder runs
+    n/(γ+1) passes of γ accepted on the first and n passes of 0 on the second, so accepted per pass is the ratio of
+    sums γ/(γ+2), not the mean of the rows' rates γ/2 (what a mean over rows or over every start gives)."""
+    from distill.simulator import HeldOut
+    from distill.policy import simulate
+    from pipeline.sampling import Sampling
+
+    gamma, n = 3, 40  # n a multiple of γ + 1: the first row ends on a pass's bonus token
+    alpha = torch.cat([torch.ones(n), torch.zeros(n)])
+    heldout = HeldOut([{}] * 2, ["d"] * 2, torch.zeros(2 * n, 1, dtype=torch.long), torch.zeros(2 * n, 1),
+                      torch.zeros(2 * n), torch.arange(2).repeat_interleave(n), Sampling(0.7), 1, 0)
+    everywhere = torch.ones(2 * n, dtype=torch.bool)
+    drafted, accepted = simulate(alpha, None, heldout, everywhere, gamma)
+    assert drafted == pytest.approx(gamma) and accepted == pytest.approx(gamma / (gamma + 2))
+    _, uniform = simulate(alpha, None, heldout, everywhere, gamma, renewal=False)
+    assert uniform > 1.5 * gamma / (gamma + 2)  # the wrong average is told apart
+
+
 # ---------------------------------------------------------------- keep_best under an engine's rule
 def test_an_engine_that_drafts_the_argmax_keeps_the_weights_that_accept_more_under_its_rule():
     """Refinement can raise Σ min(p_T, q_T) while lowering p_T(argmax q) (the refined Qwen draft in llama-server):

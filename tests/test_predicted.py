@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 
+import pytest
+
 from pipeline.sampling import Sampling
 from pipeline.decoding.spec import SpeculativeSpec
 from tests.test_eval_stage import models, run_stage  # noqa: F401  (the module fixture and the stage runner)
@@ -24,9 +26,28 @@ def test_eval_reports_the_calibrations_prediction_beside_the_measured_speedup(tm
     assert metrics["predicted"] == {"chat": {"speedup": 1.2, "speculate": True},
                                     "code": {"speedup": 1.0, "speculate": False}}  # off: plain decoding's 1.0
     assert (out / "predicted_vs_measured.png").stat().st_size > 0
+    tokens = metrics["predicted_overall"]["tokens"]
+    assert metrics["predicted_overall"]["speedup"] == pytest.approx(
+        (tokens["chat"] + tokens["code"]) / (tokens["chat"] / 1.2 + tokens["code"] / 1.0))
+    assert "Calibration predicted" in (out / "report.md").read_text()
     forced, out, _ = run_stage(tmp_path / "b", models, f"eval.draft={variant}", "eval.draft_init=none",
                                "eval.temperature=0", "eval.gammas=[]", "eval.drafting=2")
     assert "predicted" not in forced and not (out / "predicted_vs_measured.png").exists()
+
+
+def test_the_overall_prediction_mixes_the_domains_as_eval_mixes_its_requests():
+    """Σ tokens / Σ (tokens / predicted speedup): a domain predicted 2× and one at plain decoding's 1.0, with equal
+    tokens, mix to 4/3 (a harmonic mean), not to the 1.5 of their mean; a method other than the evaluated draft
+    and a domain without a prediction do not count."""
+    from eval.stage import predicted_overall
+
+    predicted = {"code": {"speedup": 2.0, "speculate": True}, "qa": {"speedup": 1.0, "speculate": False}}
+    records = [{"method": "speculative", "domain": d, "tokens": [0] * 48} for d in ("code", "qa", "code", "qa")]
+    records += [{"method": "autoregressive", "domain": "code", "tokens": [0] * 48},
+                {"method": "speculative", "domain": "math", "tokens": [0] * 48}]
+    overall = predicted_overall(predicted, records)
+    assert overall["speedup"] == pytest.approx(4 / 3) and overall["tokens"] == {"code": 96, "qa": 96}
+    assert predicted_overall(predicted, records[4:5]) is None
 
 
 def test_a_tree_is_guarded_with_its_own_per_depth_acceptance_not_the_chains():
