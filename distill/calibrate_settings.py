@@ -117,10 +117,11 @@ class CalibrationSettings:
                                       "faster than plain decoding, else 'off': the prediction error a choice must clear")
     calibrate_init: bool = setting(True, "${paths.draft_init} gets its own tau, gamma, policy and tree too: a fair "
                                    "'before' in eval, which otherwise credits distillation with what calibration buys")
-    request_tokens: int | None = setting("${eval.max_new_tokens}", "new tokens per request the calibration is for: "
-                                         "it reads each held-out completion's first this many positions, since a "
-                                         "request's opening tokens accept differently from its later ones and the "
-                                         "held-out rows run longer than eval's requests (docs/results.md); null = the "
+    request_tokens: int | None = setting("${oc.select:eval.max_new_tokens,null}",
+                                         "new tokens per request the calibration is for, by default eval's "
+                                         "max_new_tokens (the requests eval times): it reads each held-out "
+                                         "completion's first this many positions, since a request's opening tokens "
+                                         "accept differently from its later ones (docs/results.md); null = the "
                                          "whole completions")
     tau_ratios: tuple[float, ...] = setting([0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5],
                                             "tau / T grid, then refined")
