@@ -15,7 +15,6 @@ import torch
 from omegaconf import DictConfig
 
 from distill import simulator as sim
-from distill.aligned import Truncation
 from distill.job import HeldOuts, Inputs
 from distill.settings import DistillSettings, ServingSettings, SplitSettings, loss_temperature
 from pipeline.modelio.chat import stop_token_ids
@@ -103,15 +102,16 @@ def build_heldouts(inputs: Inputs, heldout_idx: list[int], request_tokens: int |
             "prompts per domain for an unbiased report)")
     heldout, truncation = inputs.settings.heldout, inputs.truncation
     if request_tokens:
-        truncation = Truncation(truncation.max_prompt_length, min(truncation.max_completion_length, int(request_tokens)))
+        truncation = replace(truncation, max_completion_length=min(truncation.max_completion_length, request_tokens))
 
     def part(indices):
         return sim.build_heldout(inputs.target, [held[i] for i in indices], inputs.sampling, truncation,
                                  int(heldout.support), int(heldout.batch_size), inputs.tokenizer.pad_token_id)
 
     calibration, reporting = part(calibration_idx), part(reporting_idx)
-    sizes = {"disjoint": disjoint, "completion_tokens": truncation.max_completion_length, **{name: {"rows": len(h.rows), "positions": h.n_positions}
-                                      for name, h in (("calibration", calibration), ("reporting", reporting))},
+    sizes = {"disjoint": disjoint, "completion_tokens": truncation.max_completion_length,
+             **{name: {"rows": len(h.rows), "positions": h.n_positions}
+                for name, h in (("calibration", calibration), ("reporting", reporting))},
              # which prompts: eval.prompts_file=heldout measures on the reporting part's, where the predictions are
              "prompt_ids": {name: sorted({held["prompt_id"][i] for i in indices})
                             for name, indices in (("calibration", calibration_idx), ("reporting", reporting_idx))}}
